@@ -1,0 +1,73 @@
+"""`explain(model)`: a readable table of what injection replaced, with what, and what it left
+alone and why."""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+from torch import nn
+
+from hf_dsinfer.injection.walker import InjectionReport, get_report
+
+_LEFT_ALONE = {
+    nn.Embedding: "embedding lookup: a gather, nothing to fuse",
+    nn.Linear: "single GEMM outside the decoder blocks (lm_head / projection): already one op",
+    nn.LayerNorm: "final norm: one op outside the decoder blocks",
+    nn.Dropout: "no-op at inference",
+}
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _block_rows(report: InjectionReport) -> list[str]:
+    rows = []
+    items = list(report.blocks.items())
+    for cls_name, group in groupby(items, key=lambda kv: type(kv[1].block).__name__):
+        group = list(group)
+        first, last = group[0][0], group[-1][0]
+        span = first if len(group) == 1 else f"{first} .. {last.rsplit('.', 1)[-1]}"
+        fused = group[0][1]
+        enabled = sum(f.enabled for _, f in group)
+        parity = report.parity.get(cls_name)
+        if parity is None:
+            status = "fused (parity check off)"
+        elif enabled:
+            status = f"fused; parity {parity.summary()}"
+        else:
+            status = f"kept HF forward; parity {parity.summary()}"
+        calls = sum(f.calls for _, f in group)
+        rows.append(_row(span, f"{cls_name} x{len(group)}",
+                         f"FusedBlock ({fused.spec.describe()})", status, calls))
+    return rows
+
+
+def _left_alone_rows(model: nn.Module, report: InjectionReport) -> list[str]:
+    rows = [_row(path, "-", "-", f"left alone: {why}", "-") for path, why in report.skipped.items()]
+    block_prefix = next(iter(report.blocks), "").rsplit(".", 1)[0]
+    for name, module in model.named_modules():
+        if not name or (block_prefix and name.startswith(block_prefix)):
+            continue
+        for kind, why in _LEFT_ALONE.items():
+            if type(module) is kind and name.count(".") <= 2:
+                rows.append(_row(name, type(module).__name__, "-", f"left alone: {why}", "-"))
+    return rows
+
+
+def explain(model: nn.Module) -> str:
+    """What hf_dsinfer did to `model`, as a Markdown table."""
+    report = get_report(model)
+    if report is None:
+        return f"hf_dsinfer: {type(model).__name__} is not injected (call init_inference)."
+    cfg = report.config
+    head = (f"hf_dsinfer: {report.model_class}"
+            f" | family {report.policy.family if report.policy else '-'}"
+            f" | kernels {cfg.kernels}"
+            f"{' -> ' + next(iter(report.blocks.values())).backend if report.blocks else ''}"
+            f" | dtype {next(model.parameters()).dtype}")
+    if report.unmodified_reason:
+        return f"{head}\nunmodified: {report.unmodified_reason}"
+    lines = [head, "", _row("module", "HF class", "replaced by", "status", "fused calls"),
+             _row("---", "---", "---", "---", "---")]
+    return "\n".join(lines + _block_rows(report) + _left_alone_rows(model, report))

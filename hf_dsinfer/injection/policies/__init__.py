@@ -1,0 +1,24 @@
+"""The registry of injection policies: one module per model family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_dsinfer.injection.policies import bloom, gpt2, gpt_neox, gptj, llama, opt
+from hf_dsinfer.injection.policy import Policy
+
+POLICIES: tuple[Policy, ...] = (
+    gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
+)
+
+
+def find_policy(model: Any) -> Policy | None:
+    for policy in POLICIES:
+        if policy.matches(model):
+            return policy
+    return None
+
+
+def supported_families() -> dict[str, tuple[str, ...]]:
+    """family -> the config.model_type values it covers."""
+    return {p.family: p.model_types for p in POLICIES}

@@ -1,0 +1,86 @@
+"""Injection policies: per-family *data* saying how an HF decoder block is laid out.
+
+A policy names the HF classes it matches, where the decoder blocks live, which submodule is
+which (HF attribute names kept verbatim), how Q/K/V are packed, where positions come from, and
+how the residual stream is wired. `FusedBlock` (fused.py) reads a policy plus the block's own
+tensors and computes the block with `hf_dsinfer.kernels` ops. Adding a family is adding one
+small file under `policies/` and listing it in `policies/__init__.py`.
+
+Values that depend on a model's config (GPT-NeoX's parallel residual, OPT's post-LN variant,
+the activation name) are given as `FromConfig(attr, mapping)` instead of code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FromConfig:
+    """A policy value read from the model config: `mapping[config.<attr>]` (or the raw value)."""
+
+    attr: str
+    mapping: dict[Any, Any] | None = None
+    default: Any = None
+
+    def resolve(self, config: Any) -> Any:
+        value = getattr(config, self.attr, self.default)
+        return value if self.mapping is None else self.mapping[value]
+
+
+def resolve(value: Any, config: Any) -> Any:
+    return value.resolve(config) if isinstance(value, FromConfig) else value
+
+
+# Q/K/V layouts.
+SEPARATE = "separate"        # q_proj, k_proj, v_proj: three nn.Linear
+PACKED = "packed"            # one projection whose output is [q | k | v] (GPT-2's Conv1D c_attn)
+HEAD_INTERLEAVED = "head_interleaved"  # one projection whose output is per head [q, k, v]
+                                       # (GPT-NeoX / BLOOM `query_key_value`)
+
+# Residual wiring.
+SEQUENTIAL = "sequential"    # x + attn(ln1(x)) -> h; h + mlp(ln2(h))            (pre-LN)
+PARALLEL = "parallel"        # x + attn(ln1(x)) + mlp(ln2(x))                     (GPT-NeoX)
+PARALLEL_SHARED_LN = "parallel_shared_ln"  # x + attn(ln1(x)) + mlp(ln1(x))      (GPT-J)
+POST_LN = "post_ln"          # h = ln1(x + attn(x)); ln2(h + mlp(h))              (OPT-350m)
+
+# Position sources.
+ROPE = "rope"                # (cos, sin) passed to the block as `position_embeddings`
+ROPE_TABLE = "rope_table"    # GPT-J: sin|cos table buffer on the attention module, by position_ids
+ALIBI = "alibi"              # BLOOM: `alibi` argument [B * H, 1, S_k]
+NO_POSITIONS = "none"        # learned absolute positions added before the blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    family: str
+    model_types: tuple[str, ...]          # config.model_type values this policy covers
+    block_classes: tuple[str, ...]        # HF decoder-block class names it fuses
+    layers: str                           # dotted path from the *ForCausalLM to the block list
+    layout: Any                           # SEQUENTIAL / PARALLEL / ... or FromConfig
+    norm: str                             # "layer" or "rms"
+    ln1: str                              # attribute names inside the block
+    ln2: str | None
+    attn: str
+    qkv_layout: str
+    qkv: tuple[str, ...]                  # ("q_proj", "k_proj", "v_proj") or ("c_attn",)
+    out_proj: str
+    mlp: str | None                       # submodule holding the MLP linears ("" = the block)
+    mlp_in: tuple[str, ...]               # (fc1,) or (gate, up) for gated MLPs
+    mlp_out: str
+    activation: Any                       # HF activation name, or FromConfig
+    gated: bool = False
+    positions: str = NO_POSITIONS
+    rotary_interleaved: bool = False
+    conv1d: bool = False                  # weights stored [in, out] (transformers' Conv1D)
+    scale_attr: str = "scaling"           # attention-module attribute holding the softmax scale
+    scale_inverted: bool = False          # GPT-J stores sqrt(head_dim): scale = 1 / value
+    scale_query: bool = False             # OPT multiplies q by the scale before QK^T
+    residual_post_ln: Any = False         # BLOOM's apply_residual_connection_post_layernorm
+    cache_arg: str = "past_key_values"    # block-forward argument carrying the HF Cache
+    returns_tuple: bool = False           # block returns (hidden_states, attn_weights)
+    notes: str = ""
+
+    def matches(self, model: Any) -> bool:
+        return getattr(model.config, "model_type", None) in self.model_types

@@ -1,0 +1,89 @@
+"""Tiny random HF models, one per supported family and variant, built from configs (no
+downloads). Odd sizes on purpose: hidden 80 with 5 heads of 16, GQA with 3 or 1 KV heads,
+partial rotary, a 4-token sliding window, post-LN OPT with project_in/out."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    GPT2Config,
+    GPTJConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Qwen2Config,
+)
+
+VOCAB = 101
+# initializer_range is raised from HF's 0.02 so that random logits have a clear argmax: greedy
+# parity tests must not hinge on near-ties.
+_COMMON = dict(vocab_size=VOCAB, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0)
+_LLAMA = dict(hidden_size=96, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+              max_position_embeddings=128, **_COMMON)
+
+CONFIGS = {
+    "gpt2": lambda: GPT2Config(n_embd=80, n_head=5, n_layer=2, n_positions=128,
+                               activation_function="gelu_new", **_COMMON),
+    "opt": lambda: OPTConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
+                             ffn_dim=144, max_position_embeddings=128, word_embed_proj_dim=80,
+                             **_COMMON),
+    "opt_post_ln": lambda: OPTConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
+                                     ffn_dim=144, max_position_embeddings=128,
+                                     do_layer_norm_before=False, word_embed_proj_dim=48,
+                                     **_COMMON),
+    "bloom": lambda: BloomConfig(hidden_size=80, n_head=5, n_layer=2, **_COMMON),
+    "gpt_neox": lambda: GPTNeoXConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
+                                      intermediate_size=144, rotary_pct=0.5,
+                                      max_position_embeddings=128, use_parallel_residual=True,
+                                      **_COMMON),
+    "gpt_neox_sequential": lambda: GPTNeoXConfig(
+        hidden_size=80, num_attention_heads=5, num_hidden_layers=2, intermediate_size=144,
+        rotary_pct=0.25, max_position_embeddings=128, use_parallel_residual=False, **_COMMON),
+    "gptj": lambda: GPTJConfig(n_embd=80, n_head=5, n_layer=2, rotary_dim=8, n_positions=128,
+                               **_COMMON),
+    "llama": lambda: LlamaConfig(**_LLAMA),
+    "mistral": lambda: MistralConfig(**{**_LLAMA, "hidden_size": 80, "num_attention_heads": 5,
+                                        "num_key_value_heads": 1}, sliding_window=4),
+    "qwen2": lambda: Qwen2Config(**{**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2},
+                                 use_sliding_window=True, sliding_window=4, max_window_layers=1),
+}
+FAMILIES = list(CONFIGS)
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                 "long_factor": [2.0 + i / 8 for i in range(8)],
+                 "original_max_position_embeddings": 32},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+               attn_implementation: str = "eager", rope_scaling: dict | None = None):
+    config = CONFIGS[name]()
+    if rope_scaling is not None:
+        config.rope_parameters = {**config.rope_parameters, **rope_scaling}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                             attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):
+    """Left-padded batch of random prompts of different lengths: (input_ids, attention_mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths[:batch])
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths[:batch]):
+        ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
