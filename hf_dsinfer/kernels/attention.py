@@ -1,0 +1,298 @@
+"""Scaled dot-product attention with GQA, masks, ALiBi bias and sliding windows.
+
+    out = softmax(q @ k^T * scale + bias, masked) @ v
+
+Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] with Hq % Hkv == 0 (grouped-query attention:
+query head h reads kv head h // (Hq // Hkv), as HF's repeat_kv); out [B, Hq, Sq, D] in q's dtype.
+
+Which keys a query may attend (all conditions together):
+    mask    bool (True = may attend) or additive float (0 / large negative), broadcastable to
+            [B, Hq, Sq, Sk]: the 4-D masks HF's mask builders produce for sdpa (bool) and eager
+            (float). A float entry <= finfo(dtype).min (HF's "masked" value) or -inf counts as
+            masked; any other float value is added to the score.
+    causal  query i (of Sq) sees key j iff j <= i + (Sk - Sq): bottom-right aligned, so with a
+            KV cache of Sk - Sq past tokens the new queries sit at the end.
+    window  additionally key j is masked when (i + Sk - Sq) - j >= window (HF's
+            sliding_window_overlay: keep kv_idx > q_idx - window).
+    bias    additive float [B, Hq, 1 or Sq, Sk] (ALiBi), added to the scaled scores.
+
+Numerics (HF eager_attention_forward): scores are computed in q's dtype, softmax in fp32, the
+probabilities cast back to q's dtype before the matmul with v. A query row with no attendable
+key (e.g. a left-padding position) returns zeros, never NaN: a NaN there would reach later
+tokens through 0 * NaN in the next layers. (HF eager gives such rows a uniform average of v;
+they are padding and never read, but must stay finite.)
+
+Backends: `attention_ref` (the eager math), `attention_cpu` (torch's fused
+F.scaled_dot_product_attention CPU kernel), `attention_triton` (a flash-attention kernel with an
+online softmax; one program handles a block of queries for all query heads of one kv head, so
+each K/V tile is loaded once per GQA group; decode, Sq == 1, launches it with one program per
+(batch, kv head) walking the whole cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.kernels import _dispatch
+
+tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Return the GQA group size Hq // Hkv."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(
+            f"attention: query heads must be a multiple of kv heads, got Hq={hq}, Hkv={hkv}. "
+            "Fix: pass q as [B, Hq, Sq, D] and k, v as [B, Hkv, Sk, D]."
+        )
+    return hq // hkv
+
+
+def _keep_mask(mask: torch.Tensor | None, causal: bool, window: int | None, sq: int, sk: int,
+               device: torch.device) -> torch.Tensor | None:
+    """bool, broadcastable to [B, Hq, Sq, Sk], True = may attend; None when nothing is masked."""
+    keep = None
+    if mask is not None:
+        keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    if causal or window is not None:
+        q_pos = torch.arange(sq, device=device)[:, None] + (sk - sq)  # [Sq, 1]
+        k_pos = torch.arange(sk, device=device)[None, :]  # [1, Sk]
+        pos_keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if causal:
+            pos_keep &= k_pos <= q_pos
+        if window is not None:
+            pos_keep &= (q_pos - k_pos) < window
+        keep = pos_keep if keep is None else keep & pos_keep
+    return keep
+
+
+def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None):
+    """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows."""
+    rep = _check_heads(q, k)
+    k = k.repeat_interleave(rep, dim=1)  # [B, Hq, Sk, D], HF's repeat_kv
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, Sq, Sk] in q's dtype
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask
+    keep = _keep_mask(mask, causal, window, q.shape[2], k.shape[2], q.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if keep is not None:  # a row of only -inf is NaN after softmax: make it attend nothing
+        probs = probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+# Program (pid_q, b * Hkv + hk) owns a tile of BLOCK_M = BLOCK_G * BLOCK_Q rows: BLOCK_G query
+# heads of kv head hk (h = hk * rep + g) times BLOCK_Q query positions. It streams K/V in
+# BLOCK_N-key tiles, each loaded once for the whole group, keeping fp32 running max m, sum l
+# and output acc (online softmax). Scores are rounded to q's dtype after the matmul and after
+# the scale, like the eager matmul and multiply; keys outside causal/window bounds are skipped.
+
+
+def _attention_kernel(Q, K, V, O, MASK, BIAS,
+                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                      smb, smh, smq, smk, sbb, sbh, sbq, sbk,
+                      hkv, rep, sq, sk, dim, scale, mask_min, window,
+                      MASK_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      DOT_FP32: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    pid_q, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid_bh // hkv).to(tl.int64), pid_bh % hkv
+    r = tl.arange(0, BLOCK_G * BLOCK_Q)
+    g = r // BLOCK_Q
+    i = pid_q * BLOCK_Q + r % BLOCK_Q  # query index among Sq
+    h = (hk * rep + g).to(tl.int64)  # query head
+    row_ok = (g < rep) & (i < sq)
+    q_pos = i + (sk - sq)  # absolute position of the query in the key sequence
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < dim
+    dt = O.dtype.element_ty
+
+    q_ptrs = Q + b * sqb + h[:, None] * sqh + i[:, None] * sqs + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_G * BLOCK_Q,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G * BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_G * BLOCK_Q, BLOCK_D), tl.float32)
+
+    lo = 0
+    hi = sk
+    if CAUSAL:  # the last query of this tile sees keys up to its own position
+        hi = tl.minimum(sk, (pid_q + 1) * BLOCK_Q + sk - sq)
+    if HAS_WINDOW:  # the first query of this tile sees keys after its position - window
+        lo = tl.maximum(0, pid_q * BLOCK_Q + sk - sq - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < sk
+        kt = tl.load(K + b * skb + hk * skh + n[None, :] * sks + d[:, None],
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [D, N]
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [M, N], fp32 accumulate
+        s = (s.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
+        keep = row_ok[:, None] & n_ok[None, :]
+        if HAS_BIAS:
+            bv = tl.load(BIAS + b * sbb + h[:, None] * sbh + i[:, None] * sbq + n[None, :] * sbk,
+                         mask=keep, other=0.0)
+            s = (s + bv.to(tl.float32)).to(dt).to(tl.float32)
+        if MASK_KIND == 1:  # bool: True = may attend
+            mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
+                         + n[None, :] * smk, mask=keep, other=0)
+            keep = keep & (mv != 0)
+        if MASK_KIND == 2:  # additive float; HF's finfo.min (or -inf) means masked
+            mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
+                         + n[None, :] * smk, mask=keep, other=0.0).to(tl.float32)
+            keep = keep & (mv > mask_min)
+            s = s + mv
+        if CAUSAL:
+            keep = keep & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & ((q_pos[:, None] - n[None, :]) < window)
+        s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing kept yet has m_new = -inf; shift by 0 so exp gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        # Probabilities are rounded to v's dtype before the matmul, as eager's .to(q.dtype).
+        pv = p.to(dt)
+        if DOT_FP32:
+            vt, pv = vt.to(tl.float32), pv.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * sos + d[None, :]
+    tl.store(o_ptrs, out.to(dt), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@functools.cache
+def _kernels() -> types.SimpleNamespace:
+    """Import Triton and JIT the kernel above (once per process)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    return types.SimpleNamespace(
+        cdiv=triton.cdiv, next_power_of_2=triton.next_power_of_2,
+        attention=triton.jit(_attention_kernel),
+    )
+
+
+def _strides4(t: torch.Tensor | None, shape: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """Strides of t broadcast to `shape` (0 on broadcast dims); zeros when t is None."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return t.expand(shape).stride()
+
+
+def _launch(q, k, v, scale, mask, causal, bias, window, block_q, block_n):
+    """Run _attention_kernel with query tiles of block_q positions (per GQA group)."""
+    kern = _kernels()
+    bsz, hq, sq, dim = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((bsz, hq, sq, dim), dtype=q.dtype, device=q.device)
+    full = (bsz, hq, sq, sk)
+    kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    mask_min = torch.finfo(mask.dtype).min if kind == 2 else 0.0
+    if kind == 1:
+        mask = mask.view(torch.uint8)  # same bytes; Triton loads uint8 more portably than i1
+    # tl.dot needs at least 16 rows: pad the head group when there are few query positions.
+    block_g = max(kern.next_power_of_2(rep), 16 // block_q)
+    grid = (kern.cdiv(sq, block_q), bsz * hkv)
+    kern.attention[grid](
+        q, k, v, out, mask if mask is not None else q, bias if bias is not None else q,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *_strides4(mask, full), *_strides4(bias, full),
+        hkv, rep, sq, sk, dim, scale, mask_min, window or 0,
+        MASK_KIND=kind, HAS_BIAS=bias is not None, CAUSAL=causal, HAS_WINDOW=window is not None,
+        # fp32 inputs: exact fp32 products ("ieee"), not TF32, to stay close to eager; other
+        # dtypes use the default (tensor cores with fp32 accumulation).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        # Triton's CPU interpreter has no bf16 matmul (numpy); bf16 products are exact in fp32,
+        # so upcasting there computes the same dot product.
+        DOT_FP32=q.dtype == torch.bfloat16 and _dispatch.triton_interpreting(),
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=max(16, kern.next_power_of_2(dim)),
+    )
+    return out
+
+
+def _attention_prefill_triton(q, k, v, scale, mask, causal, bias, window):
+    rep = q.shape[1] // k.shape[1]
+    block_q = max(1, 64 // _kernels().next_power_of_2(rep))  # ~64 rows per program
+    return _launch(q, k, v, scale, mask, causal, bias, window, block_q=block_q, block_n=32)
+
+
+def _attention_decode_triton(q, k, v, scale, mask, causal, bias, window):
+    # Sq == 1: one program per (batch, kv head) holds all query heads of the group as its rows
+    # and walks the whole KV cache once, in wider key tiles.
+    return _launch(q, k, v, scale, mask, causal, bias, window, block_q=1, block_n=64)
+
+
+def attention_triton(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None):
+    _check_heads(q, k)
+    launch = _attention_decode_triton if q.shape[2] == 1 else _attention_prefill_triton
+    return launch(q, k, v, scale, mask, causal, bias, window)
+
+
+def _sdpa_mask(q, k, mask, causal, bias, window):
+    """(attn_mask, is_causal, keep) for F.scaled_dot_product_attention; keep as _keep_mask."""
+    sq, sk = q.shape[2], k.shape[2]
+    if mask is None and bias is None and window is None:
+        if not causal or sq == 1:  # decode: the one query sees the whole cache
+            return None, False, None
+        if sq == sk:  # sdpa's is_causal is top-left aligned, equal to ours only when Sq == Sk
+            return None, True, None
+    keep = _keep_mask(mask, causal, window, sq, sk, q.device)
+    if bias is None and (mask is None or mask.dtype == torch.bool):
+        return keep, False, keep
+    additive = torch.zeros((), dtype=q.dtype, device=q.device)
+    if bias is not None:
+        additive = additive + bias
+    if mask is not None and mask.dtype != torch.bool:
+        additive = additive + mask
+    if keep is not None:
+        additive = additive.masked_fill(~keep, float("-inf"))
+    return additive.to(q.dtype), False, keep
+
+
+def attention_cpu(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None):
+    """torch's fused CPU attention (flash kernel) with one combined mask; GQA without copies."""
+    rep = _check_heads(q, k)
+    attn_mask, is_causal, keep = _sdpa_mask(q, k, mask, causal, bias, window)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                         scale=scale, enable_gqa=rep > 1)
+    if keep is not None:  # rows with no attendable key: zeros (sdpa may give NaN there)
+        out = out.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+              mask: torch.Tensor | None = None, causal: bool = False,
+              bias: torch.Tensor | None = None, window: int | None = None,
+              backend: str | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias, masked) v; q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]."""
+    fn = _dispatch.pick(backend, q.device, ref=attention_ref, triton_fn=attention_triton,
+                        cpu_fn=attention_cpu)
+    return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)

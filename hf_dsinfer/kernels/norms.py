@@ -1,0 +1,201 @@
+"""Residual add fused with LayerNorm / RMSNorm.
+
+A decoder block computes `h = residual + (x + x_bias)` (the attention or MLP output, its
+optional un-fused bias, and the residual stream) and immediately normalizes `h` for the next
+sub-layer. Doing both in one pass reads `x` and `residual` once and writes `h` (the new residual
+stream) and `norm(h)` together.
+
+Shapes: x, residual [..., hidden] (any number of leading dims); x_bias, weight, bias [hidden].
+Both ops return `(norm(h), h)`; when there is nothing to add, `h` is `x` itself.
+
+Numerics (the Hugging Face eager ones):
+    h           additions in the input dtype, in HF's order `residual + (x + x_bias)`, so `h`
+                is bit-identical to HF's residual stream.
+    layer_norm  torch.nn.LayerNorm: mean and variance (biased) in fp32, `(h - mean) * rstd * w
+                + b`, output in x's dtype.
+    rms_norm    LlamaRMSNorm: `hf = h.float(); hf * rsqrt(mean(hf**2) + eps)`, rounded back to
+                h's dtype *before* the weight multiply, then `weight * that` (so the output dtype
+                is the promotion of weight's and h's dtypes, as in HF).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.kernels import _dispatch
+
+tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
+
+
+def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None,
+                  x_bias: torch.Tensor | None) -> torch.Tensor:
+    """h = residual + (x + x_bias), skipping the absent terms, in HF's addition order."""
+    h = x if x_bias is None else x + x_bias
+    return h if residual is None else residual + h
+
+
+def layer_norm_ref(x, weight, bias, eps, residual=None, x_bias=None):
+    """Reference: the residual sum, then torch's LayerNorm (exactly what nn.LayerNorm runs)."""
+    h = _residual_sum(x, residual, x_bias)
+    return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
+
+
+def rms_norm_ref(x, weight, eps, residual=None, x_bias=None):
+    """Reference: the residual sum, then LlamaRMSNorm's forward, line for line."""
+    h = _residual_sum(x, residual, x_bias)
+    hf = h.to(torch.float32)
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hf.to(h.dtype), h
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+# One program normalizes one row of `hidden` elements held entirely in registers
+# (BLOCK = next power of two >= hidden). Each addition is rounded to h's dtype, as torch does
+# for an eager `a + b`, so the stored h matches HF's residual stream bit for bit.
+
+
+def _layer_norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
+                       HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
+    if HAS_XBIAS:
+        xb = tl.load(XB + cols, mask=m, other=0.0)
+        h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
+    if STORE_H:
+        tl.store(H + row * hidden + cols, h, mask=m)
+    # Statistics in fp32: a bf16 sum over thousands of elements would lose the mean.
+    hf = h.to(tl.float32)
+    mean = tl.sum(hf, axis=0) / hidden
+    d = tl.where(m, hf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)  # biased variance, as torch
+    y = d * rstd * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
+
+
+def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
+                     HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, STORE_H: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
+    if HAS_XBIAS:
+        xb = tl.load(XB + cols, mask=m, other=0.0)
+        h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
+    if STORE_H:
+        tl.store(H + row * hidden + cols, h, mask=m)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+    # HF rounds the normalized value to h's dtype before multiplying by the weight.
+    y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
+    y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
+
+
+@functools.cache
+def _kernels() -> types.SimpleNamespace:
+    """Import Triton and JIT the kernels above (once per process)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    return types.SimpleNamespace(
+        next_power_of_2=triton.next_power_of_2,
+        layer_norm=triton.jit(_layer_norm_kernel),
+        rms_norm=triton.jit(_rms_norm_kernel),
+    )
+
+
+def _rows(t: torch.Tensor | None, hidden: int) -> torch.Tensor | None:
+    """[..., hidden] -> contiguous [N, hidden] (None stays None)."""
+    return None if t is None else t.reshape(-1, hidden).contiguous()
+
+
+def _launch_args(x, residual, x_bias):
+    """Flattened inputs and the h buffer shared by both launchers."""
+    hidden = x.shape[-1]
+    x2, res2, xb = _rows(x, hidden), _rows(residual, hidden), _rows(x_bias, hidden)
+    h_dtype = x.dtype
+    for t in (x_bias, residual):
+        h_dtype = h_dtype if t is None else torch.promote_types(h_dtype, t.dtype)
+    store_h = residual is not None or x_bias is not None
+    h2 = torch.empty(x2.shape, dtype=h_dtype, device=x.device) if store_h else x2
+    return x2, res2, xb, h2, store_h
+
+
+def layer_norm_triton(x, weight, bias, eps, residual=None, x_bias=None):
+    k = _kernels()
+    hidden = x.shape[-1]
+    x2, res2, xb, h2, store_h = _launch_args(x, residual, x_bias)
+    out = torch.empty(x2.shape, dtype=h2.dtype, device=x.device)  # [N, hidden]
+    bias_arg = bias.contiguous() if bias is not None else weight
+    k.layer_norm[(x2.shape[0],)](
+        x2, res2 if res2 is not None else x2, xb if xb is not None else x2,
+        weight.contiguous(), bias_arg, out, h2, hidden, eps,
+        HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, HAS_BIAS=bias is not None,
+        STORE_H=store_h, BLOCK=k.next_power_of_2(hidden),
+    )
+    shape = (*x.shape[:-1], hidden)
+    return out.view(shape), (h2.view(shape) if store_h else x)
+
+
+def rms_norm_triton(x, weight, eps, residual=None, x_bias=None):
+    k = _kernels()
+    hidden = x.shape[-1]
+    x2, res2, xb, h2, store_h = _launch_args(x, residual, x_bias)
+    out_dtype = torch.promote_types(weight.dtype, h2.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)  # [N, hidden]
+    k.rms_norm[(x2.shape[0],)](
+        x2, res2 if res2 is not None else x2, xb if xb is not None else x2,
+        weight.contiguous(), out, h2, hidden, eps,
+        HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, STORE_H=store_h,
+        BLOCK=k.next_power_of_2(hidden),
+    )
+    shape = (*x.shape[:-1], hidden)
+    return out.view(shape), (h2.view(shape) if store_h else x)
+
+
+# LayerNorm: the reference already is torch's fused CPU kernel (F.layer_norm), so no cpu variant.
+
+
+def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None):
+    """RMSNorm through torch's fused F.rms_norm instead of the reference's six eager ops."""
+    h = _residual_sum(x, residual, x_bias)
+    hidden = (h.shape[-1],)
+    if h.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(h, hidden, weight, eps), h
+    # Low precision: normalize in fp32 and round to h's dtype before the weight multiply, as HF
+    # does (F.rms_norm on bf16 input would skip that rounding and differ by one ulp).
+    return weight * F.rms_norm(h.float(), hidden, None, eps).to(h.dtype), h
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None, *,
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(h), h) with h = residual + (x + x_bias); x is [..., hidden]."""
+    fn = _dispatch.pick(backend, x.device, ref=layer_norm_ref, triton_fn=layer_norm_triton)
+    return fn(x, weight, bias, eps, residual, x_bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None, *,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(h), h) with h = residual + (x + x_bias), HF Llama numerics; x is [..., hidden]."""
+    fn = _dispatch.pick(backend, x.device, ref=rms_norm_ref, triton_fn=rms_norm_triton,
+                        cpu_fn=rms_norm_cpu)
+    return fn(x, weight, eps, residual, x_bias)
