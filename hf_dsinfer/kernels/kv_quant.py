@@ -1,0 +1,233 @@
+"""KV-cache compression: int8 per head vector and FlexGen's 4-bit group-wise min-max.
+
+int8 (symmetric, one scale per [head_dim] vector, i.e. per token and head):
+    scale = max |x| / 127,  q = round(x / scale) in [-127, 127],  x ~ q * scale
+int4 (FlexGen: asymmetric min-max, groups of `group_size` (default 64) along head_dim):
+    scale = (max - min) / 15,  q = round((x - min) / scale) in [0, 15],  x ~ q * scale + min
+    two values per byte (even index in the low nibble), scale and min stored in fp16.
+`group_size` must divide head_dim (no padding; pick group_size = head_dim for small heads).
+Rounding is half-up (floor(v + 0.5)) in every backend, so the reference and the Triton
+kernels produce identical codes (Triton has no portable round-half-even).
+
+Shapes: x [..., D] (a cache tensor [B, heads, S, D]); KVInt8.q [..., D] int8, .scales [..., 1]
+in x.dtype; KVInt4.packed [..., D // 2] uint8, .scales / .mins [..., D // group_size] fp16.
+There is no CPU fast path: the references are a handful of vectorized torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels.quant import pack_int4, unpack_int4
+
+
+class KVInt8(NamedTuple):
+    q: torch.Tensor  # [..., D] int8
+    scales: torch.Tensor  # [..., 1], dtype of the cache
+
+
+class KVInt4(NamedTuple):
+    packed: torch.Tensor  # [..., D // 2] uint8
+    scales: torch.Tensor  # [..., D // group_size] fp16
+    mins: torch.Tensor  # [..., D // group_size] fp16
+    group_size: int
+
+
+def _check_group(head_dim: int, group_size: int) -> None:
+    if head_dim % group_size or group_size % 2:
+        raise ValueError(
+            f"quantize_kv_int4: group_size must be even and divide head_dim={head_dim}, got "
+            f"{group_size}. Fix: use group_size=64 (FlexGen) or group_size=head_dim."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_kv_int8_ref(x: torch.Tensor) -> KVInt8:
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-10).to(x.dtype)
+    q = torch.floor(xf / scales.float() + 0.5).clamp(-127, 127).to(torch.int8)
+    return KVInt8(q, scales)
+
+
+def dequantize_kv_int8_ref(kv: KVInt8, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (kv.q.float() * kv.scales.float()).to(dtype or kv.scales.dtype)
+
+
+def quantize_kv_int4_ref(x: torch.Tensor, group_size: int = 64) -> KVInt4:
+    _check_group(x.shape[-1], group_size)
+    xg = x.float().unflatten(-1, (-1, group_size))  # [..., G, g]
+    lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # [..., G]
+    scales = ((hi - lo) / 15.0).clamp(min=1e-10).half()
+    mins = lo.half()
+    q = torch.floor((xg - mins.float()[..., None]) / scales.float()[..., None] + 0.5)
+    q = q.clamp(0, 15).flatten(-2)  # [..., D]
+    return KVInt4(pack_int4(q), scales, mins, group_size)
+
+
+def dequantize_kv_int4_ref(kv: KVInt4, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    q = unpack_int4(kv.packed).float().unflatten(-1, (-1, kv.group_size))  # [..., G, g]
+    x = q * kv.scales.float()[..., None] + kv.mins.float()[..., None]
+    return x.flatten(-2).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels: one program per row (int8: a head vector; int4: a group)
+# ----------------------------------------------------------------------------------------------
+
+
+class _Kernels(NamedTuple):
+    triton: object
+    quant8: object
+    dequant8: object
+    quant4: object
+    dequant4: object
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> _Kernels:
+    """Import Triton and define the kernels on first use (the module imports without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quantize_kv_int8_kernel(x_ptr, q_ptr, s_ptr, D, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + row * D + offs, mask=offs < D, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 127.0, 1e-10)
+        scale = scale.to(s_ptr.dtype.element_ty)  # stored scale, used for the codes too
+        q = tl.floor(x / scale.to(tl.float32) + 0.5)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        tl.store(q_ptr + row * D + offs, q, mask=offs < D)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _dequantize_kv_int8_kernel(q_ptr, s_ptr, y_ptr, D, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + row * D + offs, mask=offs < D, other=0).to(tl.float32)
+        y = q * tl.load(s_ptr + row).to(tl.float32)
+        tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=offs < D)
+
+    @triton.jit
+    def _quantize_kv_int4_kernel(x_ptr, p_ptr, s_ptr, m_ptr, HALF: tl.constexpr):
+        # One group of 2 * HALF values: min-max, codes, and pairs packed into HALF bytes.
+        row = tl.program_id(0)
+        offs = tl.arange(0, HALF)
+        even = tl.load(x_ptr + row * 2 * HALF + 2 * offs).to(tl.float32)
+        odd = tl.load(x_ptr + row * 2 * HALF + 2 * offs + 1).to(tl.float32)
+        lo = tl.minimum(tl.min(even, axis=0), tl.min(odd, axis=0))
+        hi = tl.maximum(tl.max(even, axis=0), tl.max(odd, axis=0))
+        scale = tl.maximum((hi - lo) / 15.0, 1e-10).to(tl.float16)
+        low = lo.to(tl.float16)
+        sf, lf = scale.to(tl.float32), low.to(tl.float32)
+        q_even = tl.minimum(tl.maximum(tl.floor((even - lf) / sf + 0.5), 0.0), 15.0)
+        q_odd = tl.minimum(tl.maximum(tl.floor((odd - lf) / sf + 0.5), 0.0), 15.0)
+        byte = q_even.to(tl.uint8) | (q_odd.to(tl.uint8) << 4)
+        tl.store(p_ptr + row * HALF + offs, byte)
+        tl.store(s_ptr + row, scale)
+        tl.store(m_ptr + row, low)
+
+    @triton.jit
+    def _dequantize_kv_int4_kernel(p_ptr, s_ptr, m_ptr, y_ptr, HALF: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, HALF)
+        byte = tl.load(p_ptr + row * HALF + offs)
+        scale = tl.load(s_ptr + row).to(tl.float32)
+        low = tl.load(m_ptr + row).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + row * 2 * HALF + 2 * offs, ((byte & 0xF).to(tl.float32) * scale
+                                                     + low).to(dt))
+        tl.store(y_ptr + row * 2 * HALF + 2 * offs + 1, ((byte >> 4).to(tl.float32) * scale
+                                                         + low).to(dt))
+
+    return _Kernels(triton, _quantize_kv_int8_kernel, _dequantize_kv_int8_kernel,
+                           _quantize_kv_int4_kernel, _dequantize_kv_int4_kernel)
+
+
+def quantize_kv_int8_triton(x: torch.Tensor) -> KVInt8:
+    k = _kernels()
+    xc = x.contiguous()
+    d = x.shape[-1]
+    q = torch.empty_like(xc, dtype=torch.int8)
+    scales = torch.empty(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+    k.quant8[(xc.numel() // d,)](xc, q, scales, d, BLOCK_D=k.triton.next_power_of_2(d))
+    return KVInt8(q, scales)
+
+
+def dequantize_kv_int8_triton(kv: KVInt8, dtype: torch.dtype | None = None) -> torch.Tensor:
+    k = _kernels()
+    d = kv.q.shape[-1]
+    y = torch.empty(kv.q.shape, dtype=dtype or kv.scales.dtype, device=kv.q.device)
+    k.dequant8[(kv.q.numel() // d,)](kv.q.contiguous(), kv.scales.contiguous(), y, d,
+                                     BLOCK_D=k.triton.next_power_of_2(d))
+    return y
+
+
+def quantize_kv_int4_triton(x: torch.Tensor, group_size: int = 64) -> KVInt4:
+    """group_size must be a power of two here (tl.arange); others fall back to the reference."""
+    _check_group(x.shape[-1], group_size)
+    if group_size & (group_size - 1):
+        return quantize_kv_int4_ref(x, group_size)
+    k = _kernels()
+    xc = x.contiguous()
+    groups = xc.numel() // group_size
+    gshape = (*x.shape[:-1], x.shape[-1] // group_size)
+    packed = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(gshape, dtype=torch.float16, device=x.device)
+    mins = torch.empty(gshape, dtype=torch.float16, device=x.device)
+    k.quant4[(groups,)](xc, packed, scales, mins, HALF=group_size // 2)
+    return KVInt4(packed, scales, mins, group_size)
+
+
+def dequantize_kv_int4_triton(kv: KVInt4, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    if kv.group_size & (kv.group_size - 1):
+        return dequantize_kv_int4_ref(kv, dtype)
+    k = _kernels()
+    shape = (*kv.packed.shape[:-1], kv.packed.shape[-1] * 2)
+    y = torch.empty(shape, dtype=dtype, device=kv.packed.device)
+    k.dequant4[(kv.scales.numel(),)](kv.packed.contiguous(), kv.scales.contiguous(),
+                                     kv.mins.contiguous(), y, HALF=kv.group_size // 2)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_kv_int8(x: torch.Tensor, *, backend: str | None = None) -> KVInt8:
+    """int8 codes and one scale per head vector of a KV tensor [..., D]."""
+    fn = _dispatch.pick(backend, x.device, ref=quantize_kv_int8_ref,
+                        triton_fn=quantize_kv_int8_triton)
+    return fn(x)
+
+
+def dequantize_kv_int8(kv: KVInt8, dtype: torch.dtype | None = None, *,
+                       backend: str | None = None) -> torch.Tensor:
+    fn = _dispatch.pick(backend, kv.q.device, ref=dequantize_kv_int8_ref,
+                        triton_fn=dequantize_kv_int8_triton)
+    return fn(kv, dtype)
+
+
+def quantize_kv_int4(x: torch.Tensor, group_size: int = 64, *,
+                     backend: str | None = None) -> KVInt4:
+    """FlexGen 4-bit min-max codes, groups of `group_size` along head_dim, fp16 scale/min."""
+    fn = _dispatch.pick(backend, x.device, ref=quantize_kv_int4_ref,
+                        triton_fn=quantize_kv_int4_triton)
+    return fn(x, group_size)
+
+
+def dequantize_kv_int4(kv: KVInt4, dtype: torch.dtype = torch.float16, *,
+                       backend: str | None = None) -> torch.Tensor:
+    fn = _dispatch.pick(backend, kv.packed.device, ref=dequantize_kv_int4_ref,
+                        triton_fn=dequantize_kv_int4_triton)
+    return fn(kv, dtype)

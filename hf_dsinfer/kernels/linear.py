@@ -1,0 +1,166 @@
+"""Linear layer y = x @ weight.T + bias, with a different matrix kernel for small and large batch.
+
+This is DeepSpeed-Inference's "SBI-GeMM" idea: at decode time (one or a few token rows) a linear
+is a matrix-vector product bound by the bandwidth of reading the weight once, so it wants a GEMV
+kernel that streams the weight row by row; at prefill (many rows) it is compute bound and wants a
+tiled GEMM that reuses each weight tile across many rows.
+
+Shapes and layouts:
+    x       [..., in]      any leading dims; flattened to M = prod(leading) rows
+    weight  [out, in]      may be a non-contiguous view (GPT-2's Conv1D stores [in, out] and
+                           passes `weight.t()`); it is never copied on the hot path
+    bias    [out] or None
+    out     [..., out]     dtype of x
+
+Numerics: products accumulate in fp32 in every path (F.linear / torch.mv do so for bf16 and
+fp16 on CPU; the Triton kernels use an fp32 accumulator) and round once to x.dtype, as HF's
+nn.Linear does.
+
+CPU fast path (measured on the 2-core Xeon, 8192x8192 bf16, weights cycled beyond L3):
+`torch.mv` streams a row-major [out, in] bf16 weight at ~27 GB/s where `F.linear` reaches
+~15 GB/s, so one-row bf16 calls with a row-contiguous weight use `torch.mv`. `torch.mv` loses
+for fp16 (~8 vs ~14 GB/s) and for column-major weights (~6 vs ~9 GB/s), ties for fp32, and a
+loop of `torch.mv` over rows loses to F.linear from 4 rows up, so every other case uses
+F.linear (addmm), which goes to oneDNN / AMX for large M.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.kernels import _dispatch
+
+# Rows of x up to which the Triton launcher uses the GEMV kernel instead of the tiled GEMM:
+# below this a 16-row tl.dot tile is mostly padding and the kernel is bound by weight reads.
+GEMV_MAX_ROWS = 4
+# Rows of x up to which the CPU path uses torch.mv (see the module docstring for why 1).
+CPU_MV_MAX_ROWS = 1
+# Dtypes for which torch.mv beats F.linear on this CPU at one row.
+CPU_MV_DTYPES = (torch.bfloat16,)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Plain torch: exactly nn.Linear's forward."""
+    return F.linear(x, weight, bias)
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether a Triton kernel must upcast tl.dot operands to fp32 (IEEE, not TF32).
+
+    fp32 inputs: so the result matches torch's fp32 matmul to 1e-5 (TF32 keeps 10 bits).
+    Under TRITON_INTERPRET=1: triton 3.9's interpreter returns garbage (~1e10) for bf16 tl.dot,
+    so the interpreter computes every dot in fp32 (same math, the fp32 accumulator is kept).
+    """
+    return dtype == torch.float32 or _dispatch.triton_interpreting()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Import Triton and define the kernels on first use (the module imports without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _linear_gemv_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, N, K,
+        stride_xm, stride_wn, stride_wk, stride_ym,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # One program: one row m of x, BLOCK_N outputs; streams a [BLOCK_N, K] weight slab.
+        m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m * stride_ym + offs_n, y, mask=offs_n < N)
+
+    @triton.jit
+    def _linear_gemm_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+        stride_xm, stride_wn, stride_wk, stride_ym,
+        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # One program: a [BLOCK_M, BLOCK_N] output tile, fp32 accumulator over K.
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask,
+                         other=0.0)
+            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+            wt = tl.load(w_ptrs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N] = weight.T tile
+            if DOT_FP32:
+                acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, wt.to(xt.dtype))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    return triton, _linear_gemv_kernel, _linear_gemm_kernel
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """GEMV kernel for M <= GEMV_MAX_ROWS rows, tiled GEMM otherwise; weight read by strides."""
+    triton, gemv, gemm = _kernels()
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()  # [M, in]
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, out]
+    b = bias if bias is not None else y  # dummy pointer when HAS_BIAS is False
+    strides = (x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0))
+    if m <= GEMV_MAX_ROWS:
+        grid = (m, triton.cdiv(n, 64))
+        gemv[grid](x2, weight, b, y, n, k, *strides, HAS_BIAS=bias is not None,
+                   BLOCK_N=64, BLOCK_K=64)
+    else:
+        grid = (triton.cdiv(m, 32), triton.cdiv(n, 64))
+        gemm[grid](x2, weight, b, y, m, n, k, *strides, HAS_BIAS=bias is not None,
+                   DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=32, BLOCK_N=64, BLOCK_K=32)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _uses_cpu_mv(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch.mv only where it was measured to beat F.linear: 1 row, bf16, row-major weight."""
+    return rows <= CPU_MV_MAX_ROWS and x.dtype in CPU_MV_DTYPES and weight.stride(1) == 1
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """torch.mv for a single bf16 row on a row-major weight; F.linear (addmm / oneDNN) else."""
+    k = weight.shape[1]
+    rows = x.numel() // k if k else 0
+    if not _uses_cpu_mv(rows, x, weight) or rows == 0:
+        return F.linear(x, weight, bias)
+    vec = x.reshape(k)  # [in]
+    y = torch.mv(weight, vec) if bias is None else torch.addmv(bias, weight, vec)  # [out]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ weight.T + bias with the kernel chosen by device, dtype and number of rows."""
+    fn = _dispatch.pick(backend, x.device, ref=linear_ref, triton_fn=linear_triton,
+                        cpu_fn=linear_cpu)
+    return fn(x, weight, bias)

@@ -1,0 +1,338 @@
+"""Mixture-of-experts: fused top-k gating, a dense token->expert table, grouped expert MLP.
+
+DeepSpeed-MoE's inference recipe: route with one fused gating op, turn the routing into a dense
+table (token rows sorted by expert plus per-expert offsets) instead of a one-hot [T, k, E]
+mask and einsum, run each expert's MLP on its contiguous slice of rows (a grouped GEMM), and
+combine the weighted rows back into token order.
+
+topk_gating(router_logits [T, E], top_k) -> (weights [T, k] fp32, ids [T, k] int64)
+    softmax_first=True   softmax in fp32 over all E, then top-k (Mixtral, Qwen2/3-MoE, OLMoE);
+                         renormalize=True divides the k weights by their sum (Mixtral always,
+                         Qwen2/3-MoE and OLMoE when config.norm_topk_prob).
+    softmax_first=False  top-k over the logits, then softmax in fp32 over the k selected ones
+                         (already normalized; `renormalize` changes nothing).
+    Qwen2/3-MoE and OLMoE then cast the weights to the logits' dtype before the experts;
+    Mixtral keeps them fp32. Callers reproduce that with `weights.to(dtype)`.
+moe_align(ids [T, k], E) -> MoeAlignment(token_idx [T*k], flat_idx [T*k], expert_offsets [E+1])
+    rows sorted by expert (stable, so tokens stay ascending inside an expert); row r is token
+    token_idx[r], routing slot flat_idx[r] (= t * k + j), expert e owns rows
+    expert_offsets[e]:expert_offsets[e+1]. Built with argsort / bincount / cumsum.
+grouped_expert_mlp(hidden [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], weights [T, k],
+                   ids [T, k], act) -> [T, H]
+    transformers 5's fused expert layout (MixtralExperts, Qwen2MoeExperts, OlmoeExperts):
+    gate_up_proj[e] is an nn.Linear weight whose first I output rows are the gate, the next I
+    the up projection; down_proj[e] maps I -> H. Numerics follow those modules: each GEMM
+    rounds to hidden's dtype, act(gate) * up is rounded, the expert output times its routing
+    weight is computed in the promoted dtype (fp32 for Mixtral's fp32 weights) and rounded to
+    hidden's dtype, and contributions are summed into zeros by index_add_ in hidden's dtype in
+    ascending expert order, as HF does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels.activations import _ACT_CODE, gated_act_ref, resolve_activation
+from hf_dsinfer.kernels.linear import dot_in_fp32
+
+
+class MoeAlignment(NamedTuple):
+    token_idx: torch.Tensor  # [T*k] int64, token of each expert-sorted row
+    flat_idx: torch.Tensor  # [T*k] int64, position of the row in ids.reshape(-1)
+    expert_offsets: torch.Tensor  # [E+1] int64, rows of expert e: offsets[e]:offsets[e+1]
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+
+
+def topk_gating_ref(
+    router_logits: torch.Tensor, top_k: int, softmax_first: bool = True, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF routers' numerics: softmax in fp32, torch.topk, optional renormalization."""
+    if not softmax_first:
+        top_logits, ids = torch.topk(router_logits, top_k, dim=-1)  # [T, k]
+        return torch.softmax(top_logits.float(), dim=-1), ids
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_align(ids: torch.Tensor, num_experts: int) -> MoeAlignment:
+    """Dense token->expert table: rows sorted by expert, and per-expert row offsets."""
+    flat = ids.reshape(-1)  # [T*k]
+    flat_idx = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    offsets[1:] = torch.cumsum(counts, dim=0)
+    return MoeAlignment(flat_idx // ids.shape[-1], flat_idx, offsets)
+
+
+def _combine(rows: torch.Tensor, weights: torch.Tensor, align: MoeAlignment, num_tokens: int):
+    """Weighted expert rows [T*k, H] (sorted) -> [T, H] by index_add_ in hidden's dtype."""
+    w = weights.reshape(-1)[align.flat_idx]  # [T*k], routing weight of each sorted row
+    contrib = (rows * w[:, None]).to(rows.dtype)  # HF: fp32 product for fp32 weights, rounded
+    out = torch.zeros(num_tokens, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    return out.index_add_(0, align.token_idx, contrib)  # [T, H]
+
+
+def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str):
+    """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence."""
+    return F.linear(gated_act_ref(F.linear(x, gate_up), None, act), down)  # [n, H]
+
+
+def grouped_expert_mlp_ref(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
+    """HF's experts loop (MixtralExperts.forward) without the one-hot mask."""
+    act = resolve_activation(act)
+    out = torch.zeros_like(hidden)  # [T, H]
+    for e in torch.unique(ids).tolist():
+        token_idx, slot = torch.where(ids == e)
+        y = _expert_mlp(hidden[token_idx], gate_up_proj[e], down_proj[e], act)
+        y = y * weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Import Triton and define the kernels on first use (the module imports without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _topk_gating_kernel(
+        logits_ptr, w_ptr, ids_ptr, E, stride_t,
+        TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # One program per token: softmax and k rounds of argmax-and-mask over its E logits.
+        t = tl.program_id(0)
+        offs_e = tl.arange(0, BLOCK_E)
+        z = tl.load(logits_ptr + t * stride_t + offs_e, mask=offs_e < E,
+                    other=-float("inf")).to(tl.float32)
+        if SOFTMAX_FIRST:
+            p = tl.exp(z - tl.max(z, axis=0))
+            z = p / tl.sum(p, axis=0)
+        offs_k = tl.arange(0, BLOCK_K)  # BLOCK_K = next power of two >= TOP_K
+        vals = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        idx = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(z, axis=0)
+            arg = tl.min(tl.where(z == best, offs_e, BLOCK_E), axis=0)  # first max, as topk
+            vals = tl.where(offs_k == j, best, vals)
+            idx = tl.where(offs_k == j, arg.to(tl.int64), idx)
+            z = tl.where(offs_e == arg, -float("inf"), z)
+        if SOFTMAX_FIRST:
+            if RENORMALIZE:
+                vals = vals / tl.sum(vals, axis=0)
+        else:
+            sel = tl.where(offs_k < TOP_K, vals, -float("inf"))
+            p = tl.exp(sel - tl.max(sel, axis=0))
+            vals = p / tl.sum(p, axis=0)
+        tl.store(w_ptr + t * TOP_K + offs_k, vals, mask=offs_k < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + offs_k, idx, mask=offs_k < TOP_K)
+
+    @triton.jit
+    def _expert_gate_up_kernel(
+        x_ptr, tok_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, H, I,
+        stride_xt, stride_we, stride_wn, stride_om,
+        ACT: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Tile = up to BLOCK_M sorted rows of one expert; gathers its tokens' hidden rows and
+        # writes act(x @ gate.T) * (x @ up.T) for BLOCK_N intermediate columns.
+        tile = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tile)
+        r1 = tl.load(tile_r1_ptr + tile)
+        offs_r = tl.load(tile_r0_ptr + tile) + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_mask, n_mask = offs_r < r1, offs_n < I
+        tok = tl.load(tok_ptr + offs_r, mask=r_mask, other=0)
+        w_base = w_ptr + e * stride_we
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < H
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            wk_mask = k_mask[:, None] & n_mask[None, :]
+            g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]
+            wg = tl.load(g_ptrs, mask=wk_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(g_ptrs + I * stride_wn, mask=wk_mask, other=0.0)
+            if DOT_FP32:
+                acc_g += tl.dot(xt.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
+                acc_u += tl.dot(xt.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xt, wg)
+                acc_u += tl.dot(xt, wu)
+        # Round where HF's eager chain rounds: each linear output, the activation, the product.
+        dt = out_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        # ACT codes of activations._ACT_CODE, evaluated in fp32 (a nested @jit helper would
+        # not resolve from this closure, so the four formulas are inlined).
+        if ACT == 0:  # erf GELU
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        elif ACT == 1:  # tanh GELU = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))
+            a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        elif ACT == 2:
+            a = tl.maximum(g, 0.0)
+        else:
+            a = g * tl.sigmoid(g)
+        a = a.to(dt).to(tl.float32)
+        y = (a * acc_u.to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + offs_r[:, None] * stride_om + offs_n[None, :], y,
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _expert_down_kernel(
+        a_ptr, w_ptr, rw_ptr, flat_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, H, I,
+        stride_am, stride_we, stride_wn, stride_om,
+        DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Sorted rows [BLOCK_M, I] @ down[e].T -> [BLOCK_M, BLOCK_N] of H, times routing weight.
+        tile = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tile)
+        r1 = tl.load(tile_r1_ptr + tile)
+        offs_r = tl.load(tile_r0_ptr + tile) + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_mask, n_mask = offs_r < r1, offs_n < H
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < I
+            at = tl.load(a_ptr + offs_r[:, None] * stride_am + offs_k[None, :],
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            wt = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
+                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                acc += tl.dot(at.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(at, wt)
+        dt = out_ptr.dtype.element_ty
+        flat = tl.load(flat_ptr + offs_r, mask=r_mask, other=0)
+        rw = tl.load(rw_ptr + flat, mask=r_mask, other=0.0).to(tl.float32)
+        y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt)
+        tl.store(out_ptr + offs_r[:, None] * stride_om + offs_n[None, :], y,
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+    return triton, _topk_gating_kernel, _expert_gate_up_kernel, _expert_down_kernel
+
+
+def topk_gating_triton(
+    router_logits: torch.Tensor, top_k: int, softmax_first: bool = True, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per token: fp32 softmax and top-k in registers, no [T, E] probs in memory."""
+    triton, kernel, _, _ = _kernels()
+    logits = router_logits.reshape(-1, router_logits.shape[-1]).contiguous()  # [T, E]
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                 SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize,
+                 BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
+def _tile_table(offsets: torch.Tensor, block_m: int):
+    """Per-tile (expert, first row, end row) so each tile of <= block_m rows has one expert."""
+    counts = offsets[1:] - offsets[:-1]  # [E]
+    tiles = (counts + block_m - 1) // block_m  # [E]
+    tile_e = torch.repeat_interleave(torch.arange(len(counts), device=offsets.device), tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles  # [E]
+    within = torch.arange(len(tile_e), device=offsets.device) - first_tile[tile_e]
+    r0 = offsets[tile_e] + within * block_m
+    return tile_e, r0, offsets[tile_e + 1]
+
+
+def grouped_expert_mlp_triton(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
+    """Two grouped-GEMM launches over expert-sorted rows, then index_add_ into token order."""
+    triton, _, gate_up_kernel, down_kernel = _kernels()
+    act = resolve_activation(act)
+    _t, h = hidden.shape
+    n_exp, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    x, gu, dn = hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
+    align = moe_align(ids, n_exp)
+    tile_e, r0, r1 = _tile_table(align.expert_offsets, 16)
+    rows = align.token_idx.numel()
+    a = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
+    y = torch.empty(rows, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
+    fp32 = dot_in_fp32(hidden.dtype)
+    gate_up_kernel[(len(tile_e), triton.cdiv(inter, 32))](
+        x, align.token_idx, gu, a, tile_e, r0, r1, h, inter, x.stride(0), gu.stride(0),
+        gu.stride(1), a.stride(0), ACT=_ACT_CODE[act], DOT_FP32=fp32,
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    down_kernel[(len(tile_e), triton.cdiv(h, 32))](
+        a, dn, weights.contiguous(), align.flat_idx, y, tile_e, r0, r1, h, inter, a.stride(0),
+        dn.stride(0), dn.stride(1), y.stride(0), DOT_FP32=fp32,
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, align.token_idx, y)  # y already weighted and rounded
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU fast path
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
+    """One gather into expert-sorted rows, one GEMM pair per expert that has rows, combine."""
+    act = resolve_activation(act)
+    align = moe_align(ids, gate_up_proj.shape[0])
+    x = hidden[align.token_idx]  # [T*k, H], contiguous per expert
+    y = torch.empty_like(x)  # [T*k, H]
+    bounds = align.expert_offsets.tolist()  # one host sync for the whole loop
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            y[lo:hi] = _expert_mlp(x[lo:hi], gate_up_proj[e], down_proj[e], act)
+    return _combine(y, weights, align, hidden.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def topk_gating(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    softmax_first: bool = True,
+    renormalize: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) for router logits [T, E]."""
+    fn = _dispatch.pick(backend, router_logits.device, ref=topk_gating_ref,
+                        triton_fn=topk_gating_triton)
+    return fn(router_logits, top_k, softmax_first, renormalize)
+
+
+def grouped_expert_mlp(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: str = "silu",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(hidden[t]) for hidden [T, H] -> [T, H]."""
+    fn = _dispatch.pick(backend, hidden.device, ref=grouped_expert_mlp_ref,
+                        triton_fn=grouped_expert_mlp_triton, cpu_fn=grouped_expert_mlp_cpu)
+    return fn(hidden, gate_up_proj, down_proj, weights, ids, act)

@@ -1,0 +1,367 @@
+"""Weight-only quantized linear layers: int8 per output channel and 4-bit group-wise.
+
+int8 (ZeroQuant-style, symmetric, per output channel):
+    scale[o] = max_i |W[o, i]| / 127        stored in the weight's dtype
+    q[o, i]  = round(W[o, i] / scale[o])    int8 in [-127, 127]
+    W ~ q * scale
+
+int4 (group-wise along the input dim, `group_size` in {32, 64, 128, 256}, two values per byte):
+    asymmetric (FlexGen min-max): scale = (max - min) / 15, q = round((W - min) / scale) in [0, 15]
+    symmetric:                    scale = absmax / 7,       q = round(W / scale) + 8 in [0, 15]
+    both dequantize as            W ~ q * scale + mins      (symmetric: mins = -8 * scale)
+Scales and mins are stored in the weight's dtype (fp16 for an fp16 model, as FlexGen does);
+quantization uses the stored (rounded) values so that dequantization is exactly consistent.
+FlexGen groups weights along the output dim; we group along the input dim (K), as GPTQ/AWQ and
+torch's int4 CPU kernel do, so one group is contiguous in the dot product.
+
+Shapes and layouts:
+    x       [..., in]
+    Int8Weight.qweight [out, in] int8, .scales [out]
+    Int4Weight.packed  [out, in // 2] uint8, low nibble = even input column, high nibble = odd
+               .scales / .mins [out, in // group_size]
+               .cpu_packed / .cpu_scales_zeros: the same values in the layout of
+               torch.ops.aten._weight_int4pack_mm_for_cpu, built once at quantize time on CPU
+               (None when the shape does not fit that kernel: out % 16 != 0)
+    out     [..., out] in x.dtype
+
+CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernels.py):
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and run at
+~3 ms vs ~9 ms for bf16 F.linear at 1 row, but cost ~0.8 ms more per extra row; a chunked
+dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
+~17-35 ms flat. Up to QUANT_PACK_MAX_ROWS rows use the packed kernels, above it the chunked path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels.linear import dot_in_fp32
+
+# Rows of x up to which the CPU path uses torch's packed int8/int4 kernels (measured crossover
+# with the chunked dequantize + F.linear path is ~24-32 rows at 8192x8192 bf16).
+QUANT_PACK_MAX_ROWS = 32
+# Output rows dequantized at a time in the chunked path (512 x 8192 bf16 = 8 MB, cache-resident).
+DEQUANT_CHUNK_ROWS = 512
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class Int8Weight(NamedTuple):
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], dtype of the original weight
+
+
+class Int4Weight(NamedTuple):
+    packed: torch.Tensor  # [out, in // 2] uint8, two 4-bit values per byte
+    scales: torch.Tensor  # [out, in // group_size]
+    mins: torch.Tensor  # [out, in // group_size]; W ~ q * scale + min
+    group_size: int
+    symmetric: bool
+    cpu_packed: torch.Tensor | None  # torch's int4 CPU layout, or None
+    cpu_scales_zeros: torch.Tensor | None  # [in // group_size, out, 2] (scale, zero), or None
+
+
+# ----------------------------------------------------------------------------------------------
+# int8: quantize / reference
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 (absmax / 127), scales in the weight's dtype."""
+    w = weight.detach().float()  # [out, in]
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scales)
+
+
+def dequantize_int8(qweight: Int8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[out, in] weight q * scale in `dtype` (default: the scales' dtype), computed in fp32."""
+    w = qweight.qweight.float() * qweight.scales.float()[:, None]
+    return w.to(dtype or qweight.scales.dtype)
+
+
+def linear_int8_ref(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
+    """Dequantize to x.dtype, then nn.Linear's F.linear."""
+    return F.linear(x, dequantize_int8(qweight, x.dtype), bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# int4: quantize / reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_int4_shape(weight: torch.Tensor, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"quantize_int4: group_size must be one of {INT4_GROUP_SIZES}, got {group_size}. "
+            "Fix: pass group_size=64 or 128."
+        )
+    if weight.dim() != 2 or weight.shape[1] % group_size:
+        raise ValueError(
+            f"quantize_int4: expected a 2-D weight [out, in] with in divisible by group_size="
+            f"{group_size}, got shape {tuple(weight.shape)}. Fix: pick a group size dividing "
+            "in, or zero-pad the input dim (and x) to a multiple of it."
+        )
+
+
+def _int4_scales_mins(wg: torch.Tensor, symmetric: bool, dtype: torch.dtype):
+    """Per-group scale and min (rounded to `dtype`) for grouped fp32 weights [out, G, group]."""
+    if symmetric:
+        scales = (wg.abs().amax(dim=-1) / 7.0).clamp(min=1e-10).to(dtype)  # [out, G]
+        return scales, (-8.0 * scales.float()).to(dtype)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, G]
+    scales = ((hi - lo) / 15.0).clamp(min=1e-10).to(dtype)
+    return scales, lo.to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] values in [0, 15] -> [..., n] uint8, even index in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 -> [..., 2n] uint8 values in [0, 15] (inverse of pack_int4)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def _cpu_int4_layout(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """torch's int4 CPU kernel layout: it computes W = (q - 8) * scale + zero per group."""
+    if q.device.type != "cpu" or q.shape[0] % 16:
+        return None, None
+    cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    zeros = (mins.float() + 8.0 * scales.float()).to(scales.dtype)  # [out, G]
+    scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [G,out,2]
+    return cpu_packed, scales_zeros
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = 128, symmetric: bool = False
+) -> Int4Weight:
+    """4-bit group-wise quantization of a [out, in] weight (see the module docstring)."""
+    _check_int4_shape(weight, group_size)
+    out_f, in_f = weight.shape
+    wg = weight.detach().float().reshape(out_f, in_f // group_size, group_size)  # [out, G, g]
+    scales, mins = _int4_scales_mins(wg, symmetric, weight.dtype)
+    q = torch.round((wg - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    q = q.reshape(out_f, in_f).to(torch.uint8)  # [out, in]
+    cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
+    return Int4Weight(pack_int4(q), scales, mins, group_size, symmetric, cpu_packed,
+                      cpu_scales_zeros)
+
+
+def _dequantize_int4_rows(packed, scales, mins, group_size: int, dtype: torch.dtype):
+    out_f = packed.shape[0]
+    q = unpack_int4(packed).float().reshape(out_f, -1, group_size)  # [out, G, g]
+    w = q * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(out_f, -1).to(dtype)
+
+
+def dequantize_int4(qweight: Int4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[out, in] weight q * scale + min in `dtype` (default: the scales' dtype), fp32 math."""
+    return _dequantize_int4_rows(qweight.packed, qweight.scales, qweight.mins,
+                                 qweight.group_size, dtype or qweight.scales.dtype)
+
+
+def linear_int4_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
+    """Dequantize to x.dtype, then F.linear."""
+    return F.linear(x, dequantize_int4(qweight, x.dtype), bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton dequant-matmul kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Import Triton and define the kernels on first use (the module imports without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _linear_int8_kernel(
+        x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
+        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # acc = x @ q.T in fp32 over int8 tiles converted in registers; the per-output-channel
+        # scale factors out of the K sum, so it is applied once to the accumulator.
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask,
+                         other=0.0)
+            q_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+            qt = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None], mask=q_mask,
+                         other=0)  # [BLOCK_K, BLOCK_N] int8
+            if DOT_FP32:
+                acc += tl.dot(xt.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, qt.to(xt.dtype))
+        acc *= tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.jit
+    def _linear_int4_kernel(
+        x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn,
+        stride_ym, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # BLOCK_K divides GROUP, so one K tile lies in one group: one scale/min per column.
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask,
+                         other=0.0)
+            p_mask = (offs_k[:, None] < K) & n_mask[None, :]
+            byte = tl.load(p_ptr + offs_n[None, :] * stride_pn + offs_k[:, None] // 2,
+                           mask=p_mask, other=0)  # [BLOCK_K, BLOCK_N] uint8
+            q = ((byte >> ((offs_k[:, None] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+            g_off = offs_n * stride_sn + k0 // GROUP
+            scale = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
+            low = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
+            wt = q * scale[None, :] + low[None, :]  # dequantized weight.T tile, fp32
+            if DOT_FP32:
+                acc += tl.dot(xt.to(tl.float32), wt, input_precision="ieee")
+            else:
+                acc += tl.dot(xt, wt.to(xt.dtype))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_mask = (offs_m[:, None] < M) & n_mask[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    return triton, _linear_int8_kernel, _linear_int4_kernel
+
+
+def _launch_shape(x: torch.Tensor, n: int):
+    """x as contiguous rows [M, in], the output [M, out] and the (M, N) grid for 16x64 tiles."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+    y = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)  # [M, out]
+    grid = ((x2.shape[0] + 15) // 16, (n + 63) // 64)
+    return x2, y, grid
+
+
+def linear_int8_triton(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
+    """Fused int8 dequant-matmul: reads 1 byte per weight, fp32 accumulation."""
+    _, kernel, _ = _kernels()
+    q = qweight.qweight.contiguous()
+    n, k = q.shape
+    x2, y, grid = _launch_shape(x, n)
+    b = bias if bias is not None else y
+    kernel[grid](x2, q, qweight.scales, b, y, x2.shape[0], n, k, x2.stride(0), q.stride(0),
+                 y.stride(0), HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x.dtype),
+                 BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def linear_int4_triton(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
+    """Fused int4 dequant-matmul: unpacks nibbles and applies scale/min in registers."""
+    _, _, kernel = _kernels()
+    p, s, z = qweight.packed, qweight.scales.contiguous(), qweight.mins.contiguous()
+    n, k = p.shape[0], p.shape[1] * 2
+    x2, y, grid = _launch_shape(x, n)
+    b = bias if bias is not None else y
+    kernel[grid](x2, p, s, z, b, y, x2.shape[0], n, k, x2.stride(0), p.stride(0), s.stride(0),
+                 y.stride(0), GROUP=qweight.group_size, HAS_BIAS=bias is not None,
+                 DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU fast paths
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias) -> torch.Tensor:
+    """y = x2 @ W.T with W dequantized DEQUANT_CHUNK_ROWS output rows at a time (in cache)."""
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)  # [M, out]
+    for start in range(0, n, DEQUANT_CHUNK_ROWS):
+        stop = min(start + DEQUANT_CHUNK_ROWS, n)
+        w = dequant_rows(start, stop)  # [chunk, in] in x.dtype
+        b = bias[start:stop] if bias is not None else None
+        y[:, start:stop] = F.linear(x2, w, b)
+    return y
+
+
+def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    return dequantize_int8(Int8Weight(*(t[start:stop] for t in qweight)), dtype)
+
+
+def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    return _dequantize_int4_rows(qweight.packed[start:stop], qweight.scales[start:stop],
+                                 qweight.mins[start:stop], qweight.group_size, dtype)
+
+
+def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
+    """_weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, chunked dequantize + GEMM above."""
+    q, scales = qweight.qweight, qweight.scales
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if x2.shape[0] <= QUANT_PACK_MAX_ROWS:
+        # The kernel wants scales in x.dtype; the cast is of an [out] vector.
+        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales.to(x.dtype))
+        y = y if bias is None else y + bias
+    else:
+        rows = functools.partial(_int8_rows, qweight, x.dtype)
+        y = _chunked_dequant_linear(x2, q.shape[0], rows, bias)
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
+    """_weight_int4pack_mm_for_cpu up to QUANT_PACK_MAX_ROWS rows, chunked dequantize above."""
+    n, g = qweight.packed.shape[0], qweight.group_size
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None:
+        sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), qweight.cpu_packed, g, sz)
+        y = y if bias is None else y + bias
+    else:
+        y = _chunked_dequant_linear(x2, n, functools.partial(_int4_rows, qweight, x.dtype), bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_int8(
+    x: torch.Tensor,
+    qweight: Int8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ dequantize_int8(qweight).T + bias, computed by the backend's int8 kernel."""
+    fn = _dispatch.pick(backend, x.device, ref=linear_int8_ref, triton_fn=linear_int8_triton,
+                        cpu_fn=linear_int8_cpu)
+    return fn(x, qweight, bias)
+
+
+def linear_int4(
+    x: torch.Tensor,
+    qweight: Int4Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ dequantize_int4(qweight).T + bias, computed by the backend's int4 kernel."""
+    fn = _dispatch.pick(backend, x.device, ref=linear_int4_ref, triton_fn=linear_int4_triton,
+                        cpu_fn=linear_int4_cpu)
+    return fn(x, qweight, bias)

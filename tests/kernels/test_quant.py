@@ -1,0 +1,113 @@
+"""Weight-only int8 / int4 quantization: quality bounds (SQNR, max error) and every backend
+against the dequantize + F.linear reference.
+
+SQNR bounds, for Gaussian weights of std s (uniform rounding noise of variance step**2 / 12):
+- int8 per channel, rows of 1024: step = max|w| / 127 ~ 3.4 s / 127, noise ~ 6e-5 s**2, so
+  SQNR ~ 42 dB; we require >= 38 dB.
+- int4 asymmetric, group 64 (128): the range of 64 (128) Gaussians is ~4.7 s (5.2 s), step =
+  range / 15, so SQNR ~ 20.7 dB (20 dB); we require >= 18 dB.
+- int4 symmetric, group 64: step = absmax / 7 ~ 2.6 s / 7, SQNR ~ 19.4 dB; we require >= 17 dB.
+The output of a linear sums independent weight errors, so its SQNR is about the weight's: the
+same bounds apply to y = x @ W.T against fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dsinfer.kernels import quant as Q
+from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, requires_triton
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The reference rounds each dequantized weight to x.dtype before F.linear; the fused kernels
+# keep it in fp32 (Triton) or round a different value (torch's int4 CPU kernel takes
+# zero = min + 8 * scale rounded to x.dtype). In fp16 each weight may thus differ by about an
+# fp16 ulp of |zero| or |w|; summed over K that can exceed the fp16 GEMM tolerance (not bf16's).
+DEQUANT_TOL = {**REDUCTION_TOL, torch.float16: REDUCTION_TOL[torch.bfloat16]}
+INT4_CASES = ((64, False, 18.0), (128, False, 18.0), (64, True, 17.0), (128, True, 17.0))
+
+
+def sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    exact = exact.double()
+    noise = (approx.double() - exact).pow(2).mean()
+    return float(10 * torch.log10(exact.pow(2).mean() / noise))
+
+
+def _gaussian(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int8_quality():
+    w, x = _gaussian(256, 1024), _gaussian(4, 1024, seed=1)
+    qw = Q.quantize_int8(w)
+    deq = Q.dequantize_int8(qw)
+    max_err = (deq - w).abs().max().item()
+    w_db, y_db = sqnr_db(deq, w), sqnr_db(Q.linear_int8(x, qw), x @ w.T)
+    print(f"int8: weight SQNR {w_db:.1f} dB, output SQNR {y_db:.1f} dB, max |err| {max_err:.4f}")
+    assert w_db >= 38.0 and y_db >= 38.0
+    # Rounding to the nearest step: never more than half a step per element.
+    assert ((deq - w).abs() <= qw.scales[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group_size,symmetric,bound_db", INT4_CASES)
+def test_int4_quality(group_size, symmetric, bound_db):
+    w, x = _gaussian(256, 1024), _gaussian(4, 1024, seed=1)
+    qw = Q.quantize_int4(w, group_size, symmetric)
+    deq = Q.dequantize_int4(qw)
+    max_err = (deq - w).abs().max().item()
+    w_db, y_db = sqnr_db(deq, w), sqnr_db(Q.linear_int4(x, qw), x @ w.T)
+    print(f"int4 g{group_size} sym={symmetric}: weight SQNR {w_db:.1f} dB, "
+          f"output SQNR {y_db:.1f} dB, max |err| {max_err:.4f}")
+    assert w_db >= bound_db and y_db >= bound_db
+    step = qw.scales.repeat_interleave(group_size, dim=1)  # [out, in]
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int4_pack_roundtrip_and_bad_group():
+    q = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    assert torch.equal(Q.unpack_int4(Q.pack_int4(q)), q)
+    with pytest.raises(ValueError, match="group_size"):
+        Q.quantize_int4(torch.randn(16, 96), group_size=64)
+
+
+@requires_triton()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", ((1, 80, 37), (7, 80, 72)))
+def test_linear_int8_triton_matches_ref(triton_interpret, dtype, rows, k, n):
+    qw = Q.quantize_int8(_gaussian(n, k).to(dtype))
+    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
+    out = Q.linear_int8(x, qw, bias, backend="triton")
+    assert_close_tol(out, Q.linear_int8_ref(x, qw, bias), dtype, DEQUANT_TOL)
+
+
+@requires_triton()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n,group,sym", ((1, 128, 37, 64, False), (7, 96, 48, 32, True)))
+def test_linear_int4_triton_matches_ref(triton_interpret, dtype, rows, k, n, group, sym):
+    qw = Q.quantize_int4(_gaussian(n, k).to(dtype), group, sym)
+    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
+    out = Q.linear_int4(x, qw, bias, backend="triton")
+    assert_close_tol(out, Q.linear_int4_ref(x, qw, bias), dtype, DEQUANT_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))  # 40 rows > QUANT_PACK_MAX_ROWS
+def test_linear_int8_cpu_matches_ref(monkeypatch, dtype, lead):
+    monkeypatch.setattr(Q, "DEQUANT_CHUNK_ROWS", 16)  # exercise several chunks
+    qw = Q.quantize_int8(_gaussian(48, 80).to(dtype))
+    x, bias = _gaussian(*lead, 80, seed=1).to(dtype), _gaussian(48, seed=2).to(dtype)
+    out = Q.linear_int8(x, qw, bias, backend="cpu")
+    assert_close_tol(out, Q.linear_int8_ref(x, qw, bias), dtype, DEQUANT_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))
+@pytest.mark.parametrize("n,group,sym", ((48, 64, False), (32, 32, True), (37, 32, False)))
+def test_linear_int4_cpu_matches_ref(monkeypatch, dtype, lead, n, group, sym):
+    monkeypatch.setattr(Q, "DEQUANT_CHUNK_ROWS", 16)
+    qw = Q.quantize_int4(_gaussian(n, 128).to(dtype), group, sym)
+    assert (qw.cpu_packed is not None) == (n % 16 == 0)  # torch's kernel needs out % 16 == 0
+    x, bias = _gaussian(*lead, 128, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
+    out = Q.linear_int4(x, qw, bias, backend="cpu")
+    assert_close_tol(out, Q.linear_int4_ref(x, qw, bias), dtype, DEQUANT_TOL)
