@@ -41,4 +41,4 @@ def fused_call_counts(model: nn.Module) -> dict[str, int]:
     return {} if report is None else {p: f.calls for p, f in report.blocks.items()}
 
 
-__all__ = ["init_inference", "revert", "explain", "fused_call_counts"]
+__all__ = ["explain", "fused_call_counts", "init_inference", "revert"]

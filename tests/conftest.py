@@ -1,7 +1,15 @@
-"""Shared test setup. Keeps torch to the machine's cores and tests deterministic."""
+"""Shared test setup: offline, and torch kept to the machine's cores."""
 
 import os
 
-import torch
+# Nothing may download at test time: every model is built from a config or shipped in a package.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels are tested on CPU tensors by the interpreter. Triton reads this when it is first
+# imported, and transformers may import it while the test modules are collected, so it is set
+# here, before anything else. (On a GPU machine, run with TRITON_INTERPRET=0.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -5,6 +5,7 @@ partial rotary, a 4-token sliding window, post-LN OPT with project_in/out."""
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
@@ -14,14 +15,16 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    PhiConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
 VOCAB = 101
 # initializer_range is raised from HF's 0.02 so that random logits have a clear argmax: greedy
 # parity tests must not hinge on near-ties.
-_COMMON = dict(vocab_size=VOCAB, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0)
+_COMMON = {"vocab_size": VOCAB, "initializer_range": 0.15, "bos_token_id": 1,
+           "eos_token_id": 2, "pad_token_id": 0}
 _LLAMA = dict(hidden_size=96, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=6, num_key_value_heads=3, head_dim=16,
               max_position_embeddings=128, **_COMMON)
@@ -53,6 +56,9 @@ CONFIGS = {
                                  use_sliding_window=True, sliding_window=4, max_window_layers=1),
 }
 FAMILIES = list(CONFIGS)
+# An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
+UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
+                                        intermediate_size=144, **_COMMON)}
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -68,7 +74,7 @@ ROPE_SCALINGS = {
 
 def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                attn_implementation: str = "eager", rope_scaling: dict | None = None):
-    config = CONFIGS[name]()
+    config = {**CONFIGS, **UNSUPPORTED}[name]()
     if rope_scaling is not None:
         config.rope_parameters = {**config.rope_parameters, **rope_scaling}
     torch.manual_seed(seed)
@@ -87,3 +93,19 @@ def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):
         ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over VOCAB ids: <pad>=0, <s>=1, </s>=2, then w3 .. w100."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="w3", padding_side="left")
+
+
+def save_tiny(tmp_path_factory, name: str) -> str:
+    path = tmp_path_factory.mktemp(name)
+    make_model(name).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)

@@ -68,7 +68,7 @@ def _out_features(linear_module: nn.Module, conv1d: bool) -> int:
 
 def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) -> BlockSpec:
     attn = block.get_submodule(policy.attn)
-    head_dim = int(getattr(attn, "head_dim", None) or getattr(attn, "head_size"))
+    head_dim = int(getattr(attn, "head_dim", None) or attn.head_size)
     projections = [attn.get_submodule(n) for n in policy.qkv]
     if policy.qkv_layout == P.SEPARATE:
         q_out = _out_features(projections[0], policy.conv1d)

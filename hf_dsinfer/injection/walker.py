@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
 
 from torch import nn
 
@@ -71,7 +70,7 @@ def revert(model: nn.Module) -> nn.Module:
     report = get_report(model)
     if report is None:
         return model
-    for path, fused in report.blocks.items():
+    for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     delattr(model, REPORT_ATTR)
     return model

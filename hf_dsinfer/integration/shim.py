@@ -15,6 +15,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from hf_dsinfer.config import DSInferConfig
+from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.integration.quantizer import DSInferQuantizationConfig
 
 _MARK = "__dsinfer_shim__"
@@ -29,7 +30,15 @@ def _load(original, cls, args, kwargs, dsinfer: Any):
 
         return init_inference(original(cls, *args, **kwargs), config)
     kwargs["quantization_config"] = DSInferQuantizationConfig.from_dsinfer(config)
-    return original(cls, *args, **kwargs)
+    model = original(cls, *args, **kwargs)
+    report = get_report(model)
+    if report is None or report.config != config:
+        # A checkpoint saved with dsinfer carries its own config, which transformers prefers
+        # over the caller's; the caller's dsinfer= is the one to honour.
+        from hf_dsinfer.api import init_inference
+
+        init_inference(model, config)
+    return model
 
 
 def install() -> None:

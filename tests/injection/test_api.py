@@ -1,0 +1,157 @@
+"""Public API contracts: config validation, unsupported models, the parity gate, revert,
+explain, and no process-wide state."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from tiny_models import make_model, prompts
+
+import hf_dsinfer
+from hf_dsinfer.injection import walker
+from hf_dsinfer.injection.policies import find_policy
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+# -- config ----------------------------------------------------------------------------------------
+def test_config_json_round_trip():
+    cfg = hf_dsinfer.DSInferConfig(dtype=torch.bfloat16, kernels="ref", strict=True)
+    again = hf_dsinfer.DSInferConfig.from_json(cfg.to_json())
+    assert again == cfg and again.dtype is torch.bfloat16
+    assert hf_dsinfer.DSInferConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kernels = "auto"
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"kernel": "auto"}, "Did you mean 'kernels'"),
+    ({"parity_chek": True}, "Did you mean 'parity_check'"),
+    ({"strict": "yes"}, "strict"),
+    ({"parity_check": 1}, "parity_check"),
+    ({"kernels": "cuda"}, "kernels"),
+    ({"dtype": "float8"}, "dtype"),
+])
+def test_config_errors_name_key_and_fix(bad, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        hf_dsinfer.DSInferConfig.from_dict(bad)
+    assert "expected" in str(info.value) or "Valid keys" in str(info.value)
+
+
+def test_bad_dsinfer_argument_and_overrides():
+    model = make_model("gpt2")
+    with pytest.raises(ValueError, match="dsinfer="):
+        hf_dsinfer.init_inference(model, "fast")
+    with pytest.raises(ValueError, match="Did you mean 'kernels'"):
+        hf_dsinfer.init_inference(model, kernel="ref")
+    hf_dsinfer.init_inference(model, kernels="ref")
+    assert model._dsinfer_report.config.kernels == "ref"
+
+
+# -- unsupported models ------------------------------------------------------------------------------
+def test_unsupported_raises_naming_class_and_families():
+    model = make_model("phi")
+    with pytest.raises(hf_dsinfer.UnsupportedModelError) as info:
+        hf_dsinfer.init_inference(model)
+    text = str(info.value)
+    assert "PhiForCausalLM" in text and "llama" in text and "gpt_neox" in text
+    assert "strict=False" in text
+    assert walker.get_report(model) is None
+
+
+def test_unsupported_non_strict_runs_unmodified():
+    ref = make_model("phi")
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="unmodified"):
+        hf_dsinfer.init_inference(model, strict=False)
+    assert "unmodified" in hf_dsinfer.explain(model)
+    ids, mask = prompts()
+    assert torch.equal(_logits(ref, ids, mask), _logits(model, ids, mask))
+
+
+# -- parity gate ---------------------------------------------------------------------------------------
+@pytest.fixture
+def broken_policy(monkeypatch):
+    """A wrong policy (GPT-J style interleaved rotary on a Llama): what the gate must catch."""
+    def wrong(model):
+        return dataclasses.replace(find_policy(model), rotary_interleaved=True)
+    monkeypatch.setattr(walker, "find_policy", wrong)
+
+
+def test_parity_gate_falls_back_and_warns(broken_policy):
+    ref = make_model("llama")
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="parity gate failed"):
+        hf_dsinfer.init_inference(model)
+    assert "kept HF forward" in hf_dsinfer.explain(model)
+    assert "FAILED" in hf_dsinfer.explain(model)
+    ids, mask = prompts()
+    assert torch.equal(_logits(ref, ids, mask), _logits(model, ids, mask))
+    assert sum(hf_dsinfer.fused_call_counts(model).values()) == 0
+
+
+def test_parity_gate_strict_raises(broken_policy):
+    model = make_model("llama")
+    with pytest.raises(hf_dsinfer.ParityError, match="LlamaDecoderLayer"):
+        hf_dsinfer.init_inference(model, strict=True)
+    assert walker.get_report(model) is None
+    assert "forward" not in model.model.layers[0].__dict__
+
+
+def test_parity_gate_passes_quietly_on_correct_policy():
+    model = make_model("bloom")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_dsinfer.init_inference(model, strict=True)
+    report = model._dsinfer_report
+    assert report.parity["BloomBlock"].passed and report.parity["BloomBlock"].blocks_checked == 2
+
+
+# -- revert, explain, independence ----------------------------------------------------------------------
+def test_revert_restores_hf_forward():
+    ref = make_model("gpt_neox")
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    assert "forward" in model.gpt_neox.layers[0].__dict__
+    assert hf_dsinfer.revert(model) is model
+    assert "forward" not in model.gpt_neox.layers[0].__dict__
+    assert "not injected" in hf_dsinfer.explain(model)
+    ids, mask = prompts()
+    assert torch.equal(_logits(ref, ids, mask), _logits(model, ids, mask))
+
+
+def test_explain_lists_replaced_and_left_alone():
+    model = hf_dsinfer.init_inference(make_model("opt_post_ln"))
+    text = hf_dsinfer.explain(model)
+    assert "OPTDecoderLayer x2" in text and "post_ln" in text and "parity ok" in text
+    assert "left alone" in text and "project_in" in text
+
+
+def test_two_models_with_different_configs_coexist():
+    a = hf_dsinfer.init_inference(make_model("llama"), kernels="ref")
+    b = hf_dsinfer.init_inference(make_model("llama"), kernels="auto")
+    plain = make_model("llama")
+    ids, mask = prompts()
+    la, lb, lp = (_logits(m, ids, mask) for m in (a, b, plain))
+    valid = mask.bool()
+    assert (la - lp)[valid].abs().max() <= 1e-4 and (lb - lp)[valid].abs().max() <= 1e-4
+    assert a._dsinfer_report.config.kernels == "ref" and b._dsinfer_report.config.kernels == "auto"
+    assert "forward" not in plain.model.layers[0].__dict__
+    assert all(hf_dsinfer.fused_call_counts(a).values())
+
+
+def test_output_attentions_defers_to_hf():
+    ref = make_model("llama")
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        expected = ref(ids, attention_mask=mask, output_attentions=True)
+    assert out.attentions is not None and len(out.attentions) == 2
+    assert torch.allclose(out.attentions[0], expected.attentions[0])
