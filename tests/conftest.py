@@ -10,6 +10,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # here, before anything else. (On a GPU machine, run with TRITON_INTERPRET=0.)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -32,7 +32,10 @@ ENV_VAR = "HF_DSINFER_KERNELS"
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     """True when the `triton` package can be imported (it is imported lazily, never here)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["triton"] is None (blocked)
+        return False
 
 
 def triton_interpreting() -> bool:
