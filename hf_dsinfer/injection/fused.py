@@ -126,7 +126,8 @@ class FusedBlock:
         named.update(kwargs)
         if not self._can_fuse(named):
             return self.hf_forward(*args, **kwargs)
-        self.calls += 1
+        if not torch.compiler.is_compiling():  # a mutated Python int would force recompiles
+            self.calls += 1
         out = self._layouts[self.spec.layout](named["hidden_states"], named)
         return (out, None) if self.policy.returns_tuple else out
 
