@@ -17,6 +17,7 @@ import torch
 
 from hf_dsinfer.errors import DSInferConfigError
 from hf_dsinfer.kernels._dispatch import BACKENDS
+from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -43,6 +44,47 @@ def parse_dtype(value: Any) -> torch.dtype | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the decoder blocks' linear layers, applied at load.
+
+    Attributes:
+        bits: 8 (int8 per output channel, ZeroQuant-style) or 4 (4-bit group-wise).
+        group_size: int4 group length along the input dim, one of 32/64/128/256; None picks the
+            largest that divides every quantized layer's input size. Ignored for int8.
+        symmetric: int4 only: absmax (symmetric) instead of FlexGen's min-max groups.
+    """
+
+    bits: int
+    group_size: int | None = None
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8) or isinstance(self.bits, bool):
+            raise DSInferConfigError(
+                f"DSInferConfig.quant.bits: expected 8 or 4, got {self.bits!r}. "
+                "Fix: quant={'bits': 8} (int8 weights) or quant={'bits': 4, 'group_size': 128}."
+            )
+        if self.group_size is not None and self.group_size not in INT4_GROUP_SIZES:
+            raise DSInferConfigError(
+                f"DSInferConfig.quant.group_size: expected one of {INT4_GROUP_SIZES} or None "
+                f"(auto), got {self.group_size!r}. Fix: group_size=128, or leave it out."
+            )
+        _check_type("quant.symmetric", self.symmetric, (bool,), "True or False")
+
+    @classmethod
+    def coerce(cls, value: Any) -> QuantConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            _reject_unknown(cls, value, "DSInferConfig.quant")
+            return cls(**value)
+        raise DSInferConfigError(
+            f"DSInferConfig.quant: expected None or a dict like {{'bits': 8}}, got {value!r}. "
+            "Fix: quant={'bits': 8} or quant={'bits': 4, 'group_size': 128}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class DSInferConfig:
     """How hf_dsinfer transforms a model.
 
@@ -58,15 +100,23 @@ class DSInferConfig:
             `hf_dsinfer.explain(model)` reports every decision.
         parity_check: run each fused block class once on a probe (prefill + one cached decode
             step) against its HF original at injection time.
+        quant: weight-only quantization of the fused blocks' linears (QuantConfig or a dict
+            like {"bits": 8}); applied after the parity gate has checked the unquantized blocks.
+        compile: capture the whole decode step: generate() uses a preallocated static KV cache
+            and a torch.compile'd forward for every decode step (prefill stays eager).
     """
 
     dtype: torch.dtype | None = None
     kernels: str = "auto"
     strict: bool | None = None
     parity_check: bool = True
+    quant: QuantConfig | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "quant", QuantConfig.coerce(self.quant))
+        _check_type("compile", self.compile, (bool,), "True or False")
         if self.kernels not in BACKENDS:
             raise DSInferConfigError(
                 f"DSInferConfig.kernels: expected one of {BACKENDS}, got {self.kernels!r}. "
@@ -82,14 +132,7 @@ class DSInferConfig:
             raise DSInferConfigError(
                 f"DSInferConfig.from_dict: expected a dict, got {type(data).__name__}."
             )
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise DSInferConfigError(
-                    f"DSInferConfig: unknown key {key!r}.{hint} Valid keys: {names}."
-                )
+        _reject_unknown(cls, data, "DSInferConfig")
         return cls(**data)
 
     @classmethod
@@ -122,6 +165,15 @@ class DSInferConfig:
     @classmethod
     def from_json(cls, text: str) -> DSInferConfig:
         return cls.from_dict(json.loads(text))
+
+
+def _reject_unknown(cls: type, data: dict[str, Any], where: str) -> None:
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise DSInferConfigError(f"{where}: unknown key {key!r}.{hint} Valid keys: {names}.")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:

@@ -25,7 +25,7 @@ VOCAB = 101
 # parity tests must not hinge on near-ties.
 _COMMON = {"vocab_size": VOCAB, "initializer_range": 0.15, "bos_token_id": 1,
            "eos_token_id": 2, "pad_token_id": 0}
-_LLAMA = dict(hidden_size=96, intermediate_size=112, num_hidden_layers=2,
+_LLAMA = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=6, num_key_value_heads=3, head_dim=16,
               max_position_embeddings=128, **_COMMON)
 

@@ -68,6 +68,12 @@ def explain(model: nn.Module) -> str:
             f" | dtype {next(model.parameters()).dtype}")
     if report.unmodified_reason:
         return f"{head}\nunmodified: {report.unmodified_reason}"
+    extras = []
+    if report.quant is not None:
+        extras.append(f"quantized: {report.quant.describe()}")
+    if cfg.compile:
+        extras.append("decode: static KV cache + torch.compile'd decode step (generate)")
+    head = "\n".join([head, *extras])
     lines = [head, "", _row("module", "HF class", "replaced by", "status", "fused calls"),
              _row("---", "---", "---", "---", "---")]
     return "\n".join(lines + _block_rows(report) + _left_alone_rows(model, report))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.injection import policy as P
+from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.linear import linear
@@ -105,20 +106,36 @@ class FusedBlock:
         self.hf_forward = type(block).forward.__get__(block)
         params = list(inspect.signature(type(block).forward).parameters.values())[1:]
         self._arg_names = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
-        self._attn = block.get_submodule(policy.attn)
-        self._qkv = [self._attn.get_submodule(n) for n in policy.qkv]
-        self._out = self._attn.get_submodule(policy.out_proj)
-        self._ln1 = _sub(block, policy.ln1)
-        self._ln2 = _sub(block, policy.ln2)
-        mlp = _sub(block, policy.mlp)
-        self._mlp_in = [mlp.get_submodule(n) for n in policy.mlp_in]
-        self._mlp_out = mlp.get_submodule(policy.mlp_out)
+        self.bind()
         self._layouts = {
             P.SEQUENTIAL: self._sequential,
             P.PARALLEL: self._parallel,
             P.PARALLEL_SHARED_LN: self._parallel_shared_ln,
             P.POST_LN: self._post_ln,
         }
+
+    def bind(self) -> None:
+        """(Re)resolve the submodules the fused computation reads, by their HF names."""
+        policy, block = self.policy, self.block
+        self._attn = block.get_submodule(policy.attn)
+        self._qkv = [self._attn.get_submodule(n) for n in policy.qkv]
+        self._out = self._attn.get_submodule(policy.out_proj)
+        self._ln1 = _sub(block, policy.ln1)
+        self._ln2 = _sub(block, policy.ln2)
+        self._mlp_module = _sub(block, policy.mlp)
+        self._mlp_in = [self._mlp_module.get_submodule(n) for n in policy.mlp_in]
+        self._mlp_out = self._mlp_module.get_submodule(policy.mlp_out)
+
+    def linear_slots(self) -> list[tuple[nn.Module, str, nn.Module]]:
+        """(parent, attribute name, module) of every linear layer the block computes with."""
+        policy, attn, mlp = self.policy, self._attn, self._mlp_module
+        names = [(attn, n) for n in (*policy.qkv, policy.out_proj)]
+        names += [(mlp, n) for n in (*policy.mlp_in, policy.mlp_out)]
+        return [(parent, n, parent.get_submodule(n)) for parent, n in names]
+
+    def linear_in_features(self) -> list[int]:
+        return [m.weight.shape[0 if self.policy.conv1d else 1] for _, _, m in self.linear_slots()
+                if hasattr(m, "weight")]
 
     # -- entry point ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -180,6 +197,8 @@ class FusedBlock:
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
 
     def _linear(self, module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        if isinstance(module, QuantizedLinear):
+            return module.matmul(x, with_bias)
         weight = module.weight.t() if self.policy.conv1d else module.weight  # [out, in]
         return linear(x, weight, module.bias if with_bias else None, backend=self.backend)
 

@@ -16,9 +16,16 @@ from torch import nn
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import ParityError, UnsupportedModelError
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
+from hf_dsinfer.injection.latency import disable_compiled_decode, enable_compiled_decode
 from hf_dsinfer.injection.parity import ParityResult, run_parity_gate
 from hf_dsinfer.injection.policies import find_policy, supported_families
 from hf_dsinfer.injection.policy import Policy
+from hf_dsinfer.injection.quantize import (
+    QuantSummary,
+    block_group_size,
+    check_quant_supported,
+    quantize_blocks,
+)
 from hf_dsinfer.kernels._dispatch import resolve
 
 REPORT_ATTR = "_dsinfer_report"
@@ -35,6 +42,7 @@ class InjectionReport:
     parity: dict[str, ParityResult] = dataclasses.field(default_factory=dict)  # class -> result
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # path -> reason
     unmodified_reason: str | None = None
+    quant: QuantSummary | None = None
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -57,21 +65,33 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
             report.skipped[path] = f"{type(block).__name__} is not a {policy.family} block class"
             continue
         spec = resolve_spec(block, policy, model.config, index)
-        fused = FusedBlock(block, policy, spec, backend)
-        _install(block, fused)
-        report.blocks[path] = fused
+        report.blocks[path] = FusedBlock(block, policy, spec, backend)
+    try:
+        _check_quant(model, config, report)  # fail before touching the model
+    except ValueError:
+        delattr(model, REPORT_ATTR)
+        raise
+    for fused in report.blocks.values():
+        _install(fused.block, fused)
     if config.parity_check and report.blocks:
         _apply_parity(model, report)
+    if config.quant is not None:
+        live = [f for f in report.blocks.values() if f.enabled]
+        report.quant = quantize_blocks(live, config.quant)
+    if config.compile:
+        enable_compiled_decode(model)
     return report
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo `inject`: every block gets its HF forward back. Returns the model."""
+    """Undo `inject`: every block gets its HF forward back (quantized linears stay quantized:
+    dequantizing is lossy, and they remain ordinary callable modules). Returns the model."""
     report = get_report(model)
     if report is None:
         return model
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
+    disable_compiled_decode(model)
     delattr(model, REPORT_ATTR)
     return model
 
@@ -91,6 +111,14 @@ def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: Injecti
         return
     delattr(model, REPORT_ATTR)
     raise UnsupportedModelError(message)
+
+
+def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+    if config.quant is None:
+        return
+    param = next(model.parameters())
+    check_quant_supported(config.quant, param.device, param.dtype)
+    block_group_size(list(report.blocks.values()), config.quant)
 
 
 def _model_backend(model: nn.Module, config: DSInferConfig) -> str:

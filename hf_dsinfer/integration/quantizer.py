@@ -64,14 +64,21 @@ class DSInferQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        # Injection swaps forwards, it does not change the weights' format: keep .to(dtype),
-        # .half() etc. working (transformers blocks them on models it believes are quantized).
-        model.is_quantized = False
-        model.config._is_quantized = False
+        # Without `quant`, injection swaps forwards but keeps the weights' format: keep
+        # .to(dtype), .half() etc. working (transformers blocks them on quantized models).
+        quantized = self.dsinfer.quant is not None
+        model.is_quantized = quantized
+        model.config._is_quantized = quantized
         inject(model, self.dsinfer)
         return model
 
     def is_serializable(self) -> bool:
+        # Quantized blocks hold packed buffers that transformers cannot load back; the config is
+        # re-applied at load instead (save the model before quantizing, or without `quant`).
+        return self.dsinfer.quant is None
+
+    @property
+    def is_compileable(self) -> bool:
         return True
 
     @property
