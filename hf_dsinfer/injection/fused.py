@@ -225,9 +225,15 @@ class FusedBlock:
         if self.spec.scale_query:  # OPT scales q before QK^T; keep its rounding in half precision
             q, scale = q * scale, 1.0
         mask = named.get("attention_mask")
+        bias = self._alibi(named, b)
+        if mask is None and s > 1 and k.shape[2] > s:
+            # HF passes no mask only when SDPA's *top-left* causal rule is right, e.g. a
+            # padding-free prefill into a longer static cache: no query sees keys past s.
+            k, v = k[:, :, :s], v[:, :, :s]
+            bias = None if bias is None else bias[..., :s]
         out = attention_op(
-            q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1,
-            bias=self._alibi(named, b), backend=self.backend,
+            q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
+            backend=self.backend,
         )  # [B, H, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self._linear(self._out, out, with_bias=False), self._out.bias

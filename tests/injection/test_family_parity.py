@@ -96,6 +96,20 @@ def test_static_cache(pair):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_cache_logits(pair, batch):
+    """Every step's logits, not only tokens: a no-padding prefill into a longer static cache
+    gets mask=None from HF (SDPA's top-left causal rule), a case token checks alone missed."""
+    ref, fused = pair
+    ids, mask = prompts(batch=batch)
+    kwargs = {"do_sample": False, "cache_implementation": "static", "output_logits": True,
+              "return_dict_in_generate": True, **GEN, "max_new_tokens": 6, "min_new_tokens": 6}
+    a = ref.generate(ids, attention_mask=mask, **kwargs)
+    b = fused.generate(ids, attention_mask=mask, **kwargs)
+    for la, lb in zip(a.logits, b.logits):
+        assert (la - lb).abs().max().item() <= FP32_LOGIT_ATOL
+
+
 def test_without_cache(pair):
     ref, fused = pair
     ids, mask = prompts(batch=2)
