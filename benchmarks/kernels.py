@@ -14,13 +14,12 @@ distinct matrices whose total exceeds the 480 MB L3, so they are read from DRAM.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from hf_dsinfer.hardware import median_time, read_bandwidth
 from hf_dsinfer.kernels import moe, quant
 from hf_dsinfer.kernels.linear import linear, linear_ref
 
@@ -35,30 +34,6 @@ class Case(NamedTuple):
     bytes_moved: float  # per call, for GB/s (0: report TFLOP/s instead)
     flops: float
     atol: float
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_time(fn: Callable[[int], object], reps: int, device: str) -> float:
-    fn(0)
-    times = []
-    for i in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn(i)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def read_bandwidth(device: str, gib: float) -> float:
-    """GB/s of summing a tensor far larger than the L3 (a pure streaming read)."""
-    x = torch.ones(int(gib * 2**30 // 4), dtype=torch.float32, device=device)
-    t = median_time(lambda i: x.sum(), 5, device)
-    return x.numel() * 4 / t / 1e9
 
 
 def _check(case: Case) -> None:

@@ -3,6 +3,7 @@
     hf-dsinfer generate "What is the capital of France?"     # embedded SmolLM2-135M-Instruct
     hf-dsinfer generate "Hello" --model ./my-model --max-new-tokens 64 --no-dsinfer
     hf-dsinfer explain --model ./my-model
+    hf-dsinfer bench --models llama-1.1b --batch 1 16      # HF vs hf_dsinfer decode table + PNG
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hf_dsinfer.benchmark import main as bench_main
+
+    return bench_main(args)
+
+
 def _dtype(name: str) -> torch.dtype:
     from hf_dsinfer.config import parse_dtype
 
@@ -99,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--model", default=None)
     exp.add_argument("--dtype", default="float32")
     exp.set_defaults(func=cmd_explain)
+    from hf_dsinfer.benchmark import build_parser as bench_parser
+
+    bench = sub.add_parser("bench", help="decode benchmark: HF vs hf_dsinfer bf16/int8/int4")
+    bench_parser(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

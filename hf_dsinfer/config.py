@@ -50,7 +50,7 @@ class QuantConfig:
     Attributes:
         bits: 8 (int8 per output channel, ZeroQuant-style) or 4 (4-bit group-wise).
         group_size: int4 group length along the input dim, one of 32/64/128/256; None picks the
-            largest that divides every quantized layer's input size. Ignored for int8.
+            smallest that divides every quantized layer's input size. Ignored for int8.
         symmetric: int4 only: absmax (symmetric) instead of FlexGen's min-max groups.
     """
 

@@ -85,14 +85,16 @@ def check_quant_supported(quant: QuantConfig, device: torch.device, dtype: torch
 
 
 def resolve_group_size(quant: QuantConfig, in_features: list[int]) -> int | None:
-    """The int4 group size: the configured one (validated), or the largest dividing all."""
+    """The int4 group size: the configured one (validated), or else the smallest that divides
+    every layer. Smallest, because accuracy comes first: SmolLM2 from its Q4_1 GGUF (blocks of
+    32) measured +0.6% perplexity with group 32 and +42% with group 64."""
     if quant.bits == 8:
         return None
     fits = [g for g in INT4_GROUP_SIZES if all(n % g == 0 for n in in_features)]
     if quant.group_size in fits or (quant.group_size is None and fits):
-        return quant.group_size or max(fits)
+        return quant.group_size or min(fits)
     sizes = sorted(set(in_features))
-    fix = (f"pass group_size={max(fits)} (fits: {fits})" if fits
+    fix = (f"pass group_size={min(fits)} (fits: {fits})" if fits
            else "use quant={'bits': 8} for this model")
     raise ValueError(
         f"quant bits=4: group_size={quant.group_size or 'auto'} must divide every quantized "
