@@ -173,7 +173,7 @@ def plot(rows: list[Row], path: str) -> None:
                                             for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("hf_dsinfer vs HF: decode throughput (median of interleaved repeats)")
+    ax.set_title("decode throughput, median of interleaved repeats", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
