@@ -9,11 +9,13 @@ from torch import nn
 
 from hf_dsinfer.injection.walker import InjectionReport, get_report
 
-_LEFT_ALONE = {
-    nn.Embedding: "embedding lookup: a gather, nothing to fuse",
-    nn.Linear: "single GEMM outside the decoder blocks (lm_head / projection): already one op",
-    nn.LayerNorm: "final norm: one op outside the decoder blocks",
-    nn.Dropout: "no-op at inference",
+_LEFT_ALONE = {  # class-name suffix -> why a module outside the decoder blocks stays HF's
+    "RotaryEmbedding": "cos/sin for all rope types, computed once per forward and fed to the "
+                       "fused blocks",
+    "Embedding": "embedding lookup: a gather, nothing to fuse",
+    "Linear": "single GEMM outside the decoder blocks (lm_head / projection): already one op",
+    "LayerNorm": "final norm: one op outside the decoder blocks",
+    "RMSNorm": "final norm: one op outside the decoder blocks",
 }
 
 
@@ -49,9 +51,10 @@ def _left_alone_rows(model: nn.Module, report: InjectionReport) -> list[str]:
     for name, module in model.named_modules():
         if not name or (block_prefix and name.startswith(block_prefix)):
             continue
-        for kind, why in _LEFT_ALONE.items():
-            if type(module) is kind and name.count(".") <= 2:
-                rows.append(_row(name, type(module).__name__, "-", f"left alone: {why}", "-"))
+        why = next((w for suffix, w in _LEFT_ALONE.items()
+                    if type(module).__name__.endswith(suffix)), None)
+        if why and name.count(".") <= 2:
+            rows.append(_row(name, type(module).__name__, "-", f"left alone: {why}", "-"))
     return rows
 
 

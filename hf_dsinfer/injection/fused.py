@@ -87,8 +87,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         scale=1.0 / scale if policy.scale_inverted else scale,
         scale_query=policy.scale_query,
         residual_post_ln=bool(P.resolve(policy.residual_post_ln, config)),
-        layer_idx=int(getattr(attn, "layer_idx", None) if getattr(attn, "layer_idx", None)
-                      is not None else index),
+        layer_idx=index if getattr(attn, "layer_idx", None) is None else int(attn.layer_idx),
     )
 
 

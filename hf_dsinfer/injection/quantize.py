@@ -26,7 +26,7 @@ from hf_dsinfer.kernels.quant import (
     quantize_int8,
 )
 
-_INT4_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
+_QUANT_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
                 "cuda": (torch.float16, torch.bfloat16, torch.float32)}
 
 
@@ -68,7 +68,7 @@ class QuantizedLinear(nn.Module):
 def check_quant_supported(quant: QuantConfig, device: torch.device, dtype: torch.dtype) -> None:
     """Raise when no quantized path exists for this device/dtype (never run silently in full
     precision instead)."""
-    supported = _INT4_DTYPES  # the int8 and int4 kernels cover the same device/dtype pairs
+    supported = _QUANT_DTYPES  # the int8 and int4 kernels cover the same device/dtype pairs
     names = ", ".join(f"{d}: {[str(t).removeprefix('torch.') for t in ts]}"
                       for d, ts in supported.items())
     if dtype not in supported.get(device.type, ()):
