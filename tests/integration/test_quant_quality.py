@@ -8,10 +8,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_dsinfer
-from hf_dsinfer.cli import DEFAULT_GGUF, _chat_inputs, default_model_dir
+from hf_dsinfer.cli import _chat_inputs, load
 from hf_dsinfer.evaluate import english_text, perplexity
 
 pytestmark = pytest.mark.slow
@@ -32,10 +31,7 @@ SHORT_TEXT_CHARS = 1500  # CI runs on the first paragraphs; benchmarks use the w
 
 @pytest.fixture(scope="module")
 def smollm2_bf16():
-    path = default_model_dir()
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=DEFAULT_GGUF)
-    base = AutoModelForCausalLM.from_pretrained(path, gguf_file=DEFAULT_GGUF,
-                                                dtype=torch.bfloat16).eval()
+    base, tok = load(None, dsinfer=False, dtype=torch.bfloat16)  # the CLI's default model
     int8 = hf_dsinfer.init_inference(copy.deepcopy(base), quant={"bits": 8})
     int4 = hf_dsinfer.init_inference(copy.deepcopy(base), quant={"bits": 4})
     return tok, base, int8, int4

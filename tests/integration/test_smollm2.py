@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_dsinfer
-from hf_dsinfer.cli import DEFAULT_GGUF, _chat_inputs, default_model_dir
+from hf_dsinfer.cli import _chat_inputs, load
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -24,10 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = default_model_dir()
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=DEFAULT_GGUF)
-    ref = AutoModelForCausalLM.from_pretrained(path, gguf_file=DEFAULT_GGUF,
-                                               dtype=torch.float32).eval()
+    ref, tok = load(None, dsinfer=False, dtype=torch.float32)  # the CLI's default model
     fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
     return tok, ref, fused
 
