@@ -121,6 +121,7 @@ class FusedBlock:
         self._out = self._attn.get_submodule(policy.out_proj)
         self._ln1 = _sub(block, policy.ln1)
         self._ln2 = _sub(block, policy.ln2)
+        self._eps = {id(n): _norm_eps(n) for n in (self._ln1, self._ln2) if n is not None}
         self._mlp_module = _sub(block, policy.mlp)
         self._mlp_in = [self._mlp_module.get_submodule(n) for n in policy.mlp_in]
         self._mlp_out = self._mlp_module.get_submodule(policy.mlp_out)
@@ -190,7 +191,7 @@ class FusedBlock:
     def _norm_add(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                   x_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + (x + x_bias)), residual + (x + x_bias)) in one kernel."""
-        eps = _norm_eps(norm)
+        eps = self._eps[id(norm)]
         if self.spec.norm == "rms":
             return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend)
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
