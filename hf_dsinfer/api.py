@@ -36,9 +36,12 @@ def revert(model: nn.Module) -> nn.Module:
 
 
 def fused_call_counts(model: nn.Module) -> dict[str, int]:
-    """Fused-forward calls per block path (proof that the fused path ran)."""
+    """Fused-forward calls per block path, and per fused MoE path (`...layers.N.mlp`): proof
+    that the fused path ran."""
     report = walker.get_report(model)
-    return {} if report is None else {p: f.calls for p, f in report.blocks.items()}
+    if report is None:
+        return {}
+    return {p: f.calls for p, f in (*report.blocks.items(), *report.moe.items())}
 
 
 __all__ = ["explain", "fused_call_counts", "init_inference", "revert"]

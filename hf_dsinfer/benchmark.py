@@ -5,8 +5,12 @@ One process, configurations interleaved and repeated, medians reported:
     hf-compile  HF's own static cache + torch.compile'd decode step
     bf16        hf_dsinfer fused blocks, model dtype
     bf16-compile  fused blocks + static cache + compiled decode step
-    int8 / int4 fused blocks with weight-only int8 / int4 (group-wise) linears
-Models are random-weight, shaped like Llama-1.1B (TinyLlama) and OPT-1.3B. Before timing, each
+    int8 / int4 fused blocks with weight-only int8 / int4 (group-wise) linears (-compile: plus
+                static cache and compiled decode step)
+    llama.cpp Q4_1  peer row for `--models smollm2` at batch 1 when llama-cpp-python is
+                installed: the same GGUF file in the CPU engine users pick instead
+Models are random-weight, shaped like Llama-1.1B (TinyLlama) and OPT-1.3B, or the embedded
+SmolLM2-135M-Instruct (real weights, `smollm2`). Before timing, each
 configuration's first greedy tokens are compared with HF eager. Printed per row: prefill ms,
 decode tok/s (all sequences), speed-up over HF eager, the weight bytes read per decode step as
 GB/s and as a fraction of the memory-read bandwidth measured in the same run, and the model's
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import resource
 import statistics
 import time
@@ -39,6 +44,7 @@ MODELS = {
                                   word_embed_proj_dim=2048, max_position_embeddings=2048),
     "tiny": lambda: LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
+    "smollm2": None,  # the embedded SmolLM2-135M-Instruct GGUF (real weights), see cli.load
 }
 CONFIGS = {
     "hf": None,
@@ -46,7 +52,9 @@ CONFIGS = {
     "bf16": {},
     "bf16-compile": {"compile": True},
     "int8": {"quant": {"bits": 8}},
+    "int8-compile": {"quant": {"bits": 8}, "compile": True},
     "int4": {"quant": {"bits": 4}},
+    "int4-compile": {"quant": {"bits": 4}, "compile": True},
 }
 
 
@@ -70,9 +78,17 @@ def _weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
+def base_model(name: str, dtype: torch.dtype):
+    if MODELS[name] is None:
+        from hf_dsinfer.cli import load
+
+        return load(None, False, dtype)[0]
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(MODELS[name](), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(MODELS[name](), dtype=dtype).eval()
+
+
+def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
+    base = base_model(name, dtype)
     variants = {}
     for config in configs:
         if CONFIGS[config] is None:
@@ -103,6 +119,43 @@ def measure(model, config: str, ids, new_tokens: int) -> tuple[float, float]:
     return t1, (tn - t1) / (new_tokens - 1)
 
 
+class LlamaCppPeer:
+    """llama.cpp (llama-cpp-python) decoding the same SmolLM2 Q4_1 GGUF file: the CPU engine users
+    pick instead. Greedy (argmax) loop over `Llama.eval`, timed like `measure`."""
+
+    config = "llama.cpp Q4_1"
+
+    def __init__(self, threads: int):
+        from llama_cpp import Llama
+
+        from hf_dsinfer.cli import DEFAULT_GGUF, default_model_dir
+
+        self.path = default_model_dir() / DEFAULT_GGUF
+        self.llm = Llama(model_path=str(self.path), n_ctx=1024, n_batch=512, n_threads=threads,
+                         verbose=False)
+
+    @staticmethod
+    def available(name: str, batch: int) -> bool:
+        return name == "smollm2" and batch == 1 and importlib.util.find_spec("llama_cpp") is not None
+
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
+        """(new tokens [1, N], prefill seconds, seconds per decode step)."""
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids[0].tolist())
+        prefill = time.perf_counter() - start
+        tokens = [self._argmax()]
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.llm.eval([tokens[-1]])
+            tokens.append(self._argmax())
+        step = (time.perf_counter() - start) / (new_tokens - 1)
+        return torch.tensor([tokens]), prefill, step
+
+    def _argmax(self) -> int:
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     for name in args.models:
@@ -112,11 +165,15 @@ def run(args: argparse.Namespace) -> list[Row]:
             ids = torch.randint(3, vocab, (batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(batch))
             group = [Row(name, batch, c, _weight_bytes(variants[c])) for c in args.configs]
-            _check_tokens(variants, group, ids, args.new_tokens)
+            peer = _peer(args, name, batch, group)
+            _check_tokens(variants, group, ids, args.new_tokens, peer)
             for _ in tqdm(range(args.repeats), desc=f"{name} batch {batch}", leave=False):
                 for row in group:  # interleaved: every config once per repeat
-                    prefill, step = measure(variants[row.config], row.config, ids,
-                                            args.new_tokens)
+                    if row.config == LlamaCppPeer.config:
+                        _, prefill, step = peer.generate(ids, args.new_tokens)
+                    else:
+                        prefill, step = measure(variants[row.config], row.config, ids,
+                                                args.new_tokens)
                     row.prefill.append(prefill)
                     row.decode.append(step)
             rows.extend(group)
@@ -124,12 +181,26 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _check_tokens(variants: dict, group: list[Row], ids, new_tokens: int) -> None:
+def _peer(args: argparse.Namespace, name: str, batch: int, group: list[Row]):
+    """The optional llama.cpp row (SmolLM2, batch 1, when llama-cpp-python is installed)."""
+    if args.no_peer or not LlamaCppPeer.available(name, batch):
+        return None
+    peer = LlamaCppPeer(torch.get_num_threads())
+    group.append(Row(name, batch, LlamaCppPeer.config, peer.path.stat().st_size))
+    return peer
+
+
+def _check_tokens(variants: dict, group: list[Row], ids, new_tokens: int, peer=None) -> None:
     """Warm every config (compiles included) and compare its greedy tokens with HF eager."""
     ref = None
     for row in group:
-        out, seconds = _generate(variants[row.config], row.config, ids, new_tokens)
-        tokens = out[:, ids.shape[1]:]
+        if row.config == LlamaCppPeer.config:
+            start = time.perf_counter()
+            tokens = peer.generate(ids, new_tokens)[0]
+            seconds = time.perf_counter() - start
+        else:
+            out, seconds = _generate(variants[row.config], row.config, ids, new_tokens)
+            tokens = out[:, ids.shape[1]:]
         if ref is None:
             ref = tokens
         agree = (tokens == ref).float().mean().item()
@@ -189,6 +260,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", default="decode_bench.png")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="leave out the llama.cpp row (shown for smollm2 when installed)")
     return parser
 
 

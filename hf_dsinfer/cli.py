@@ -4,6 +4,7 @@
     hf-dsinfer generate "Hello" --model ./my-model --max-new-tokens 64 --no-dsinfer
     hf-dsinfer explain --model ./my-model
     hf-dsinfer bench --models llama-1.1b --batch 1 16      # HF vs hf_dsinfer decode table + PNG
+    hf-dsinfer plan --model ./opt-2.7b --prompt-len 512 --gen-len 32 --memory 2.5GiB
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def default_model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def load(model: str | None, dsinfer: bool, dtype: torch.dtype):
-    """(model, tokenizer): a HF folder, or the embedded GGUF default when `model` is None."""
+def load(model: str | None, dsinfer: bool | dict, dtype: torch.dtype):
+    """(model, tokenizer): a HF folder, or the embedded GGUF default when `model` is None.
+    `dsinfer`: False (plain HF), True or a DSInferConfig dict."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_dsinfer  # noqa: F401  (registers dsinfer=)
@@ -56,7 +58,7 @@ def _chat_inputs(tokenizer, prompt: str) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    model, tokenizer = load(args.model, not args.no_dsinfer, _dtype(args.dtype))
+    model, tokenizer = load(args.model, _dsinfer_options(args), _dtype(args.dtype))
     inputs = _chat_inputs(tokenizer, args.prompt)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
@@ -69,6 +71,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mode = "hf_dsinfer" if not args.no_dsinfer else "HF eager (--no-dsinfer)"
     print(f"\n[{mode}] {new} tokens in {seconds:.2f} s: {new / seconds:.1f} tok/s", flush=True)
     return 0
+
+
+def _dsinfer_options(args: argparse.Namespace) -> bool | dict:
+    if args.no_dsinfer:
+        if args.quant or args.compile:
+            raise SystemExit("hf-dsinfer generate: --quant/--compile need hf_dsinfer; "
+                             "drop --no-dsinfer.")
+        return False
+    options: dict = {}
+    if args.quant:
+        options["quant"] = {"bits": 8 if args.quant == "int8" else 4}
+    if args.compile:
+        options["compile"] = True
+    return options or True
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -101,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--no-dsinfer", action="store_true", help="run plain HF for comparison")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    gen.add_argument("--quant", choices=["int8", "int4"], default=None,
+                     help="weight-only quantization of the decoder blocks")
+    gen.add_argument("--compile", action="store_true",
+                     help="static KV cache + compiled decode step (first call compiles)")
     gen.set_defaults(func=cmd_generate)
     exp = sub.add_parser("explain", help="show what hf_dsinfer replaces in a model")
     exp.add_argument("--model", default=None)
@@ -111,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode benchmark: HF vs hf_dsinfer bf16/int8/int4")
     bench_parser(bench)
     bench.set_defaults(func=cmd_bench)
+    from hf_dsinfer.offload.search import add_parser as plan_parser
+
+    plan_parser(sub)  # hf-dsinfer plan: offload policy from the cost model + LP
     return parser
 
 

@@ -18,6 +18,7 @@ import torch
 from hf_dsinfer.errors import DSInferConfigError
 from hf_dsinfer.kernels._dispatch import BACKENDS
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
+from hf_dsinfer.offload.policy import OffloadPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -103,7 +104,30 @@ class DSInferConfig:
         quant: weight-only quantization of the fused blocks' linears (QuantConfig or a dict
             like {"bits": 8}); applied after the parity gate has checked the unquantized blocks.
         compile: capture the whole decode step: generate() uses a preallocated static KV cache
-            and a torch.compile'd forward for every decode step (prefill stays eager).
+            and a torch.compile'd forward for every decode step (prefill stays eager; CUDA
+            graphs on a GPU). None (default) = auto: on for CUDA models; on CPU only when asked
+            (True), because there it costs a 20-45 s first call for 1.03-1.2x decode measured
+            (see `hf-dsinfer bench`); never with tp_size / ep_size / offload.
+        cache: "static" (a preallocated KV cache, as the compiled decode step needs), "dynamic"
+            (HF's growing DynamicCache), or None (default): static exactly when compiling.
+        tp_size: tensor-parallel degree (Megatron-style slicing of every block, the embedding
+            and lm_head). > 1 needs torch.distributed (torchrun / accelerate launch); the world
+            size and the heads are checked when the model is injected.
+        offload: FlexGen offloading (hf_dsinfer.offload.OffloadPolicy or a dict of its fields):
+            weights / KV cache / activations placed on the compute device, the CPU and disk,
+            run by the block schedule with prefetching; None (default) keeps the model as is.
+        ep_size: expert-parallel degree for mixture-of-experts models: each rank keeps
+            E / ep_size experts (or, with more ranks than experts, a 1 / (ep_size / E) slice
+            of one expert's FFN) and tokens travel to their experts by all-to-all. Ranks run
+            their own batches (data parallel); generate() keeps finished ranks stepping.
+            Needs torch.distributed with ep_size processes (or ep_size * tp_size with tp_size).
+        ep_node_size: hierarchical all-to-all: ranks per node. Tokens first move inside the
+            node, then between nodes among ranks with the same local index (fewer, larger
+            messages across nodes). None (default): one flat all-to-all.
+        moe_capacity_factor: None (default) routes dropless, exactly as HF. A number c caps each
+            expert at ceil(c * tokens * top_k / experts) routed tokens per forward; the rest
+            of those tokens' slots are dropped (they keep only their other experts and the
+            residual) - lossy, an explicit opt-in only.
     """
 
     dtype: torch.dtype | None = None
@@ -111,12 +135,19 @@ class DSInferConfig:
     strict: bool | None = None
     parity_check: bool = True
     quant: QuantConfig | None = None
-    compile: bool = False
+    compile: bool | None = None
+    cache: str | None = None
+    tp_size: int = 1
+    offload: OffloadPolicy | None = None
+    ep_size: int = 1
+    ep_node_size: int | None = None
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         object.__setattr__(self, "quant", QuantConfig.coerce(self.quant))
-        _check_type("compile", self.compile, (bool,), "True or False")
+        _check_type("compile", self.compile, (bool, type(None)), "True, False or None")
+        _check_cache(self.cache, self.compile)
         if self.kernels not in BACKENDS:
             raise DSInferConfigError(
                 f"DSInferConfig.kernels: expected one of {BACKENDS}, got {self.kernels!r}. "
@@ -124,6 +155,10 @@ class DSInferConfig:
             )
         _check_type("strict", self.strict, (bool, type(None)), "True, False or None")
         _check_type("parity_check", self.parity_check, (bool,), "True or False")
+        _check_tp_size(self.tp_size, self.compile)
+        object.__setattr__(self, "offload", OffloadPolicy.coerce(self.offload))
+        _check_offload(self)
+        _check_moe(self)
 
     # -- construction from user input -----------------------------------------------------------
     @classmethod
@@ -174,6 +209,76 @@ def _reject_unknown(cls: type, data: dict[str, Any], where: str) -> None:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise DSInferConfigError(f"{where}: unknown key {key!r}.{hint} Valid keys: {names}.")
+
+
+CACHES = ("static", "dynamic")
+
+
+def _check_cache(cache: Any, compile_: bool | None) -> None:
+    if cache is not None and cache not in CACHES:
+        raise DSInferConfigError(
+            f"DSInferConfig.cache: expected one of {CACHES} or None (auto), got {cache!r}. "
+            "Fix: cache='dynamic' to keep HF's growing cache, or leave it None."
+        )
+    if cache == "dynamic" and compile_:
+        raise DSInferConfigError(
+            "DSInferConfig: compile=True needs the preallocated static KV cache (a compiled "
+            "decode step has fixed shapes), got cache='dynamic'. Fix: drop one of the two."
+        )
+
+
+def _check_tp_size(tp_size: Any, compile_: bool) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise DSInferConfigError(
+            f"DSInferConfig.tp_size: expected a positive int, got {tp_size!r}. "
+            "Fix: tp_size=1 (no tensor parallelism) or the number of processes per model, "
+            "e.g. tp_size=2 under `torchrun --nproc-per-node 2`."
+        )
+    if tp_size > 1 and compile_:
+        raise DSInferConfigError(
+            f"DSInferConfig: compile=True with tp_size={tp_size} is not supported (the captured "
+            "decode step would contain the tensor-parallel collectives). Fix: drop compile=True "
+            "or use tp_size=1."
+        )
+
+
+def _check_offload(config: DSInferConfig) -> None:
+    if config.offload is None:
+        return
+    clash = [name for name, on in (("quant", config.quant is not None), ("compile", config.compile),
+                                   ("tp_size", config.tp_size > 1)) if on]
+    if clash:
+        raise DSInferConfigError(
+            f"DSInferConfig: offload cannot be combined with {clash} (offloaded weights are "
+            "streamed per layer and compressed by the offload engine itself). Fix: drop "
+            f"{clash[0]}; use offload={{'compress_weights': True}} for 4-bit weights.")
+
+
+def _check_moe(config: DSInferConfig) -> None:
+    ep, node, cap = config.ep_size, config.ep_node_size, config.moe_capacity_factor
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise DSInferConfigError(
+            f"DSInferConfig.ep_size: expected a positive int, got {ep!r}. Fix: ep_size=1 (no "
+            "expert parallelism) or the number of processes sharing the experts, e.g. ep_size=2 "
+            "under `torchrun --nproc-per-node 2`.")
+    if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < 1
+                             or ep % node or node == ep):
+        raise DSInferConfigError(
+            f"DSInferConfig.ep_node_size: expected None or a proper divisor of ep_size={ep} "
+            f"(ranks per node), got {node!r}. Fix: leave it None for one flat all-to-all, or "
+            "e.g. ep_size=4, ep_node_size=2.")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or not cap > 0):
+        raise DSInferConfigError(
+            f"DSInferConfig.moe_capacity_factor: expected None (dropless, the default) or a "
+            f"positive number, got {cap!r}. Fix: leave it None, or e.g. 1.25 to drop routed "
+            "tokens beyond 1.25x an even share per expert.")
+    clash = [name for name, on in (("compile", config.compile),
+                                   ("offload", config.offload is not None)) if on]
+    if ep > 1 and clash:
+        raise DSInferConfigError(
+            f"DSInferConfig: ep_size={ep} cannot be combined with {clash} (the expert all-to-all "
+            f"needs every rank in eager lockstep). Fix: drop {clash[0]} or use ep_size=1.")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:

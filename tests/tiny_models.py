@@ -14,10 +14,14 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     OPTConfig,
     PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 101
@@ -74,7 +78,7 @@ ROPE_SCALINGS = {
 
 def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                attn_implementation: str = "eager", rope_scaling: dict | None = None):
-    config = {**CONFIGS, **UNSUPPORTED}[name]()
+    config = {**CONFIGS, **UNSUPPORTED, **MOE_CONFIGS}[name]()
     if rope_scaling is not None:
         config.rope_parameters = {**config.rope_parameters, **rope_scaling}
     torch.manual_seed(seed)
@@ -109,3 +113,28 @@ def save_tiny(tmp_path_factory, name: str) -> str:
     make_model(name).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+# Mixture-of-experts models (transformers 5's fused 3-D expert tensors). Kept out of FAMILIES:
+# tests/moe covers them (tensor parallelism has no MoE plan).
+_MOE_ATTN = dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+                 num_hidden_layers=2, max_position_embeddings=128, **_COMMON)
+MOE_CONFIGS = {
+    "mixtral_8x2": lambda: MixtralConfig(**_MOE_ATTN, intermediate_size=56, num_local_experts=8,
+                                         num_experts_per_tok=2),
+    "mixtral_4x1": lambda: MixtralConfig(**_MOE_ATTN, intermediate_size=56, num_local_experts=4,
+                                         num_experts_per_tok=1),
+    # layers 0 and 2 sparse (6 experts top-2 + a shared expert), layer 1 dense (mlp_only_layers)
+    "qwen2_moe": lambda: Qwen2MoeConfig(**{**_MOE_ATTN, "num_hidden_layers": 3},
+                                        num_experts=6, num_experts_per_tok=2,
+                                        moe_intermediate_size=40, intermediate_size=96,
+                                        shared_expert_intermediate_size=72, mlp_only_layers=[1],
+                                        decoder_sparse_step=1, norm_topk_prob=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_MOE_ATTN, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=40, intermediate_size=96,
+                                        norm_topk_prob=True),
+    "olmoe": lambda: OlmoeConfig(**{**_MOE_ATTN, "num_key_value_heads": 5}, num_experts=8,
+                                 num_experts_per_tok=2, intermediate_size=40, clip_qkv=3.0,
+                                 norm_topk_prob=False),
+}
+MOE_MODELS = list(MOE_CONFIGS)

@@ -74,9 +74,34 @@ def explain(model: nn.Module) -> str:
     extras = []
     if report.quant is not None:
         extras.append(f"quantized: {report.quant.describe()}")
-    if cfg.compile:
-        extras.append("decode: static KV cache + torch.compile'd decode step (generate)")
+    if report.decode is not None:
+        extras.append(f"decode (generate): {report.decode.describe()}")
+    if getattr(model, "_dsinfer_offload", None) is not None:
+        extras.append(model._dsinfer_offload.describe())
+    if report.tp is not None:
+        extras.append(report.tp.describe())
+    if report.moe_quant is not None:
+        before, after = report.moe_quant
+        extras.append(f"experts quantized: int{cfg.quant.bits} per expert, "
+                      f"{before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    if report.ep is not None:
+        extras.append(report.ep.describe())
     head = "\n".join([head, *extras])
     lines = [head, "", _row("module", "HF class", "replaced by", "status", "fused calls"),
              _row("---", "---", "---", "---", "---")]
-    return "\n".join(lines + _block_rows(report) + _left_alone_rows(model, report))
+    return "\n".join(lines + _block_rows(report) + _moe_rows(report)
+                     + _left_alone_rows(model, report))
+
+
+def _moe_rows(report: InjectionReport) -> list[str]:
+    """One row per run of sparse-MoE modules (dense MLP layers in between break a run)."""
+    rows = []
+    for _, group in groupby(report.moe.items(), key=lambda kv: type(kv[1].module).__name__):
+        group = list(group)
+        first, moe = group[0]
+        span = first if len(group) == 1 else f"{first} .. {len(group)} modules"
+        status = "fused (follows its block)" if moe.enabled else "kept HF forward (its block)"
+        rows.append(_row(span, f"{type(moe.module).__name__} x{len(group)}",
+                         f"FusedMoE ({moe.spec.describe()})", status,
+                         sum(m.calls for _, m in group)))
+    return rows

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class BlockSpec:
     scale_query: bool
     residual_post_ln: bool
     layer_idx: int
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
 
     def describe(self) -> str:
         return (f"{self.layout}, {self.norm}_norm, {self.num_heads}q/{self.num_kv_heads}kv heads"
@@ -88,6 +90,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         scale_query=policy.scale_query,
         residual_post_ln=bool(P.resolve(policy.residual_post_ln, config)),
         layer_idx=index if getattr(attn, "layer_idx", None) is None else int(attn.layer_idx),
+        clip_qkv=P.resolve(policy.clip_qkv, config),
     )
 
 
@@ -102,6 +105,10 @@ class FusedBlock:
         self.backend = backend
         self.enabled = True  # False: run the HF forward (parity fallback)
         self.calls = 0       # fused calls, so tests can prove the fused path ran
+        # Tensor parallelism (hf_dsinfer.parallel): sums the row-parallel partial outputs over
+        # the TP group before their bias is added; head_slice picks this rank's ALiBi heads.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_slice: slice | None = None
         self.hf_forward = type(block).forward.__get__(block)
         params = list(inspect.signature(type(block).forward).parameters.values())[1:]
         self._arg_names = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -123,14 +130,23 @@ class FusedBlock:
         self._ln2 = _sub(block, policy.ln2)
         self._eps = {id(n): _norm_eps(n) for n in (self._ln1, self._ln2) if n is not None}
         self._mlp_module = _sub(block, policy.mlp)
-        self._mlp_in = [self._mlp_module.get_submodule(n) for n in policy.mlp_in]
-        self._mlp_out = self._mlp_module.get_submodule(policy.mlp_out)
+        # A sparse-MoE MLP is computed by its own module, whose forward the walker replaced by a
+        # FusedMoE (hf_dsinfer.injection.moe); dense layers of MoE models use mlp_in / mlp_out.
+        moe = policy.moe
+        self.is_moe = moe is not None and type(self._mlp_module).__name__ in moe.classes
+        mlp_in = () if self.is_moe else policy.mlp_in
+        self._mlp_in = [self._mlp_module.get_submodule(n) for n in mlp_in]
+        self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
+        if policy.qk_norm is not None:
+            self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
+            self._eps.update({id(n): _norm_eps(n) for n in (self._q_norm, self._k_norm)})
 
     def linear_slots(self) -> list[tuple[nn.Module, str, nn.Module]]:
         """(parent, attribute name, module) of every linear layer the block computes with."""
         policy, attn, mlp = self.policy, self._attn, self._mlp_module
         names = [(attn, n) for n in (*policy.qkv, policy.out_proj)]
-        names += [(mlp, n) for n in (*policy.mlp_in, policy.mlp_out)]
+        if not self.is_moe:  # MoE experts are quantized by hf_dsinfer.injection.moe
+            names += [(mlp, n) for n in (*policy.mlp_in, policy.mlp_out)]
         return [(parent, n, parent.get_submodule(n)) for parent, n in names]
 
     def linear_in_features(self) -> list[int]:
@@ -142,6 +158,8 @@ class FusedBlock:
         named = dict(zip(self._arg_names, args))
         named.update(kwargs)
         if not self._can_fuse(named):
+            if self.reduce is not None:
+                _refuse_hf_forward_under_tp(named)
             return self.hf_forward(*args, **kwargs)
         if not torch.compiler.is_compiling():  # a mutated Python int would force recompiles
             self.calls += 1
@@ -169,12 +187,16 @@ class FusedBlock:
     def _parallel(self, x: torch.Tensor, named: dict) -> torch.Tensor:
         attn_out, attn_bias = self._attention(self._norm(self._ln1, x), named)
         mlp_out, mlp_bias = self._mlp(self._norm(self._ln2, x))
+        if self.reduce is not None:  # one all-reduce carries both partial sums
+            return _add_bias(_add_bias(self.reduce(mlp_out + attn_out), mlp_bias), attn_bias) + x
         return _add_bias(mlp_out, mlp_bias) + _add_bias(attn_out, attn_bias) + x
 
     def _parallel_shared_ln(self, x: torch.Tensor, named: dict) -> torch.Tensor:
         h = self._norm(self._ln1, x)
         attn_out, attn_bias = self._attention(h, named)
         mlp_out, mlp_bias = self._mlp(h)
+        if self.reduce is not None:  # one all-reduce carries both partial sums
+            return _add_bias(_add_bias(self.reduce(attn_out + mlp_out), attn_bias), mlp_bias) + x
         return _add_bias(attn_out, attn_bias) + _add_bias(mlp_out, mlp_bias) + x
 
     def _post_ln(self, x: torch.Tensor, named: dict) -> torch.Tensor:
@@ -212,7 +234,25 @@ class FusedBlock:
         else:  # HEAD_INTERLEAVED: per head [q, k, v]
             qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_heads, 3 * d)
             q, k, v = (t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1))
+        q, k, v = self._qk_norm(q, k, v)
         return (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Qwen3-MoE: RMSNorm over each head's dims; OLMoE: over the whole q / k projection,
+        then q, k, v clamped to +-clip_qkv. q, k, v are [B, S, heads * D]."""
+        if self.policy.qk_norm is not None:
+            q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
+        if self.spec.clip_qkv is not None:
+            c = self.spec.clip_qkv
+            q, k, v = (t.clamp(-c, c) for t in (q, k, v))
+        return q, k, v
+
+    def _rms_last(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """RMSNorm of [B, S, heads * D] over D (per head) or over the whole last dim."""
+        width = self.spec.head_dim if self.policy.qk_norm == P.QK_NORM_HEAD else t.shape[-1]
+        out, _ = rms_norm(t.unflatten(-1, (-1, width)), norm.weight, self._eps[id(norm)],
+                          backend=self.backend)
+        return out.flatten(-2)
 
     def _attention(self, x: torch.Tensor, named: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, s, _ = x.shape
@@ -236,7 +276,7 @@ class FusedBlock:
             backend=self.backend,
         )  # [B, H, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)
-        return self._linear(self._out, out, with_bias=False), self._out.bias
+        return self._row_parallel(self._linear(self._out, out, with_bias=False)), self._out.bias
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, named: dict):
         positions = self.policy.positions
@@ -252,10 +292,13 @@ class FusedBlock:
     def _alibi(self, named: dict, batch: int) -> torch.Tensor | None:
         if self.policy.positions != P.ALIBI:
             return None
-        alibi = named["alibi"]  # [B * H, 1, S_k]
-        return alibi.view(batch, -1, 1, alibi.shape[-1])
+        alibi = named["alibi"]  # [B * H, 1, S_k], built by HF for all heads
+        alibi = alibi.view(batch, -1, 1, alibi.shape[-1])
+        return alibi if self.head_slice is None else alibi[:, self.head_slice]
 
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.is_moe:  # the MoE module's forward is a FusedMoE
+            return self._mlp_module(x), None
         if self.policy.gated:
             gate, up = (self._linear(m, x) for m in self._mlp_in)
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)
@@ -263,7 +306,27 @@ class FusedBlock:
             fc1 = self._mlp_in[0]
             h = bias_act(self._linear(fc1, x, with_bias=False), fc1.bias, self.spec.activation,
                          backend=self.backend)
-        return self._linear(self._mlp_out, h, with_bias=False), self._mlp_out.bias
+        out = self._linear(self._mlp_out, h, with_bias=False)
+        return self._row_parallel(out), self._mlp_out.bias
+
+    def _row_parallel(self, partial: torch.Tensor) -> torch.Tensor:
+        """All-reduce a row-parallel output under tensor parallelism (parallel residual layouts
+        reduce attention + MLP together instead, in the layout)."""
+        if self.reduce is None or self.spec.layout in (P.PARALLEL, P.PARALLEL_SHARED_LN):
+            return partial
+        return self.reduce(partial)
+
+
+def _refuse_hf_forward_under_tp(named: dict[str, Any]) -> None:
+    from hf_dsinfer.parallel.groups import TensorParallelError
+
+    asked = [k for k in ("output_attentions", "encoder_hidden_states") if named.get(k)]
+    raise TensorParallelError(
+        "a tensor-parallel block was asked for what only the Hugging Face forward computes "
+        f"({', '.join(asked) or 'training mode or a disabled fused block'}); that forward cannot "
+        "run on sharded weights. Fix: call the model in eval mode without output_attentions, or "
+        "load it with tp_size=1."
+    )
 
 
 def _add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,29 +9,70 @@ We set those fields on the model's own generation_config (instance state, revers
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import CompileConfig
 
 _SAVED_ATTR = "_dsinfer_saved_generation_fields"
 
 
-def compile_config() -> CompileConfig:
-    # dynamic=False: one graph per (batch, max length); "default" mode: CUDA graphs
-    # ("reduce-overhead") are a CUDA notion and inductor falls back to it on CPU anyway.
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+@dataclasses.dataclass(frozen=True)
+class DecodeMode:
+    """What `generate()` will use, resolved from DSInferConfig.compile / .cache and the device."""
+
+    compile: bool
+    cache: str  # "static" or "dynamic"
+    reason: str
+
+    def describe(self) -> str:
+        step = "torch.compile'd decode step" if self.compile else "eager decode step"
+        return f"{self.cache} KV cache, {step} ({self.reason})"
+
+
+def resolve_decode_mode(config: Any, device: torch.device) -> DecodeMode:
+    """compile None = auto: on for CUDA (CUDA graphs remove the per-kernel launch cost that
+    dominates small-batch decode there); off on CPU, where the measured gain (1.03x on a 1.1B
+    model, 1.2x on SmolLM2-135M) does not repay a 20-45 s first call. Never with tensor/expert
+    parallelism or offload, whose collectives / block schedule run eagerly."""
+    distributed = config.tp_size > 1 or config.ep_size > 1 or config.offload is not None
+    if config.compile is not None:
+        compile_, reason = config.compile, f"compile={config.compile}"
+    elif distributed:
+        compile_, reason = False, "auto: eager with tp/ep/offload"
+    else:
+        compile_ = device.type == "cuda"
+        reason = f"auto on {device.type}"
+    cache = config.cache or ("static" if compile_ else "dynamic")
+    return DecodeMode(compile_, cache, reason)
+
+
+def compile_config(device: torch.device | None = None) -> CompileConfig:
+    # dynamic=False: one graph per (batch, max length). On CUDA "reduce-overhead" replays the
+    # step as a CUDA graph; on CPU inductor's default mode (CUDA graphs do not apply).
+    cuda = device is not None and device.type == "cuda"
+    config = CompileConfig(fullgraph=False, dynamic=False,
+                           mode="reduce-overhead" if cuda else "default")
     config._compile_all_devices = True  # transformers' own switch for compiling off-CUDA
     return config
 
 
-def enable_compiled_decode(model: nn.Module) -> None:
+def enable_compiled_decode(model: nn.Module, mode: DecodeMode | None = None) -> None:
+    """Set the model's own generation_config to `mode` (default: static cache + compile)."""
+    mode = mode or DecodeMode(True, "static", "compile=True")
     gen = model.generation_config
     saved: dict[str, Any] = {"cache_implementation": gen.cache_implementation,
-                             "compile_config": gen.compile_config}
+                             "compile_config": gen.compile_config,
+                             "disable_compile": getattr(gen, "disable_compile", False)}
     setattr(model, _SAVED_ATTR, saved)
-    gen.cache_implementation = "static"
-    gen.compile_config = compile_config()
+    if mode.cache == "static":
+        gen.cache_implementation = "static"
+    if mode.compile:
+        gen.compile_config = compile_config(next(model.parameters()).device)
+    else:  # a static cache alone must not switch on HF's own auto-compile
+        gen.disable_compile = True
 
 
 def disable_compiled_decode(model: nn.Module) -> None:

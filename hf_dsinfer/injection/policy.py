@@ -51,6 +51,29 @@ ROPE_TABLE = "rope_table"    # GPT-J: sin|cos table buffer on the attention modu
 ALIBI = "alibi"              # BLOOM: `alibi` argument [B * H, 1, S_k]
 NO_POSITIONS = "none"        # learned absolute positions added before the blocks
 
+# q/k normalization inside attention (RMSNorm modules `q_norm` / `k_norm` on the attention).
+QK_NORM_HEAD = "per_head"    # Qwen3(-MoE): over each head's head_dim, before RoPE
+QK_NORM_FULL = "full"        # OLMoE: over the whole q (k) projection, before the head split
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLayout:
+    """A sparse mixture-of-experts MLP (transformers 5's fused 3-D expert tensors
+    `experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) and how it routes.
+    Layers whose MLP is not one of `classes` (Qwen2/3-MoE's `mlp_only_layers`, between
+    `decoder_sparse_step`s) are dense MLPs read through the policy's mlp_in / mlp_out."""
+
+    classes: tuple[str, ...]              # HF sparse-MoE module class names
+    num_experts: str                      # config attribute holding E
+    top_k: str = "num_experts_per_tok"    # config attribute holding k
+    renormalize: Any = True               # divide the top-k probs by their sum (or FromConfig)
+    fp32_weights: bool = False            # routing weights stay fp32 (Mixtral); else they are
+                                          # cast to the router logits' dtype (Qwen2/3-MoE, OLMoE)
+    router: str = "gate"                  # Linear-like module with `weight [E, H]`
+    experts: str = "experts"
+    shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
+    shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -80,6 +103,12 @@ class Policy:
     residual_post_ln: Any = False         # BLOOM's apply_residual_connection_post_layernorm
     cache_arg: str = "past_key_values"    # block-forward argument carrying the HF Cache
     returns_tuple: bool = False           # block returns (hidden_states, attn_weights)
+    # Tensor parallelism: block-relative linear path -> "colwise" / "rowwise". None: take it
+    # from the HF config's `base_model_tp_plan` (families transformers already has a plan for).
+    tp_plan: dict[str, str] | None = None
+    qk_norm: str | None = None            # QK_NORM_HEAD / QK_NORM_FULL
+    clip_qkv: Any = None                  # OLMoE: clamp q, k, v to +-clip_qkv (FromConfig)
+    moe: MoeLayout | None = None          # the MLP is (sometimes) a sparse MoE block
     notes: str = ""
 
     def matches(self, model: Any) -> bool:

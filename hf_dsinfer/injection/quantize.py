@@ -108,7 +108,7 @@ def quantize_linear(module: nn.Module, conv1d: bool, quant: QuantConfig, group_s
     weight = module.weight.detach()
     weight = weight.t().contiguous() if conv1d else weight  # [out, in]
     if quant.bits == 8:
-        q = quantize_int8(weight)
+        q = quantize_int8(weight, equalize=True)
     else:
         q = quantize_int4(weight, group_size, symmetric=quant.symmetric)
     return QuantizedLinear(q, module.bias, backend)

@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 from torch import nn
 
 from hf_dsinfer.config import DSInferConfig
-from hf_dsinfer.errors import ParityError, UnsupportedModelError
+from hf_dsinfer.errors import DSInferError, ParityError, UnsupportedModelError
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
-from hf_dsinfer.injection.latency import disable_compiled_decode, enable_compiled_decode
+from hf_dsinfer.injection.latency import (
+    DecodeMode,
+    disable_compiled_decode,
+    enable_compiled_decode,
+    resolve_decode_mode,
+)
+from hf_dsinfer.injection.moe import (
+    build_moe,
+    install_moe,
+    moe_group_size,
+    quantize_moe,
+    uninstall_moe,
+)
 from hf_dsinfer.injection.parity import ParityResult, run_parity_gate
 from hf_dsinfer.injection.policies import find_policy, supported_families
 from hf_dsinfer.injection.policy import Policy
@@ -43,6 +56,11 @@ class InjectionReport:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # path -> reason
     unmodified_reason: str | None = None
     quant: QuantSummary | None = None
+    decode: DecodeMode | None = None
+    tp: Any = None  # hf_dsinfer.parallel.tensor.TPReport when tp_size > 1
+    moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> FusedMoE
+    moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
+    ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -58,6 +76,7 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
     setattr(model, REPORT_ATTR, report)
     if policy is None:
         _handle_unsupported(model, config, report)
+        _attach_offload(model, config)
         return report
     backend = _model_backend(model, config)
     for path, index, block in _blocks(model, policy):
@@ -66,20 +85,36 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
             continue
         spec = resolve_spec(block, policy, model.config, index)
         report.blocks[path] = FusedBlock(block, policy, spec, backend)
+    report.moe = build_moe(report.blocks, model.config, config.moe_capacity_factor)
     try:
         _check_quant(model, config, report)  # fail before touching the model
-    except ValueError:
+        _check_tp(model, config, policy)
+        _check_moe(config, report)
+    except (ValueError, DSInferError):
         delattr(model, REPORT_ATTR)
         raise
     for fused in report.blocks.values():
         _install(fused.block, fused)
-    if config.parity_check and report.blocks:
+    install_moe(report.moe)
+    _attach_offload(model, config)  # before the parity probe: it streams the weights in
+    if config.parity_check and report.blocks and not _sharded_at_load(model):
         _apply_parity(model, report)
+    if config.tp_size > 1:
+        from hf_dsinfer.parallel.tensor import parallelize
+
+        report.tp = parallelize(model, report)
+    if config.ep_size > 1:
+        from hf_dsinfer.parallel.expert import parallelize_experts
+
+        report.ep = parallelize_experts(model, report)
     if config.quant is not None:
         live = [f for f in report.blocks.values() if f.enabled]
         report.quant = quantize_blocks(live, config.quant)
-    if config.compile:
-        enable_compiled_decode(model)
+        live_moe = {p: m for p, m in report.moe.items() if m.enabled}
+        report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
+    report.decode = resolve_decode_mode(config, next(model.parameters()).device)
+    if report.decode.compile or report.decode.cache == "static":
+        enable_compiled_decode(model, report.decode)
     return report
 
 
@@ -89,6 +124,14 @@ def revert(model: nn.Module) -> nn.Module:
     report = get_report(model)
     if report is None:
         return model
+    if report.tp is not None:
+        from hf_dsinfer.parallel.groups import TensorParallelError
+
+        raise TensorParallelError(
+            "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "
+            "ranks and the HF forwards cannot run on them. Fix: load the model again.")
+    uninstall_moe(report.moe)  # raises first if the experts are quantized or sharded
+    _detach_offload(model)
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)
@@ -97,6 +140,20 @@ def revert(model: nn.Module) -> nn.Module:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
+    if config.offload is not None:  # imported lazily: accelerate hooks, threads, safetensors
+        from hf_dsinfer.offload.attach import attach_offload
+
+        attach_offload(model, config.offload)
+
+
+def _detach_offload(model: nn.Module) -> None:
+    if getattr(model, "_dsinfer_offload", None) is not None:
+        from hf_dsinfer.offload.attach import detach_offload
+
+        detach_offload(model)
+
+
 def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
     model_type = getattr(model.config, "model_type", "?")
     families = ", ".join(f"{f} ({'/'.join(t)})" for f, t in supported_families().items())
@@ -111,6 +168,27 @@ def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: Injecti
         return
     delattr(model, REPORT_ATTR)
     raise UnsupportedModelError(message)
+
+
+def _sharded_at_load(model: nn.Module) -> bool:
+    """Loaded with only this rank's slices (hf_dsinfer.parallel): no HF forward to compare."""
+    return hasattr(model, "_dsinfer_tp_plan")
+
+
+def _check_tp(model: nn.Module, config: DSInferConfig, policy: Policy) -> None:
+    if config.tp_size > 1:
+        from hf_dsinfer.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(model, policy, config.tp_size)
+
+
+def _check_moe(config: DSInferConfig, report: InjectionReport) -> None:
+    if config.quant is not None:
+        moe_group_size(report.moe, config.quant)
+    if config.ep_size > 1:
+        from hf_dsinfer.parallel.expert import check_expert_parallel
+
+        check_expert_parallel(report, config)
 
 
 def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
@@ -169,7 +247,8 @@ def _apply_parity(model: nn.Module, report: InjectionReport) -> None:
     if not failed:
         return
     detail = "; ".join(f"{name}: {r.summary()}" for name, r in failed.items())
-    if report.config.strict:
+    cfg = report.config
+    if cfg.strict or cfg.tp_size > 1 or cfg.ep_size > 1:  # no HF fallback on sharded weights
         revert(model)
         raise ParityError(
             f"fused blocks disagree with their Hugging Face originals beyond tolerance: {detail}. "

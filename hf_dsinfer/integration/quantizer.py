@@ -53,6 +53,20 @@ class DSInferQuantizer(HfQuantizer):
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         return self.dsinfer.dtype or dtype
 
+    def update_device_map(self, device_map: dict[str, Any] | None) -> dict[str, Any] | None:
+        if self.dsinfer.offload is None:
+            return device_map
+        # Offload places the weights itself: a dict filled in once the model exists (below), so
+        # transformers leaves the decoder layers in the checkpoint instead of loading them.
+        self._offload_map: dict[str, Any] = {}
+        return self._offload_map
+
+    def _fill_offload_map(self, model) -> None:
+        from hf_dsinfer.offload.attach import loading_device_map
+
+        self._offload_map.clear()
+        self._offload_map.update(loading_device_map(model, self.dsinfer.offload))
+
     def _process_model_before_weight_loading(self, model, **kwargs):
         if find_policy(model) is None and self.dsinfer.strict is not False:
             raise UnsupportedModelError(
@@ -61,6 +75,8 @@ class DSInferQuantizer(HfQuantizer):
                 f"{sorted(supported_families())}. Fix: use a supported model, or pass "
                 "dsinfer={'strict': False} to load it unmodified."
             )
+        if self.dsinfer.offload is not None and hasattr(self, "_offload_map"):
+            self._fill_offload_map(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -23,6 +23,10 @@ _MARK = "__dsinfer_shim__"
 
 def _load(original, cls, args, kwargs, dsinfer: Any):
     config = DSInferConfig.coerce(dsinfer)
+    if config.tp_size > 1:  # each rank reads only its slices (hf_dsinfer.parallel.loading)
+        from hf_dsinfer.parallel.loading import load_tensor_parallel
+
+        return load_tensor_parallel(original, cls, args, kwargs, config)
     if kwargs.get("gguf_file") is not None or kwargs.get("quantization_config") is not None:
         # transformers refuses a second quantization method next to GGUF / another method:
         # load as the user asked, then inject into the loaded model.

@@ -16,7 +16,7 @@ torch's int4 CPU kernel do, so one group is contiguous in the dot product.
 
 Shapes and layouts:
     x       [..., in]
-    Int8Weight.qweight [out, in] int8, .scales [out]
+    Int8Weight.qweight [out, in] int8, .scales [out], .in_scale [in] fp32 or None
     Int4Weight.packed  [out, in // 2] uint8, low nibble = even input column, high nibble = odd
                .scales / .mins [out, in // group_size]
                .cpu_packed / .cpu_scales_zeros: the same values in the layout of
@@ -24,7 +24,7 @@ Shapes and layouts:
                (None when the shape does not fit that kernel: out % 16 != 0)
     out     [..., out] in x.dtype
 
-CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernels.py):
+CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_ops.py):
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and run at
 ~3 ms vs ~9 ms for bf16 F.linear at 1 row, but cost ~0.8 ms more per extra row; a chunked
 dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
@@ -53,6 +53,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 class Int8Weight(NamedTuple):
     qweight: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], dtype of the original weight
+    in_scale: torch.Tensor | None = None  # [in] fp32 input-channel equalization, or None
 
 
 class Int4Weight(NamedTuple):
@@ -70,17 +71,30 @@ class Int4Weight(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-output-channel int8 (absmax / 127), scales in the weight's dtype."""
+def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
+    """Symmetric per-output-channel int8 (absmax / 127), scales in the weight's dtype.
+
+    equalize=True first divides every input column k by in_scale[k] = sqrt(max_o |W[o, k]|)
+    (AWQ/SmoothQuant-style equalization, weight-only): a few large columns no longer set every
+    row's absmax, so the other columns keep more of their 255 levels. The matmul then runs on
+    x * in_scale, an [in]-vector multiply. On SmolLM2-135M it took the perplexity gap of int8
+    from +1.1% to +0.1% (tests/integration/test_quant_quality.py).
+    """
     w = weight.detach().float()  # [out, in]
+    in_scale = None
+    if equalize:
+        in_scale = w.abs().amax(dim=0).sqrt().clamp(min=1e-4)  # [in]
+        w = w / in_scale
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scales)
+    return Int8Weight(q.contiguous(), scales, in_scale)
 
 
 def dequantize_int8(qweight: Int8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[out, in] weight q * scale in `dtype` (default: the scales' dtype), computed in fp32."""
+    """[out, in] weight q * scale (* in_scale) in `dtype` (default: the scales' dtype), in fp32."""
     w = qweight.qweight.float() * qweight.scales.float()[:, None]
+    if qweight.in_scale is not None:
+        w = w * qweight.in_scale
     return w.to(dtype or qweight.scales.dtype)
 
 
@@ -301,7 +315,8 @@ def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias) -> tor
 
 
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    return dequantize_int8(Int8Weight(*(t[start:stop] for t in qweight)), dtype)
+    return dequantize_int8(qweight._replace(qweight=qweight.qweight[start:stop],
+                                            scales=qweight.scales[start:stop]), dtype)
 
 
 def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
@@ -313,7 +328,8 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
     """_weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, chunked dequantize + GEMM above."""
     q, scales = qweight.qweight, qweight.scales
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if x2.shape[0] <= QUANT_PACK_MAX_ROWS:
+    # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
+    if x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0:
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales.to(x.dtype))
         y = y if bias is None else y + bias
@@ -351,6 +367,10 @@ def linear_int8(
     """y = x @ dequantize_int8(qweight).T + bias, computed by the backend's int8 kernel."""
     fn = _dispatch.pick(backend, x.device, ref=linear_int8_ref, triton_fn=linear_int8_triton,
                         cpu_fn=linear_int8_cpu)
+    if qweight.in_scale is not None and fn is not linear_int8_ref:
+        # x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: the kernels see plain int8
+        x = (x.float() * qweight.in_scale).to(x.dtype)
+        qweight = qweight._replace(in_scale=None)
     return fn(x, qweight, bias)
 
 

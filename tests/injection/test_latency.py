@@ -86,3 +86,38 @@ def test_compiled_decode_same_tokens_and_no_recompile():
     assert torch.equal(first, expected) and torch.equal(second, expected)
     hf_dsinfer.revert(model)
     assert model.generation_config.cache_implementation is None
+
+
+@pytest.mark.parametrize("overrides, device, expected", [
+    ({}, "cpu", (False, "dynamic")),            # auto on CPU: eager, HF's growing cache
+    ({}, "cuda", (True, "static")),             # auto on CUDA: static cache + CUDA graphs
+    ({"compile": True}, "cpu", (True, "static")),
+    ({"compile": False}, "cuda", (False, "dynamic")),
+    ({"cache": "static"}, "cpu", (False, "static")),
+    ({"tp_size": 2}, "cuda", (False, "dynamic")),  # collectives stay eager
+])
+def test_decode_mode_resolution(overrides, device, expected):
+    from hf_dsinfer.injection.latency import resolve_decode_mode
+
+    mode = resolve_decode_mode(hf_dsinfer.DSInferConfig(**overrides), torch.device(device))
+    assert (mode.compile, mode.cache) == expected
+
+
+def test_compile_with_dynamic_cache_is_rejected():
+    with pytest.raises(ValueError, match="static KV cache"):
+        hf_dsinfer.DSInferConfig(compile=True, cache="dynamic")
+
+
+def test_static_cache_without_compile_matches_hf_and_stays_eager():
+    from torch._dynamo.utils import counters
+
+    ref = make_model("llama")
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref), cache="static")
+    assert model.generation_config.cache_implementation == "static"
+    ids, mask = prompts(batch=2)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, **GEN)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled
+    assert torch.equal(out, ref.generate(ids, attention_mask=mask, **GEN))
+    assert "static KV cache, eager decode step" in hf_dsinfer.explain(model)

@@ -14,11 +14,14 @@ from hf_dsinfer.cli import _chat_inputs, load
 from hf_dsinfer.evaluate import english_text, perplexity
 
 pytestmark = pytest.mark.slow
-# Per-channel int8 does not meet the issue's int8 targets on this model yet (issue 4 is open):
-# these are strict xfails, so CI reports them the moment they start passing.
-INT8_GAP = ("per-channel int8 on SmolLM2 (weights from a Q4_1 GGUF, 32-wide blocks) measured "
-            "+1.27% perplexity on this text (target +1%) and the same 24-token greedy answer "
-            "as bf16 on 1 of the 5 prompts (target 5 of 5)")
+# Equalized per-channel int8 meets the perplexity target (+0.5% measured) but not identical greedy
+# answers: this model's answers sit on near-ties that int8 rounding moves. A strict xfail, so CI
+# reports it the moment it starts passing (issue 4 is open).
+INT8_GAP = ("int8 (per output channel, input-equalized) shifts SmolLM2's logits by ~0.2-0.6; "
+            "'What is the capital of France?' has a first-token gap of 0.08 in fp32 HF ('The' "
+            "25.325 vs 'L' 25.243), so int8 answers 'L'Étoile...'. Measured: same 24-token "
+            "answer as bf16 on 2 of 5 prompts (bf16 itself matches fp32 HF on 3 of 5). "
+            "int4 g32 reproduces these Q4_1-derived weights exactly and matches.")
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -44,18 +47,13 @@ def _perplexities(smollm2_bf16) -> dict[str, float]:
             (("bf16", base), ("int8", int8), ("int4", int4))}
 
 
-def test_int4_perplexity_within_6_percent(smollm2_bf16):
+def test_perplexity_int8_within_1_percent_int4_within_6(smollm2_bf16):
     ppl = _perplexities(smollm2_bf16)
     print("perplexity:", {k: round(v, 3) for k, v in ppl.items()})
+    assert ppl["int8"] <= ppl["bf16"] * 1.01  # equalized per-channel int8
     assert ppl["int4"] <= ppl["bf16"] * 1.06
-    assert ppl["int8"] <= ppl["bf16"] * 1.02  # what per-channel int8 reaches today
+    assert sum(hf_dsinfer.fused_call_counts(smollm2_bf16[2]).values()) > 0
     assert sum(hf_dsinfer.fused_call_counts(smollm2_bf16[3]).values()) > 0
-
-
-@pytest.mark.xfail(strict=True, reason=INT8_GAP)
-def test_int8_perplexity_within_1_percent(smollm2_bf16):
-    ppl = _perplexities(smollm2_bf16)
-    assert ppl["int8"] <= ppl["bf16"] * 1.01
 
 
 def _greedy_text(model, tok, prompt: str) -> str:

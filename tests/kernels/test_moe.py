@@ -141,10 +141,52 @@ def test_grouped_expert_mlp_triton_activations(triton_interpret, act):
     assert_close_tol(out, moe.grouped_expert_mlp_ref(*args, act), table=REDUCTION_TOL)
 
 
-def test_cpu_path_runs_only_experts_with_tokens():
+def test_cpu_path_is_two_grouped_gemms():
+    """No Python loop over experts: one grouped GEMM per projection, whatever E is."""
+    hidden, gate_up, down, weights, ids = _mlp_inputs(5, 32, 40, 6, 2, torch.float32)
+    with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as gmm, \
+            mock.patch.object(moe, "_expert_mlp", wraps=moe._expert_mlp) as expert_mlp:
+        out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+    assert gmm.call_count == 2 and expert_mlp.call_count == 0
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
+
+
+def test_cpu_fallback_runs_only_experts_with_tokens(monkeypatch):
     hidden, gate_up, down, _, _ = _mlp_inputs(4, 32, 40, 6, 2, torch.float32)
     ids = torch.tensor([[0, 4], [4, 0], [0, 4], [4, 0]])  # experts 1, 2, 3, 5 unused
     weights = torch.full((4, 2), 0.5)
+    monkeypatch.delattr(F, "grouped_mm")  # torch without a grouped GEMM
     with mock.patch.object(moe, "_expert_mlp", wraps=moe._expert_mlp) as expert_mlp:
-        moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+        out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
     assert expert_mlp.call_count == 2
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
+
+
+def test_moe_align_sentinel_rows_sort_last():
+    ids = torch.tensor([[2, 4], [4, 1]])  # 4 = E: dropped slots
+    align = moe.moe_align(ids, num_experts=4)
+    assert align.expert_offsets.tolist() == [0, 0, 1, 2, 2]
+    assert align.flat_idx.tolist()[:2] == [3, 0] and sorted(align.flat_idx.tolist()[2:]) == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("backend", ("ref", "cpu", "triton"))
+def test_grouped_expert_rows_with_dropped_rows(triton_interpret, dtype, backend):
+    """Rows of dropped slots come back as zeros; kept rows equal the per-expert MLP."""
+    hidden, gate_up, down, weights, ids = _mlp_inputs(6, 32, 40, 5, 2, dtype)
+    ids = ids.clone()
+    ids[1, 0] = ids[4, 1] = 5  # two dropped slots
+    align = moe.moe_align(ids, 5)
+    x = hidden[align.token_idx]
+    y = moe.grouped_expert_rows(x, gate_up, down, align.expert_offsets, backend=backend)
+    kept = int(align.expert_offsets[-1])
+    assert kept == 10 and torch.equal(y[kept:], torch.zeros_like(y[kept:]))
+    expert = ids.reshape(-1)[align.flat_idx]
+    exact = torch.stack([moe._expert_mlp(x[r:r + 1].float(), gate_up[expert[r]].float(),
+                                         down[expert[r]].float(), "silu")[0]
+                         for r in range(kept)])
+    assert_close_tol(y[:kept], exact.to(dtype), dtype, REDUCTION_TOL)
+    combined = moe.combine_expert_rows(y, weights.masked_fill(ids == 5, 0.0), align)
+    assert combined.shape == hidden.shape and torch.isfinite(combined).all()

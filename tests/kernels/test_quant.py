@@ -111,3 +111,29 @@ def test_linear_int4_cpu_matches_ref(monkeypatch, dtype, lead, n, group, sym):
     x, bias = _gaussian(*lead, 128, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
     out = Q.linear_int4(x, qw, bias, backend="cpu")
     assert_close_tol(out, Q.linear_int4_ref(x, qw, bias), dtype, DEQUANT_TOL)
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpu", "triton"])
+def test_int8_equalized_matches_its_dequantized_weight(backend):
+    """equalize=True: the kernels compute with x * in_scale against plain int8 rows; the result
+    is x @ dequantize_int8(qw).T, and equalizing lowers the weight error when columns differ."""
+    torch.manual_seed(0)
+    w = _gaussian(48, 64) * torch.linspace(0.1, 4.0, 64)  # columns of very different scale
+    plain, qw = Q.quantize_int8(w), Q.quantize_int8(w, equalize=True)
+    assert qw.in_scale is not None and qw.in_scale.shape == (64,)
+    err = [(Q.dequantize_int8(q, torch.float32) - w).pow(2).mean() for q in (plain, qw)]
+    assert err[1] < 0.7 * err[0]
+    x = torch.randn(3, 64)
+    expected = x @ Q.dequantize_int8(qw, torch.float32).t()
+    out = Q.linear_int8(x, qw, backend=backend)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [40, 24, 8])
+def test_int8_cpu_input_size_not_multiple_of_16(k):
+    """torch's _weight_int8pack_mm crashes the process for in % 16 != 0: the CPU path must not
+    call it there (it takes the chunked dequantize path instead)."""
+    qw = Q.quantize_int8(_gaussian(32, k).to(torch.bfloat16))
+    x = torch.randn(2, k, dtype=torch.bfloat16)
+    out = Q.linear_int8(x, qw, backend="cpu")
+    assert torch.allclose(out.float(), Q.linear_int8_ref(x, qw).float(), rtol=2e-2, atol=2e-2)

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_dsinfer.injection.policies import bloom, gpt2, gpt_neox, gptj, llama, opt
+from hf_dsinfer.injection.policies import (
+    bloom,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    mixtral,
+    olmoe,
+    opt,
+    qwen2_moe,
+    qwen3_moe,
+)
 from hf_dsinfer.injection.policy import Policy
 
 POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
+    mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY,
 )
 
 

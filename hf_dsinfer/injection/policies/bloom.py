@@ -24,4 +24,6 @@ POLICY = Policy(
     residual_post_ln=FromConfig("apply_residual_connection_post_layernorm", None, False),
     cache_arg="layer_past",
     returns_tuple=True,
+    tp_plan={"self_attention.query_key_value": "colwise", "self_attention.dense": "rowwise",
+             "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"},
 )

@@ -21,5 +21,7 @@ POLICY = Policy(
     mlp_out="c_proj",
     activation=FromConfig("activation_function"),
     conv1d=True,
+    tp_plan={"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+             "mlp.c_proj": "rowwise"},
     notes="scale_attn_by_inverse_layer_idx is read per layer from the attention's `scaling`",
 )

@@ -32,4 +32,6 @@ POLICY = Policy(
     scale_inverted=True,
     cache_arg="layer_past",
     returns_tuple=True,
+    tp_plan={"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+             "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"},
 )

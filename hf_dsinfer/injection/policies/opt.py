@@ -21,4 +21,7 @@ POLICY = Policy(
     mlp_out="fc2",
     activation=FromConfig("activation_function"),
     scale_query=True,
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+             "self_attn.v_proj": "colwise", "self_attn.out_proj": "rowwise", "fc1": "colwise",
+             "fc2": "rowwise"},
 )

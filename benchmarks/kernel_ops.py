@@ -6,9 +6,9 @@ each GB/s figure is also shown as a fraction of what this machine can read. Ever
 checked against the reference before it is timed. Weight-bound cases cycle through several
 distinct matrices whose total exceeds the 480 MB L3, so they are read from DRAM.
 
-    python benchmarks/kernels.py            # full shapes (8192x8192 headline, MoE 16/2048 tokens)
-    python benchmarks/kernels.py --quick    # small shapes, seconds
-    python benchmarks/kernels.py --device cuda   # time the Triton kernels on a GPU
+    python benchmarks/kernel_ops.py            # full shapes (8192x8192 headline, MoE 16/2048 tokens)
+    python benchmarks/kernel_ops.py --quick    # small shapes, seconds
+    python benchmarks/kernel_ops.py --device cuda   # time the Triton kernels on a GPU
 """
 
 from __future__ import annotations

@@ -1,0 +1,300 @@
+"""FusedMoE: a transformers sparse-MoE MLP computed with `hf_dsinfer.kernels.moe` ops.
+
+DeepSpeed-MoE's inference recipe on transformers 5's fused 3-D expert tensors: one router GEMM,
+fused top-k gating (HF's numerics: softmax in fp32 over all experts, top-k, optional
+renormalization, weights cast like the HF router casts them), a dense token->expert table with
+rows sorted by expert, a grouped expert GEMM that never touches idle experts, and a weighted
+combine. Qwen2-MoE's shared expert (scaled by sigmoid(shared_expert_gate(x))) is added on top.
+
+Like FusedBlock, a FusedMoE is installed as the *instance* `forward` of the HF MoE module, so the
+module keeps its class, parameters and names. The enclosing FusedBlock's MLP step calls the
+module; when that block runs its HF forward (parity reference, training) the FusedMoE defers to
+the HF forward too - unless the experts were quantized or sharded across ranks, which the HF
+forward cannot compute: then it raises instead of computing something else.
+
+Routing is dropless (exactly HF) unless `moe_capacity_factor` is set: then each expert keeps at
+most ceil(c * T * k / E) routed slots per call, top-1 choices of every token first (GShard's
+priority), and the overflow slots are dropped (their weight is not redistributed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_dsinfer.config import QuantConfig
+from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.injection import policy as P
+from hf_dsinfer.injection.quantize import QuantizedLinear, quantize_linear, resolve_group_size
+from hf_dsinfer.kernels.activations import gated_act, resolve_activation
+from hf_dsinfer.kernels.linear import linear
+from hf_dsinfer.kernels.moe import (
+    combine_expert_rows,
+    grouped_expert_mlp,
+    grouped_expert_rows,
+    moe_align,
+    topk_gating,
+)
+
+
+class MoeStateError(DSInferError):
+    """An HF forward was requested from a MoE block whose experts it can no longer compute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A MoeLayout resolved against one MoE module and its model config."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    fp32_weights: bool
+    activation: str
+    hidden: int
+    intermediate: int
+    capacity_factor: float | None
+    shared_expert: bool
+
+    def describe(self) -> str:
+        routing = "dropless" if self.capacity_factor is None else f"capacity {self.capacity_factor}"
+        shared = " + shared expert" if self.shared_expert else ""
+        return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}"
+
+
+def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activation: str,
+                     capacity_factor: float | None) -> MoeSpec:
+    experts = module.get_submodule(layout.experts)
+    n_exp, two_inter, hidden = experts.gate_up_proj.shape  # [E, 2I, H]
+    return MoeSpec(
+        num_experts=int(n_exp),
+        top_k=int(getattr(config, layout.top_k)),
+        renormalize=bool(P.resolve(layout.renormalize, config)),
+        fp32_weights=layout.fp32_weights,
+        activation=resolve_activation(activation),
+        hidden=int(hidden),
+        intermediate=int(two_inter) // 2,
+        capacity_factor=capacity_factor,
+        shared_expert=layout.shared_expert is not None,
+    )
+
+
+def drop_over_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                       factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cap every expert at ceil(factor * T * k / E) slots, top-1 choices first, then top-2, ...
+    (tokens in order inside each). Dropped slots get the sentinel id E and weight 0."""
+    t, k = ids.shape
+    capacity = math.ceil(factor * t * k / num_experts)
+    slot_major = ids.t().reshape(-1)  # [k*T]: all top-1 choices, then all top-2 ...
+    order = torch.argsort(slot_major, stable=True)
+    counts = torch.bincount(slot_major, minlength=num_experts)
+    first_row = torch.cumsum(counts, 0) - counts  # [E]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=ids.device)
+    position = rank - first_row[slot_major]  # place of each slot inside its expert's queue
+    keep = (position < capacity).view(k, t).t()  # [T, k]
+    return ids.masked_fill(~keep, num_experts), weights.masked_fill(~keep, 0)
+
+
+def _linear_any(module: nn.Module, x: torch.Tensor, backend: str) -> torch.Tensor:
+    if isinstance(module, QuantizedLinear):
+        return module.matmul(x)
+    return linear(x, module.weight, module.bias, backend=backend)
+
+
+class FusedMoE:
+    """Callable installed as the HF sparse-MoE module's `forward`; input [B, S, H] or [T, H]."""
+
+    def __init__(self, module: nn.Module, layout: P.MoeLayout, spec: MoeSpec, backend: str,
+                 owner: Any):
+        self.module = module
+        self.layout = layout
+        self.spec = spec
+        self.backend = backend
+        self.owner = owner  # the FusedBlock whose `enabled` flag this follows
+        self.calls = 0
+        self.hf_forward = type(module).forward.__get__(module)
+        self.router = module.get_submodule(layout.router)
+        self.experts = module.get_submodule(layout.experts)
+        self.quantized: nn.ModuleList | None = None  # [gate_up_0, down_0, gate_up_1, ...]
+        self.parallel: Any = None  # hf_dsinfer.parallel.expert.ExpertParallel when ep_size > 1
+        self.margins: list[torch.Tensor] | None = None  # parity probe: routing margins
+
+    @property
+    def enabled(self) -> bool:
+        return self.owner.enabled
+
+    # -- entry point ---------------------------------------------------------------------------
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or self.module.training:
+            return self._hf(hidden_states)
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
+        return self.forward_tokens(x).view(hidden_states.shape)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]: routed experts (local or across the EP group) + shared expert."""
+        weights, ids = self.route(x)
+        if self.parallel is not None:
+            out = self.parallel.experts(x, weights, ids, self.expert_rows)
+        else:
+            out = self._local_experts(x, weights, ids)
+        if self.spec.shared_expert:
+            out = out + self._shared_expert(x)
+        return out
+
+    # -- pieces --------------------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        # HF computes the router GEMM in the activations' dtype; the softmax is fp32.
+        return F.linear(x, self.router.weight)  # [T, E]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""
+        logits = self.router_logits(x)
+        weights, ids = topk_gating(logits, self.spec.top_k, softmax_first=True,
+                                   renormalize=self.spec.renormalize, backend=self.backend)
+        if not self.spec.fp32_weights:  # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
+            weights = weights.to(logits.dtype)
+        if self.spec.capacity_factor is not None:
+            ids, weights = drop_over_capacity(ids, weights, self.spec.num_experts,
+                                              self.spec.capacity_factor)
+        return weights, ids
+
+    def expert_rows(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs [R, H] of this rank's experts for expert-sorted rows."""
+        if self.quantized is not None:
+            return _quantized_rows(x_sorted, self.quantized, offsets, self.spec.activation)
+        return grouped_expert_rows(x_sorted, self.experts.gate_up_proj, self.experts.down_proj,
+                                   offsets, self.spec.activation, backend=self.backend)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        if self.quantized is None and self.spec.capacity_factor is None:
+            return grouped_expert_mlp(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                      weights, ids, self.spec.activation, backend=self.backend)
+        align = moe_align(ids, self.spec.num_experts)
+        rows = self.expert_rows(x.index_select(0, align.token_idx), align.expert_offsets)
+        return combine_expert_rows(rows, weights, align)
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+        mlp = self.module.get_submodule(self.layout.shared_expert)
+        gate, up = (_linear_any(mlp.get_submodule(n), x, self.backend)
+                    for n in self.owner.policy.mlp_in)
+        h = gated_act(gate, up, self.spec.activation, backend=self.backend)
+        out = _linear_any(mlp.get_submodule(self.owner.policy.mlp_out), h, self.backend)
+        gate_linear = self.module.get_submodule(self.layout.shared_expert_gate)
+        return torch.sigmoid(_linear_any(gate_linear, x, self.backend)) * out
+
+    def _hf(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None or self.parallel is not None:
+            what = "quantized" if self.quantized is not None else "sharded across ranks"
+            raise MoeStateError(
+                f"{type(self.module).__name__}: the Hugging Face forward was requested (training "
+                f"mode, output_attentions, or a block that failed the parity gate) but its "
+                f"experts are {what}, which that forward cannot compute. Fix: call the model in "
+                "eval mode without output_attentions, or load it without quant / ep_size.")
+        if self.margins is not None:
+            self.margins.append(self.routing_margin(hidden_states))
+        return self.hf_forward(hidden_states)
+
+    @torch.no_grad()
+    def routing_margin(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """p_k - p_(k+1) per token [B, S] (fp32 softmax): how far each token is from swapping
+        its k-th expert. The parity gate excludes near-ties, which rounding may legally flip."""
+        logits = self.router_logits(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        probs = torch.softmax(logits.float(), dim=-1)
+        k = self.spec.top_k
+        if k >= probs.shape[-1]:
+            return torch.ones(hidden_states.shape[:-1], device=probs.device)
+        top = torch.topk(probs, k + 1, dim=-1).values  # [T, k+1]
+        return (top[:, k - 1] - top[:, k]).view(hidden_states.shape[:-1])
+
+
+def _quantized_rows(x_sorted: torch.Tensor, qlinears: nn.ModuleList, offsets: torch.Tensor,
+                    act: str) -> torch.Tensor:
+    """int8 / int4 experts: one weight-only quantized GEMM pair per expert that has rows (torch
+    has no grouped int8/int4 GEMM; idle experts still cost nothing)."""
+    y = torch.zeros_like(x_sorted)
+    bounds = offsets.tolist()
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            h = qlinears[2 * e].matmul(x_sorted[lo:hi])  # [n, 2I]
+            y[lo:hi] = qlinears[2 * e + 1].matmul(gated_act(h, None, act))
+    return y
+
+
+# -- building, installing, quantizing ------------------------------------------------------------
+def build_moe(blocks: dict[str, Any], config: Any, capacity_factor: float | None
+              ) -> dict[str, FusedMoE]:
+    """A FusedMoE for every fused block whose MLP is a sparse-MoE module: path -> FusedMoE."""
+    moes: dict[str, FusedMoE] = {}
+    for path, fused in blocks.items():
+        if not fused.is_moe:
+            continue
+        module, layout = fused._mlp_module, fused.policy.moe
+        spec = resolve_moe_spec(module, layout, config, fused.spec.activation, capacity_factor)
+        fused.moe = moes[f"{path}.{fused.policy.mlp}"] = FusedMoE(module, layout, spec,
+                                                                   fused.backend, fused)
+    return moes
+
+
+def install_moe(moes: dict[str, FusedMoE]) -> None:
+    for moe in moes.values():
+        moe.module.forward = moe
+
+
+def uninstall_moe(moes: dict[str, FusedMoE]) -> None:
+    for moe in moes.values():
+        if moe.quantized is not None or moe.parallel is not None:
+            raise MoeStateError(
+                "cannot revert a model whose MoE experts were quantized or sharded across ranks: "
+                "the Hugging Face expert forward cannot run on them. Fix: load the model again.")
+    for moe in moes.values():
+        if moe.module.__dict__.get("forward") is moe:
+            del moe.module.forward
+
+
+def moe_group_size(moes: dict[str, FusedMoE], quant: QuantConfig) -> int | None:
+    """The int4 group size of the experts (must divide H and I); raises with the fix."""
+    sizes = [n for m in moes.values() for n in (m.spec.hidden, m.spec.intermediate)]
+    return resolve_group_size(quant, sizes) if sizes else None
+
+
+def quantize_moe(moes: dict[str, FusedMoE], quant: QuantConfig) -> tuple[int, int]:
+    """Replace every MoE's fused expert tensors by per-expert int8 / int4 weights (the bf16
+    tensors are freed); the shared expert's linears become QuantizedLinears. Returns the bytes
+    (before, after) of the expert weights."""
+    group = moe_group_size(moes, quant)
+    before = after = 0
+    for moe in moes.values():
+        gu, dn = moe.experts.gate_up_proj, moe.experts.down_proj
+        before += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
+        qlinears = nn.ModuleList(quantize_linear(_as_linear(w), False, quant, group, moe.backend)
+                                 for e in range(gu.shape[0]) for w in (gu[e], dn[e]))
+        after += sum(t.numel() * t.element_size() for t in qlinears.buffers())
+        del moe.experts.gate_up_proj, moe.experts.down_proj
+        moe.experts.dsinfer_quantized = qlinears
+        moe.quantized = qlinears
+        if moe.spec.shared_expert:
+            _quantize_shared(moe, quant, group)
+    return before, after
+
+
+def _as_linear(weight: torch.Tensor) -> nn.Module:
+    """A weight-only stand-in for nn.Linear, what quantize_linear reads."""
+    holder = nn.Module()
+    holder.weight, holder.bias = weight.detach(), None
+    return holder
+
+
+def _quantize_shared(moe: FusedMoE, quant: QuantConfig, group: int | None) -> None:
+    mlp = moe.module.get_submodule(moe.layout.shared_expert)
+    for name in (*moe.owner.policy.mlp_in, moe.owner.policy.mlp_out):
+        setattr(mlp, name, quantize_linear(mlp.get_submodule(name), False, quant, group,
+                                           moe.backend))

@@ -1,0 +1,312 @@
+"""The KV cache of a block: one cache per micro-batch, each split by sequences over the tiers.
+
+`BlockCache` is an HF `Cache` (generate() and the model's mask builders see an ordinary cache of
+`get_seq_length()` tokens); its layers hold one `MicroKV` per micro-batch. The offloaded decoder
+layer (schedule.py) hands each micro-batch a `MicroBatchView`, whose `update()` is the only call
+a decoder layer makes on its cache.
+
+Within a micro-batch of r sequences, `cache=(d, c, k)` keeps the first round(r*d/100) rows on
+the compute device, the next ones in CPU RAM and the rest on disk (FlexGen splits a mixed cache
+by sequences). Storage is token-major, [tokens, rows, heads, width], so appending a decode step is
+one contiguous write (one `pwrite` on disk) and reading the cache is one contiguous read.
+With `compress_cache`, K and V are stored as 4-bit min-max codes in groups along head_dim
+(FlexGen; the group is `group_size`, or head_dim when the group does not divide it) and decoded
+when read: attention always sees dense K/V in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor, Future
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.kernels.kv_quant import KVInt4, dequantize_kv_int4, quantize_kv_int4
+from hf_dsinfer.offload.policy import OffloadPolicy
+
+Component = tuple[str, int, torch.dtype]  # name, width (last dim), dtype
+
+
+def cache_group(head_dim: int, group_size: int) -> int:
+    return group_size if head_dim % group_size == 0 else head_dim
+
+
+def row_split(rows: int, percent: tuple[float, float, float]) -> list[tuple[str, int, int]]:
+    """[(tier, first row, end row)] of a micro-batch of `rows` sequences, empty tiers dropped."""
+    a = round(rows * percent[0] / 100)
+    b = round(rows * (percent[0] + percent[1]) / 100)
+    spans = [("device", 0, a), ("cpu", a, b), ("disk", b, rows)]
+    return [s for s in spans if s[2] > s[1]]
+
+
+# -- storage -----------------------------------------------------------------------------------------
+class RamStorage:
+    """Growable token-major tensors, one per component, on one device."""
+
+    def __init__(self, components: list[Component], rows: int, heads: int, device, capacity: int):
+        self.tensors = {name: torch.empty(capacity, rows, heads, width, dtype=dtype, device=device)
+                        for name, width, dtype in components}
+        self.length = 0
+
+    def append(self, parts: dict[str, torch.Tensor]) -> None:
+        s = next(iter(parts.values())).shape[0]
+        for name, part in parts.items():
+            buf = self.tensors[name]
+            if self.length + s > buf.shape[0]:
+                grown = buf.new_empty(max(2 * buf.shape[0], self.length + s), *buf.shape[1:])
+                grown[: self.length] = buf[: self.length]
+                self.tensors[name] = buf = grown
+            buf[self.length: self.length + s] = part
+        self.length += s
+
+    def read(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        return {name: t[start:stop] for name, t in self.tensors.items()}
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+class FileStorage:
+    """Token records [component bytes...] appended to one file; read back as one range."""
+
+    def __init__(self, components: list[Component], rows: int, heads: int, path: Path):
+        self.layout = [(name, rows * heads * width * dtype.itemsize, (rows, heads, width), dtype)
+                       for name, width, dtype in components]
+        self.record = sum(n for _, n, _, _ in self.layout)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.length = 0
+
+    def append(self, parts: dict[str, torch.Tensor]) -> None:
+        s = next(iter(parts.values())).shape[0]
+        raw = torch.cat([parts[name].contiguous().cpu().view(torch.uint8).reshape(s, -1)
+                         for name, _, _, _ in self.layout], dim=1)  # [s, record]
+        written = os.pwrite(self.fd, raw.numpy().tobytes(), self.length * self.record)
+        if written != raw.numel():
+            raise DSInferError(f"KV cache file {self.path}: short write ({written} of "
+                               f"{raw.numel()} bytes). Fix: free space in offload_dir.")
+        self.length += s
+
+    def read(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        n = stop - start
+        raw = torch.empty(n, self.record, dtype=torch.uint8)
+        if n and os.preadv(self.fd, [raw.numpy()], start * self.record) != raw.numel():
+            raise DSInferError(f"KV cache file {self.path} is shorter than its {stop} tokens: "
+                               "it was truncated while generating. Fix: keep offload_dir private "
+                               "to this process.")
+        out, col = {}, 0
+        for name, nbytes, shape, dtype in self.layout:
+            out[name] = raw[:, col: col + nbytes].contiguous().view(dtype).reshape(n, *shape)
+            col += nbytes
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)
+
+
+# -- one tier's rows of one micro-batch of one layer -------------------------------------------------
+class KVSegment:
+    """K and V of some rows on one tier, dense or 4-bit; read back dense on the compute device."""
+
+    def __init__(self, tier: str, rows: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 policy: OffloadPolicy, device: torch.device, path: Path | None, capacity: int):
+        self.group = cache_group(head_dim, policy.group_size) if policy.compress_cache else 0
+        self.dtype, self.device = dtype, device
+        if self.group:
+            g = head_dim // self.group
+            components = [(f"{t}.{p}", w, dt) for t in ("k", "v") for p, w, dt in
+                          (("packed", head_dim // 2, torch.uint8), ("scales", g, torch.float16),
+                           ("mins", g, torch.float16))]
+        else:
+            components = [("k", head_dim, dtype), ("v", head_dim, dtype)]
+        home = device if tier == "device" else torch.device("cpu")
+        self.storage = (FileStorage(components, rows, heads, path) if tier == "disk" else
+                        RamStorage(components, rows, heads, home, capacity))
+        # a read is a free view only for dense RAM on the compute device itself
+        self.cheap = not self.group and tier != "disk" and home == device
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [rows, heads, s, D] -> stored token-major."""
+        parts = {}
+        for name, x in (("k", k), ("v", v)):
+            x = x.permute(2, 0, 1, 3)  # [s, rows, heads, D]
+            if self.group:
+                codes = quantize_kv_int4(x.contiguous(), self.group)
+                parts.update({f"{name}.packed": codes.packed, f"{name}.scales": codes.scales,
+                              f"{name}.mins": codes.mins})
+            else:
+                parts[name] = x
+        self.storage.append(parts)
+
+    def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V [rows, heads, stop - start, D] on the compute device."""
+        parts = {n: t.to(self.device, non_blocking=True)
+                 for n, t in self.storage.read(start, stop).items()}
+        out = []
+        for name in ("k", "v"):
+            if self.group:
+                codes = KVInt4(parts[f"{name}.packed"], parts[f"{name}.scales"],
+                               parts[f"{name}.mins"], self.group)
+                x = dequantize_kv_int4(codes, self.dtype)
+            else:
+                x = parts[name]
+            out.append(x.permute(1, 2, 0, 3))  # [rows, heads, n, D]
+        return out[0], out[1]
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+# -- one micro-batch of one layer --------------------------------------------------------------------
+class MicroKV:
+    """The cache of one micro-batch in one layer: segments by rows, and a prefetched read."""
+
+    def __init__(self, segments: list[tuple[KVSegment, int, int]]):
+        self.segments = segments
+        self.length = 0
+        self._pending: tuple[int, Future] | None = None
+
+    def prefetch(self, executor: Executor) -> None:
+        """Start reading the whole cache (before the next update) on the I/O thread."""
+        if self.length and self._pending is None and not all(s.cheap for s, _, _ in self.segments):
+            self._pending = (self.length, executor.submit(self.read, 0, self.length))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [rows, heads, s, D]; return the whole cache, dense, [rows, heads, T, D]."""
+        start = self.length
+        for segment, r0, r1 in self.segments:
+            segment.append(k[r0:r1], v[r0:r1])
+        self.length += k.shape[2]
+        if self._pending is not None:
+            upto, future = self._pending
+            self._pending = None
+            old_k, old_v = future.result()
+            assert upto == start, "a prefetched cache read is stale"
+            new_k, new_v = self.read(start, self.length)
+            return torch.cat((old_k, new_k), dim=2), torch.cat((old_v, new_v), dim=2)
+        return self.read(0, self.length)
+
+    def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = zip(*(segment.read(start, stop) for segment, _, _ in self.segments))
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, dim=0), torch.cat(vs, dim=0)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[1].result()
+            self._pending = None
+        for segment, _, _ in self.segments:
+            segment.close()
+
+
+# -- HF cache objects --------------------------------------------------------------------------------
+class BlockKVLayer(CacheLayerMixin):
+    """One decoder layer's cache: a MicroKV per micro-batch, created at the first update."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, index: int, owner: BlockCache):
+        super().__init__()
+        self.index = index
+        self.owner = owner
+        self.micro: list[MicroKV] = []
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, head_dim = key_states.shape
+        self.micro = [self.owner.new_micro(self.index, m, heads, head_dim, key_states.dtype)
+                      for m in range(len(self.owner.rows))]
+        self.is_initialized = True
+
+    def update_micro(self, m: int, k: torch.Tensor, v: torch.Tensor):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        return self.micro[m].update(k, v)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """A whole-block update (a layer called without the micro-batch loop): split by rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        outs, start = [], 0
+        for m, rows in enumerate(self.owner.rows):
+            outs.append(self.update_micro(m, key_states[start:start + rows],
+                                          value_states[start:start + rows]))
+            start += rows
+        return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+
+    def prefetch_micro(self, m: int, executor: Executor) -> None:
+        if self.is_initialized:
+            self.micro[m].prefetch(executor)
+
+    def get_seq_length(self) -> int:
+        return self.micro[0].length if self.micro else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise DSInferError("hf_dsinfer offload: beam search is not supported by the offloaded "
+                           "block cache. Fix: use greedy or sampling (num_beams=1).")
+
+    def close(self) -> None:
+        for micro in self.micro:
+            micro.close()
+        self.micro = []
+        self.is_initialized = False
+
+
+class BlockCache(Cache):
+    """The cache of one block of micro-batches (`rows[m]` sequences each), per the policy."""
+
+    def __init__(self, num_layers: int, rows: list[int], policy: OffloadPolicy,
+                 device: torch.device, folder: Path | None, capacity: int):
+        self.rows = rows
+        self.policy = policy
+        self.device = device
+        self.folder = folder
+        self.capacity = capacity
+        super().__init__(layers=[BlockKVLayer(j, self) for j in range(num_layers)])
+
+    def new_micro(self, layer: int, m: int, heads: int, head_dim: int,
+                  dtype: torch.dtype) -> MicroKV:
+        segments = []
+        for tier, r0, r1 in row_split(self.rows[m], self.policy.cache):
+            path = None if tier != "disk" else self.folder / f"kv_L{layer:04d}_m{m:03d}.bin"
+            segments.append((KVSegment(tier, r1 - r0, heads, head_dim, dtype, self.policy,
+                                       self.device, path, self.capacity), r0, r1))
+        return MicroKV(segments)
+
+    def view(self, m: int) -> MicroBatchView:
+        return MicroBatchView(self, m)
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.close()
+        if self.folder is not None and self.folder.exists():
+            for leftover in self.folder.glob("kv_*.bin"):
+                leftover.unlink()
+            self.folder.rmdir()
+
+
+class MicroBatchView:
+    """What one micro-batch's decoder-layer call sees as its cache."""
+
+    def __init__(self, cache: BlockCache, m: int):
+        self.cache = cache
+        self.m = m
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.cache.layers[layer_idx].update_micro(self.m, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.layers[layer_idx].get_seq_length()

@@ -1,0 +1,162 @@
+"""How much memory a placement needs: one formula for the planner's constraints and the load- and
+generate-time budget checks (the budget is a promise: the check runs before anything is read or
+generated, and the tests hold the measured peak RSS to it).
+
+Host RAM (a CPU compute device has only this one memory):
+    resident   non-block weights (embeddings, final norm, lm_head)
+               + L x the stored bytes of each layer's device/cpu tiers
+    streamed   (1 + overlap) layers of per-use weights, dense, bound while a layer computes
+               (the next one is loading meanwhile)
+    kv         block x (prompt + gen) x L x per-token K/V bytes on the device/cpu tiers,
+               plus the prefetched dense copy of one micro-batch's cache
+    work       per micro-batch activations (hidden, q/k/v, MLP intermediates, attention
+               scores) and the whole block's hidden states between layers, logits
+With a CUDA compute device the same terms split into device memory (device tiers, streamed
+layers, work) and pinned host memory (cpu tiers, one staging buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.offload.compression import compressed_nbytes
+from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
+
+DECODE_SCRATCH = 32 << 20  # allocator slack, decode temporaries of compressed tensors (16 MB)
+
+
+class OffloadBudgetError(DSInferError):
+    """The policy does not fit the memory budget it promises to keep."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the memory and cost models need to know about a decoder-only model."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    layer_numel: int  # parameters of one decoder layer
+    other_numel: int  # parameters outside the decoder layers (tied ones counted once)
+    dtype_bytes: int  # compute dtype
+
+    @classmethod
+    def from_model(cls, model: nn.Module, blocks: list[nn.Module], dtype: torch.dtype):
+        config = model.config
+        text = getattr(config, "get_text_config", lambda: config)()
+        hidden = _attr(text, ("hidden_size", "n_embd", "d_model"))
+        heads = _attr(text, ("num_attention_heads", "n_head"))
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        layer = sum(p.numel() for p in blocks[0].parameters())
+        total = sum(p.numel() for p in model.parameters())  # parameters() dedups tied ones
+        dims = [max(p.shape) for p in blocks[0].parameters() if p.dim() == 2]
+        return cls(len(blocks), hidden, heads, kv_heads, head_dim, max(dims + [hidden]),
+                   _attr(text, ("vocab_size",)), layer, total - layer * len(blocks),
+                   dtype.itemsize)
+
+    def kv_token_bytes(self, compress: bool, group: int) -> float:
+        """K and V bytes of one token of one sequence in one layer."""
+        values = 2 * self.kv_heads * self.head_dim
+        if not compress:
+            return values * self.dtype_bytes
+        g = group if self.head_dim % group == 0 else self.head_dim
+        return compressed_nbytes(values, g)
+
+    def layer_bytes(self, compress: bool, group: int) -> float:
+        return (compressed_nbytes(self.layer_numel, group) if compress
+                else self.layer_numel * self.dtype_bytes)
+
+
+def _attr(config, names: tuple[str, ...]) -> int:
+    for name in names:
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise DSInferError(f"hf_dsinfer offload: {type(config).__name__} has none of {names}; "
+                       "cannot size the model. Fix: use a decoder-only transformer config.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Peak bytes by memory and by term."""
+
+    host: dict[str, float]
+    device: dict[str, float]
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+
+def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, prompt_len: int,
+              gen_len: int, per_use_dense: float | None = None) -> Footprint:
+    """Peak memory of `policy` on `shape` for one block of `batch` sequences.
+
+    `per_use_dense` overrides the dense bytes of one layer's per-use weights (the exact store
+    knows it; the planner uses the percentages)."""
+    b = shape.dtype_bytes
+    stored = shape.layer_bytes(policy.compress_weights, policy.group_size)
+    w_dev, w_cpu, _ = (p / 100 for p in policy.weights)
+    if per_use_dense is None:
+        resident_dense = 0.0 if policy.compress_weights else (w_dev + w_cpu)
+        per_use_dense = (1 - resident_dense) * shape.layer_numel * b
+    streamed = (2 if policy.overlap else 1) * per_use_dense + DECODE_SCRATCH
+    mb = min(batch, policy.micro_batch_size)
+    seq = prompt_len + gen_len
+    kv_token = shape.kv_token_bytes(policy.compress_cache, policy.group_size)
+    c_dev, c_cpu, _ = (p / 100 for p in policy.cache)
+    kv_all = batch * seq * shape.num_layers * kv_token
+    kv_read = 2 * mb * seq * 2 * shape.kv_heads * shape.head_dim * b  # prefetched + concatenated
+    work = _workspace(shape, batch, mb, max(prompt_len, 1))
+    others = shape.other_numel * b
+    if not cuda:
+        host = {"non-block weights": others, "resident layers": shape.num_layers * stored
+                * (w_dev + w_cpu), "streamed layers": streamed, "kv cache": kv_all * (c_dev + c_cpu),
+                "kv read": kv_read, "activations": work}
+        return Footprint(host, {})
+    host = {"cpu-tier layers": shape.num_layers * stored * w_cpu,
+            "pinned staging": per_use_dense, "kv cache": kv_all * c_cpu}
+    device = {"non-block weights": others, "device-tier layers": shape.num_layers * stored * w_dev,
+              "streamed layers": streamed, "kv cache": kv_all * c_dev, "kv read": kv_read,
+              "activations": work}
+    return Footprint(host, device)
+
+
+def _workspace(shape: ModelShape, batch: int, mb: int, prompt: int) -> float:
+    b = shape.dtype_bytes
+    per_micro = mb * prompt * (4 * shape.hidden + 2 * shape.ffn) * b
+    scores = mb * shape.heads * prompt * prompt * 4  # eager attention materialises fp32 scores
+    block_hidden = 3 * batch * prompt * shape.hidden * b  # layer input, output, concatenation
+    logits = 3 * batch * shape.vocab * 4
+    return per_micro + scores + block_hidden + logits
+
+
+def check_budget(fp: Footprint, policy: OffloadPolicy, when: str, fix: str) -> None:
+    """Raise OffloadBudgetError naming the biggest terms when the footprint exceeds a budget."""
+    for memory, total, parts, budget in (
+            ("memory (host RAM)", fp.host_total, fp.host, policy.memory),
+            ("device_memory", fp.device_total, fp.device, policy.device_memory)):
+        if budget is None or total <= budget:
+            continue
+        terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in
+                          sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0)
+        raise OffloadBudgetError(
+            f"hf_dsinfer offload: {when} needs {format_bytes(total)} of {memory}, the budget is "
+            f"{format_bytes(budget)} ({terms}). Fix: {fix}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

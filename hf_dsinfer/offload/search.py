@@ -1,0 +1,264 @@
+"""Policy search: FlexGen's linear program, solved with scipy's HiGHS, and `hf-dsinfer plan`.
+
+For every candidate block (micro_batch_size x num_micro_batches) and compression choice, one LP
+chooses the placement fractions x = (w_dev, w_cpu, w_disk, c_dev, c_cpu, c_disk) and the step
+times T_pre, T_dec:
+
+    minimise   L * (T_pre + (n - 1) * T_dec)
+    subject to T_pre >= read_pre(x), write_pre(x), compute_pre(x)      (cost.py, overlap)
+               T_dec >= read_dec(x), write_dec(x), compute_dec(x)
+               w_dev + w_cpu + w_disk = 1,  c_dev + c_cpu + c_disk = 1
+               host RAM(x) <= memory, device memory(x) <= device_memory     (memory.py)
+               disk(x) <= free space in offload_dir
+               on a CPU compute device: w_dev = c_dev = 0 (one RAM, called "cpu")
+
+The memory rows come from `memory.footprint`, the same formula the runtime budget check uses
+(it is affine in x, so its coefficients are read off by evaluating it at the unit placements).
+The best candidate by predicted throughput is rounded to whole percentages, re-checked against
+the budget, and returned as an OffloadPolicy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hf_dsinfer.offload.cost import Hardware, Prediction, Workload, layer_coefficients, predict
+from hf_dsinfer.offload.memory import ModelShape, footprint
+from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes, parse_bytes
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+NUM_MICRO = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    policy: OffloadPolicy
+    prediction: Prediction
+    host_bytes: float  # peak host RAM by memory.footprint
+
+
+def _base_policy(micro: int, num: int, compress: bool, offload_dir: str, memory: int | None,
+                 device_memory: int | None, device: str) -> OffloadPolicy:
+    return OffloadPolicy(weights=(0, 0, 100), cache=(0, 0, 100), micro_batch_size=micro,
+                         num_micro_batches=num, compress_weights=compress,
+                         compress_cache=compress, offload_dir=offload_dir, memory=memory,
+                         device_memory=device_memory, device=device)
+
+
+def _memory_rows(shape: ModelShape, policy: OffloadPolicy, cuda: bool, work: Workload):
+    """(host row, host constant, device row, device constant) of the affine footprint."""
+    def total(w, c):
+        fp = footprint(shape, policy.replace(weights=w, cache=c), cuda, policy.block_size,
+                       work.prompt_len, work.gen_len)
+        return fp.host_total, fp.device_total
+
+    base = total((0, 0, 100), (0, 0, 100))
+    units = [((100, 0, 0), (0, 0, 100)), ((0, 100, 0), (0, 0, 100)), ((0, 0, 100), (0, 0, 100)),
+             ((0, 0, 100), (100, 0, 0)), ((0, 0, 100), (0, 100, 0)), ((0, 0, 100), (0, 0, 100))]
+    rows = np.array([[t - b for t, b in zip(total(w, c), base)] for w, c in units])  # [6, 2]
+    return rows[:, 0], base[0], rows[:, 1], base[1]
+
+
+def solve(shape: ModelShape, hw: Hardware, work: Workload, policy: OffloadPolicy,
+          free_disk: float) -> tuple[np.ndarray, float] | None:
+    """Optimal fractions (6,) and total seconds for one candidate, or None when infeasible."""
+    from scipy.optimize import linprog
+
+    cuda = hw.device.startswith("cuda")
+    batch, n, layers = policy.block_size, work.gen_len, shape.num_layers
+    c = np.zeros(8)
+    c[6], c[7] = layers, layers * max(n - 1, 0)
+    a_ub, b_ub = [], []
+    for phase, col in ((True, 6), (False, 7)):
+        coef = layer_coefficients(shape, hw, work, batch, policy.micro_batch_size, phase,
+                                  policy.compress_weights, policy.compress_cache,
+                                  policy.group_size)
+        for term in ("read", "write", "compute"):
+            row = np.zeros(8)
+            row[:6], row[col] = coef[term], -1.0
+            a_ub.append(row)
+            b_ub.append(-coef[term + "0"])
+    host, host0, dev, dev0 = _memory_rows(shape, policy, cuda, work)
+    for row6, const, budget in ((host, host0, policy.memory), (dev, dev0, policy.device_memory)):
+        if budget is not None and (cuda or row6 is host):
+            a_ub.append(np.concatenate([row6, [0, 0]]))
+            b_ub.append(budget - const)
+    disk = np.zeros(8)
+    disk[2] = layers * shape.layer_bytes(policy.compress_weights, policy.group_size)
+    disk[5] = batch * (work.prompt_len + n) * layers * shape.kv_token_bytes(
+        policy.compress_cache, policy.group_size)
+    a_ub.append(disk)
+    b_ub.append(free_disk)
+    a_eq = np.array([[1, 1, 1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0]], dtype=float)
+    bounds = [(0, 0 if not cuda and i in (0, 3) else 1) for i in range(6)] + [(0, None)] * 2
+    res = linprog(c, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=a_eq, b_eq=[1, 1],
+                  bounds=bounds, method="highs")
+    return (res.x[:6], float(res.fun)) if res.status == 0 else None
+
+
+def _percent(fractions: np.ndarray) -> tuple[int, int, int]:
+    """Whole percentages summing to 100 (largest remainder), rounding toward disk on ties."""
+    raw = np.clip(fractions, 0, 1) * 100
+    floor = np.floor(raw + 1e-9).astype(int)
+    for i in np.argsort(-(raw - floor), kind="stable")[: 100 - floor.sum()]:
+        floor[i] += 1
+    return tuple(int(v) for v in floor)
+
+
+def _round_to_budget(shape: ModelShape, policy: OffloadPolicy, fractions: np.ndarray,
+                     cuda: bool, work: Workload) -> OffloadPolicy | None:
+    """Round to whole percentages; move 1% at a time toward disk until the budget holds."""
+    w, c = list(_percent(fractions[:3])), list(_percent(fractions[3:]))
+    for _ in range(201):
+        candidate = policy.replace(weights=tuple(w), cache=tuple(c))
+        fp = footprint(shape, candidate, cuda, candidate.block_size, work.prompt_len,
+                       work.gen_len)
+        if (policy.memory is None or fp.host_total <= policy.memory) and (
+                not cuda or policy.device_memory is None
+                or fp.device_total <= policy.device_memory):
+            return candidate
+        shares = c if c[0] + c[1] >= w[0] + w[1] and c[0] + c[1] > 0 else w
+        tier = 0 if shares[0] > 0 else 1
+        if shares[tier] == 0:
+            return None
+        shares[tier] -= 1
+        shares[2] += 1
+    return None
+
+
+def search(shape: ModelShape, hw: Hardware, work: Workload, memory: int | None,
+           offload_dir: str, device_memory: int | None = None, compress: str = "auto",
+           free_disk: float | None = None, max_block: int = 256) -> list[Candidate]:
+    """All feasible candidates, best predicted throughput first."""
+    cuda = hw.device.startswith("cuda")
+    free_disk = free_disk if free_disk is not None else _free_disk(offload_dir)
+    choices = {"auto": (False, True), "on": (True,), "off": (False,)}[compress]
+    found = []
+    for micro, num, packed in itertools.product(MICRO_BATCHES, NUM_MICRO, choices):
+        if micro * num > max_block:
+            continue
+        base = _base_policy(micro, num, packed, offload_dir, memory, device_memory, hw.device)
+        solved = solve(shape, hw, work, base, free_disk)
+        if solved is None:
+            continue
+        policy = _round_to_budget(shape, base, solved[0], cuda, work)
+        if policy is not None:
+            fp = footprint(shape, policy, cuda, policy.block_size, work.prompt_len, work.gen_len)
+            found.append(Candidate(policy, predict(shape, hw, policy, work), fp.host_total))
+    return sorted(found, key=lambda cand: -cand.prediction.throughput)
+
+
+def _free_disk(folder: str) -> float:
+    import shutil
+
+    path = Path(folder)
+    while not path.exists():
+        path = path.parent
+    return float(shutil.disk_usage(path).free)
+
+
+# -- entry points ----------------------------------------------------------------------------------
+def model_shape(path: str, dtype: torch.dtype | None = None) -> ModelShape:
+    """Shapes of a checkpoint without reading its weights (the model is built on meta)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dsinfer.offload.attach import find_blocks
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return ModelShape.from_model(model, list(find_blocks(model)[1]), dtype)
+
+
+def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
+         offload_dir: str, device_memory: int | str | None = None,
+         dtype: torch.dtype | None = None, compress: str = "auto",
+         hardware: Hardware | None = None) -> Candidate:
+    """The best policy for a checkpoint and workload under the budgets (measures the machine
+    unless `hardware` is given)."""
+    from hf_dsinfer.offload.cost import measure_hardware
+
+    shape = model_shape(path, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device)
+    found = search(shape, hw, Workload(prompt_len, gen_len), parse_bytes(memory, "memory"),
+                   offload_dir, parse_bytes(device_memory, "device_memory"), compress)
+    if not found:
+        from hf_dsinfer.offload.memory import OffloadBudgetError
+
+        raise OffloadBudgetError(
+            f"hf_dsinfer plan: no placement of {path} fits memory={memory} (even one sequence "
+            "with everything on disk). Fix: raise the budget or allow compression.")
+    return found[0]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """`hf-dsinfer plan`: register the subcommand on the CLI's subparsers."""
+    parser = sub.add_parser("plan", help="choose an offload policy (cost model + LP)")
+    parser.add_argument("--model", required=True, help="HF model folder")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--memory", required=True, help="host RAM budget, e.g. 2.5GiB")
+    parser.add_argument("--device-memory", default=None, help="GPU memory budget")
+    parser.add_argument("--offload-dir", default="/tmp/hf_dsinfer_offload")
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    parser.add_argument("--compress", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--top", type=int, default=5, help="candidates to list")
+    parser.add_argument("--probe-mib", type=int, default=256, help="disk bandwidth probe size")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_dsinfer.config import parse_dtype
+    from hf_dsinfer.offload.cost import measure_hardware
+
+    dtype = parse_dtype(args.dtype)
+    shape = model_shape(args.model, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib)
+    work = Workload(args.prompt_len, args.gen_len)
+    found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
+                   parse_bytes(args.device_memory, "device_memory"), args.compress)
+    print(describe_hardware(hw))
+    if not found:
+        print(f"no feasible policy under memory={args.memory}")
+        return 1
+    print(format_candidates(found[: args.top]))
+    best = found[0]
+    print("\nchosen policy (pass as dsinfer={'offload': ...}):")
+    print({k: v for k, v in best.policy.to_dict().items() if v is not None})
+    p = best.prediction
+    print(f"predicted: prefill {p.prefill_s:.1f} s, decode {p.decode_s:.1f} s, total "
+          f"{p.total_s:.1f} s for {p.batch} x {work.gen_len} tokens -> {p.throughput:.2f} "
+          f"tok/s ({p.decode_throughput:.2f} tok/s in decode)")
+    return 0
+
+
+def describe_hardware(hw: Hardware) -> str:
+    return (f"measured {hw.device}: matmul {hw.flops / 1e12:.2f} TFLOP/s, memory "
+            f"{hw.memory_bw / 1e9:.1f} GB/s, disk read {hw.disk_read / 1e9:.2f} GB/s, write "
+            f"{hw.disk_write / 1e9:.2f} GB/s, 4-bit decode {hw.decompress / 1e9:.2f} GB/s")
+
+
+def format_candidates(found: list[Candidate]) -> str:
+    rows = [("| block | weights % d/c/disk | cache % d/c/disk | 4-bit | pred. tok/s | "
+            "prefill s | decode s | host RAM |"),
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cand in found:
+        pol, pred = cand.policy, cand.prediction
+        rows.append(
+            f"| {pol.micro_batch_size} x {pol.num_micro_batches} | "
+            f"{'/'.join(f'{v:g}' for v in pol.weights)} | "
+            f"{'/'.join(f'{v:g}' for v in pol.cache)} | {'yes' if pol.compress_weights else 'no'}"
+            f" | {pred.throughput:.2f} | {pred.prefill_s:.1f} | {pred.decode_s:.1f} | "
+            f"{format_bytes(cand.host_bytes)} |")
+    return "\n".join(rows)

@@ -1,0 +1,264 @@
+"""Decoder-layer weights stored per tier, and loaded back one layer at a time.
+
+Placement (FlexGen): inside every layer the parameters, in registration order, are split by
+cumulative bytes: a tensor goes to the tier its byte midpoint falls in, so `weights=(20, 50, 30)`
+puts about the first 20% of each layer's bytes on the compute device, the next 50% in CPU RAM and
+the rest on disk, the same split for every layer.
+
+    device tier  dense: stays bound to the module for good; compressed: codes on the device
+    cpu tier     host RAM (pinned when the compute device is CUDA); on a CPU compute device a
+                 dense cpu-tier tensor is the same as a device-tier one and stays bound
+    disk tier    one safetensors file per layer under offload_dir/weights/<fingerprint>/,
+                 written once with a progress bar, reused while the fingerprint matches
+
+`load(j)` returns the dense tensors of layer j that are not permanently bound, on the compute
+device: it reads disk files, copies host tensors to CUDA (pinned staging, side stream) and
+decompresses 4-bit codes. It is what the prefetch thread runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from hf_dsinfer.kernels.kv_quant import KVInt4
+from hf_dsinfer.offload import files
+from hf_dsinfer.offload.compression import (
+    CompressedTensor,
+    compress,
+    compressed_nbytes,
+    compressible,
+    decompress,
+)
+from hf_dsinfer.offload.policy import OffloadPolicy
+
+Source = Callable[[int, str], torch.Tensor]  # (layer index, name in block) -> CPU tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One parameter of a decoder layer and where it lives."""
+
+    name: str  # dotted name inside the block, e.g. "self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tier: str
+    compressed: bool
+
+    @property
+    def dense_nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+    def stored_nbytes(self, group_size: int) -> int:
+        return compressed_nbytes(_numel(self.shape), group_size) if self.compressed \
+            else self.dense_nbytes
+
+    @property
+    def bound(self) -> bool:
+        """Dense and resident: bound to its module once, never loaded per forward."""
+        return not self.compressed and self.tier != "disk"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def place_layer(block: nn.Module, policy: OffloadPolicy, dtype: torch.dtype,
+                device: torch.device) -> list[Slot]:
+    """FlexGen's per-layer split by cumulative bytes (see the module docstring)."""
+    params = [(n, tuple(p.shape)) for n, p in block.named_parameters()]
+    sizes = [_numel(shape) for _, shape in params]
+    total, running, slots = max(sum(sizes), 1), 0, []
+    bounds = (policy.weights[0], policy.weights[0] + policy.weights[1])
+    for (name, shape), size in zip(params, sizes):
+        middle = 100.0 * (running + size / 2) / total
+        running += size
+        tier = "device" if middle < bounds[0] else "cpu" if middle < bounds[1] else "disk"
+        if device.type == "cpu" and tier == "device":
+            tier = "cpu"  # one RAM: report it as the CPU tier
+        packed = policy.compress_weights and compressible(torch.empty(shape, device="meta"),
+                                                          policy.group_size)
+        slots.append(Slot(name, shape, dtype, tier, packed))
+    return slots
+
+
+def fingerprint(model_config: dict, slots: list[Slot], num_layers: int, policy: OffloadPolicy,
+                source_id: str) -> str:
+    """Identity of a disk tier: what was written, from what, in which format."""
+    data = {"config": model_config, "layers": num_layers, "group": policy.group_size,
+            "source": source_id,
+            "slots": [(s.name, s.shape, str(s.dtype), s.tier, s.compressed) for s in slots]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class WeightStore:
+    """The non-bound weights of every decoder layer, per tier; `load(j)` brings one layer back."""
+
+    def __init__(self, slots: list[Slot], num_layers: int, policy: OffloadPolicy,
+                 device: torch.device):
+        self.slots = slots
+        self.num_layers = num_layers
+        self.policy = policy
+        self.device = device
+        self.held: list[dict[str, torch.Tensor | CompressedTensor]] = [
+            {} for _ in range(num_layers)]  # device/cpu tier items that are loaded per use
+        self.disk: list[files.SafetensorsFile | None] = [None] * num_layers
+        self._staging: torch.Tensor | None = None  # pinned read buffer (CUDA only)
+        self._offsets, self.per_use_bytes = _buffer_layout(slots)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # -- building ---------------------------------------------------------------------------------
+    def build(self, source: Source, folder: Path | None, fp: str,
+              bind: Callable[[int, str, torch.Tensor], None]) -> None:
+        """Fill every tier from `source`; the disk tier is reused when `folder` holds a valid
+        copy with this fingerprint, else (re)written with a progress bar."""
+        disk_slots = [s for s in self.slots if s.tier == "disk"]
+        reuse = {}
+        if disk_slots:
+            reuse = files.open_folder(folder, fp, verify_crc=True)
+            if not reuse:
+                self._prepare_folder(folder)
+        manifest = {}
+        for j in tqdm(range(self.num_layers), desc="hf_dsinfer offload: placing layers",
+                      disable=self.num_layers < 4 or not disk_slots or bool(reuse)):
+            layer_file = self._build_layer(j, source, bind, skip_disk=bool(reuse))
+            if layer_file:
+                manifest[f"layer_{j:05d}.safetensors"] = files.write_file(
+                    folder / f"layer_{j:05d}.safetensors", layer_file)
+        if disk_slots and not reuse:
+            files.write_manifest(folder, fp, manifest)
+            reuse = files.open_folder(folder, fp, verify_crc=False)
+        for j in range(self.num_layers if disk_slots else 0):
+            self.disk[j] = reuse[f"layer_{j:05d}.safetensors"]
+
+    def _prepare_folder(self, folder: Path) -> None:
+        need = self.num_layers * sum(s.stored_nbytes(self.policy.group_size)
+                                     for s in self.slots if s.tier == "disk")
+        files.check_writable(folder, need)
+        (folder / files.MANIFEST).unlink(missing_ok=True)  # never trust a half-rewritten folder
+
+    def _build_layer(self, j: int, source: Source, bind, skip_disk: bool) -> dict:
+        to_write: dict[str, torch.Tensor] = {}
+        for slot in self.slots:
+            if slot.tier == "disk" and skip_disk:
+                continue
+            tensor = source(j, slot.name).to(slot.dtype)
+            if slot.bound:
+                bind(j, slot.name, tensor.to(self.device))
+                continue
+            item = compress(tensor, self.policy.group_size) if slot.compressed else tensor
+            if slot.tier == "disk":
+                to_write.update(_flatten(slot.name, item))
+            else:
+                self.held[j][slot.name] = self._keep(item, slot.tier)
+        return to_write
+
+    def _keep(self, item, tier: str):
+        """A device/cpu tier item in its home memory (pinned host memory for a CUDA device)."""
+        if tier == "device":
+            return _map(item, lambda t: t.to(self.device))
+        if self.device.type == "cuda":
+            return _map(item, lambda t: t.pin_memory())
+        return item
+
+    # -- loading (runs on the prefetch thread) ----------------------------------------------------
+    def new_buffer(self) -> torch.Tensor:
+        """One layer's worth of per-use weights: the engine pools two (current + next), so the
+        memory of streamed layers is exactly that, with no allocator growth or fragmentation."""
+        return torch.empty(self.per_use_bytes, dtype=torch.uint8, device=self.device)
+
+    def load(self, j: int, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Dense compute-device tensors of layer j's non-bound parameters, as views of
+        `buffer` (from new_buffer(); a fresh one when None)."""
+        buffer = self.new_buffer() if buffer is None else buffer
+        out = {}
+        for slot in self.slots:
+            if slot.bound:
+                continue
+            offset = self._offsets[slot.name]
+            dest = buffer[offset: offset + slot.dense_nbytes].view(slot.dtype).view(slot.shape)
+            if slot.compressed:
+                item = self._read(j, slot) if slot.tier == "disk" else self.held[j][slot.name]
+                decompress(self._to_device(item), slot.dtype, out=dest)
+            elif slot.tier == "disk":
+                self._read_dense(j, slot, dest)
+            else:  # a dense cpu-tier tensor and a CUDA compute device
+                self._copy(dest, self.held[j][slot.name])
+            out[slot.name] = dest
+        if self._stream is not None:
+            self._stream.synchronize()  # this layer's copies and decodes are done
+        return out
+
+    def _read(self, j: int, slot: Slot) -> CompressedTensor:
+        file = self.disk[j]
+        parts = [file.read(f"{slot.name}.{p}") for p in ("packed", "scales", "mins")]
+        return CompressedTensor(KVInt4(*parts, self.policy.group_size), slot.shape)
+
+    def _read_dense(self, j: int, slot: Slot, dest: torch.Tensor) -> None:
+        file = self.disk[j]
+        if self.device.type != "cuda":
+            file.read(slot.name, dest.view(-1).view(torch.uint8))  # straight into the buffer
+            return
+        nbytes = file.nbytes(slot.name)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        self._copy(dest, file.read(slot.name, self._staging))
+        self._stream.synchronize()  # the pinned staging buffer is reused by the next read
+
+    def _copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            dest.copy_(src, non_blocking=True)
+
+    def _to_device(self, item):
+        if self.device.type != "cuda":
+            return item
+        with torch.cuda.stream(self._stream):
+            return _map(item, lambda t: t.to(self.device, non_blocking=True))
+
+    # -- accounting -------------------------------------------------------------------------------
+    def layer_bytes(self, tiers: tuple[str, ...], stored: bool = True) -> int:
+        """Bytes of one layer's parameters on `tiers` (as stored, or dense)."""
+        g = self.policy.group_size
+        return sum(s.stored_nbytes(g) if stored else s.dense_nbytes
+                   for s in self.slots if s.tier in tiers)
+
+    def close(self) -> None:
+        for file in self.disk:
+            if file is not None:
+                file.close()
+
+
+def _buffer_layout(slots: list[Slot]) -> tuple[dict[str, int], int]:
+    """Byte offset of each per-use slot in a layer buffer (64-byte aligned), and its size."""
+    offsets, size = {}, 0
+    for slot in slots:
+        if not slot.bound:
+            offsets[slot.name] = size
+            size += -(-slot.dense_nbytes // 64) * 64
+    return offsets, size
+
+
+def _flatten(name: str, item) -> dict[str, torch.Tensor]:
+    if isinstance(item, CompressedTensor):
+        codes = item.codes
+        return {f"{name}.packed": codes.packed, f"{name}.scales": codes.scales,
+                f"{name}.mins": codes.mins}
+    return {name: item}
+
+
+def _map(item, fn):
+    if isinstance(item, CompressedTensor):
+        codes = item.codes
+        return CompressedTensor(type(codes)(fn(codes.packed), fn(codes.scales), fn(codes.mins),
+                                            codes.group_size), item.shape)
+    return fn(item)

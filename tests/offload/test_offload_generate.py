@@ -1,0 +1,118 @@
+"""Offloaded generation gives HF's tokens (fp32), whatever the placement: weights partly on
+disk, KV cache in RAM or on disk, several micro-batches per block, overlap on or off; and the
+block schedule really ran (layer loads, micro-batch calls, fused calls)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import make_model, prompts, tiny_tokenizer
+from transformers import AutoModelForCausalLM, TextIteratorStreamer, pipeline
+
+import hf_dsinfer
+from hf_dsinfer.offload import get_engine
+
+NEW = 6
+PLACEMENTS = {  # name -> policy fields (offload_dir added per test)
+    "disk_weights_disk_kv": {"weights": (0, 0, 100), "cache": (0, 0, 100), "micro_batch_size": 1,
+                                 "num_micro_batches": 3},
+    "mixed_2x2": {"weights": (20, 30, 50), "cache": (0, 50, 50), "micro_batch_size": 2,
+                      "num_micro_batches": 2},
+    "ram_no_overlap": {"weights": (0, 100, 0), "cache": (0, 100, 0), "overlap": False,
+                           "micro_batch_size": 3},
+}
+
+
+def _greedy(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                              **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2", "bloom"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_offloaded_tokens_equal_hf(family, placement, tmp_path):
+    ids, mask = prompts()
+    expected = _greedy(make_model(family), ids, mask)
+    model = make_model(family)
+    policy = {**PLACEMENTS[placement], "offload_dir": str(tmp_path)}
+    hf_dsinfer.init_inference(model, offload=policy)
+    engine = get_engine(model)
+    engine.reset_stats()
+    assert torch.equal(_greedy(model, ids, mask), expected)
+    layers = len(engine.blocks)
+    assert engine.stats["loads"] >= NEW * layers  # every layer loaded once per token per block
+    micro = -(-3 // policy["micro_batch_size"])
+    calls = sum(hf_dsinfer.fused_call_counts(model).values())
+    assert calls >= NEW * layers * micro  # one fused call per micro-batch per layer per token
+    assert not list(tmp_path.glob("kv/*/*.bin")), "KV files are removed after generate()"
+
+
+def test_compressed_tokens_do_not_depend_on_placement(tmp_path):
+    """4-bit weights and KV: the codes read from disk are the codes kept in RAM."""
+    ids, mask = prompts()
+    outs = []
+    for tiers in ((0, 100, 0), (0, 0, 100)):
+        model = make_model("llama")
+        hf_dsinfer.init_inference(model, offload={
+            "weights": tiers, "cache": tiers, "compress_weights": True, "compress_cache": True,
+            "group_size": 16,
+            "micro_batch_size": 2, "num_micro_batches": 2, "offload_dir": str(tmp_path)})
+        outs.append(_greedy(model, ids, mask))
+    assert torch.equal(outs[0], outs[1])
+    plain = _greedy(make_model("llama"), ids, mask)
+    assert outs[0].shape == plain.shape
+
+
+def test_batch_larger_than_block_and_sampling(tmp_path):
+    ids, mask = prompts()
+    reference = make_model("llama")
+    model = hf_dsinfer.init_inference(copy.deepcopy(reference), offload={
+        "weights": (0, 50, 50), "micro_batch_size": 1, "num_micro_batches": 2,
+        "offload_dir": str(tmp_path)})
+    assert torch.equal(_greedy(model, ids, mask), _greedy(reference, ids, mask))  # 2 blocks
+    sampled = []
+    for m in (reference, model):
+        torch.manual_seed(3)
+        sampled.append(m.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=NEW,
+                                  do_sample=True, top_k=5))
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_revert_brings_the_weights_back(tmp_path):
+    ids, mask = prompts()
+    model = make_model("gpt2")
+    expected = _greedy(model, ids, mask)
+    hf_dsinfer.init_inference(model, offload={"weights": (0, 0, 100),
+                                                  "offload_dir": str(tmp_path)})
+    assert all(p.device.type == "meta" for p in model.transformer.h[0].parameters())
+    hf_dsinfer.revert(model)
+    assert get_engine(model) is None and "generate" not in model.__dict__
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    assert torch.equal(_greedy(model, ids, mask), expected)
+
+
+def test_from_pretrained_device_map_explain_pipeline(llama_ckpt, tmp_path):
+    policy = {"weights": (0, 50, 50), "cache": (0, 50, 50), "micro_batch_size": 2,
+              "num_micro_batches": 2, "offload_dir": str(tmp_path)}
+    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dsinfer={"offload": policy})
+    device_map = model.hf_device_map
+    assert device_map["model.embed_tokens"] == "cpu"
+    assert {device_map[f"model.layers.0.{n}"] for n in ("self_attn.q_proj", "mlp.down_proj")} \
+        == {"cpu", "disk"}
+    assert model.model.layers[1].mlp.down_proj.weight.device.type == "meta"  # disk tier
+    assert model.model.layers[1].self_attn.q_proj.weight.device.type == "cpu"  # bound in RAM
+    text = hf_dsinfer.explain(model)
+    assert "offload: weights 0/50/50" in text and "disk" in text
+    texts = ["w5 w6 w7 w8 w9 w10 w11", "w20 w21", "w30 w31 w32 w33"]
+    plain = pipeline("text-generation", model=llama_ckpt)
+    offl = pipeline("text-generation", model=llama_ckpt,
+                    model_kwargs={"dsinfer": {"offload": policy}})
+    assert offl.model.hf_device_map and get_engine(offl.model) is not None
+    args = {"max_new_tokens": NEW, "do_sample": False, "batch_size": 3}
+    assert offl(texts, **args) == plain(texts, **args)
+    streamer = TextIteratorStreamer(tiny_tokenizer(), skip_prompt=True)
+    out = offl(texts[0], max_new_tokens=NEW, do_sample=False, streamer=streamer)
+    assert "".join(streamer).strip() in out[0]["generated_text"]

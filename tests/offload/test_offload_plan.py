@@ -1,0 +1,56 @@
+"""Cost model + LP search: the chosen policy fits its budget (by the runtime's own footprint),
+uses memory where it pays, runs, and `hf-dsinfer plan` prints it."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import prompts
+
+import hf_dsinfer
+from hf_dsinfer.cli import main
+from hf_dsinfer.offload.cost import Hardware, Workload, predict
+from hf_dsinfer.offload.memory import footprint
+from hf_dsinfer.offload.search import model_shape, search
+
+# A fixed machine (no measuring in the unit test): CPU compute, slow disk.
+HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_write=1e9,
+              h2d=float("inf"), decompress=2e9)
+WORK = Workload(prompt_len=64, gen_len=8)
+
+
+def test_search_fits_budget_and_prefers_memory(llama_ckpt, tmp_path):
+    shape = model_shape(llama_ckpt, torch.float32)
+    budgets = (shape.layer_numel * 4 * 3 + (64 << 20), 1 << 30)
+    best = []
+    for budget in budgets:
+        found = search(shape, HW, WORK, budget, str(tmp_path), compress="off", max_block=8)
+        assert found, budget
+        for cand in found:
+            fp = footprint(shape, cand.policy, False, cand.policy.block_size, 64, 8)
+            assert fp.host_total <= budget
+            assert abs(cand.prediction.throughput
+                       - predict(shape, HW, cand.policy, WORK).throughput) < 1e-9
+        best.append(found[0])
+    tight, roomy = best
+    assert roomy.policy.weights[2] == 0  # with room, no weight is read from disk
+    assert roomy.prediction.throughput >= tight.prediction.throughput
+    # the chosen policy runs, and gives HF's tokens
+    ids, mask = prompts()
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(llama_ckpt)
+    expected = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        llama_ckpt, dsinfer={"offload": tight.policy.to_dict()})
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)
+    assert hf_dsinfer.offload.get_engine(model) is not None
+
+
+def test_plan_cli(llama_ckpt, tmp_path, capsys):
+    code = main(["plan", "--model", llama_ckpt, "--prompt-len", "32", "--gen-len", "4",
+                 "--memory", "256MiB", "--offload-dir", str(tmp_path), "--probe-mib", "8",
+                 "--dtype", "float32", "--top", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "measured cpu: matmul" in out and "chosen policy" in out and "tok/s" in out

@@ -1,0 +1,169 @@
+"""Tensor parallelism: every dense family at tp=2 and tp=3 (gloo, CPU), against HF eager.
+
+One torchrun launch per world size runs tp_worker.py, which checks all families and writes JSON;
+the tests below assert on it. tp=2 splits the 5-head models 3/2 (uneven), Llama's 6 heads / 3 KV
+heads into 3/3 with KV heads kept per query head, Mistral's single KV head replicated; tp=3 gives
+2/2/1 splits and splits Qwen2's GQA groups across ranks. The in-process tests cover the slicing
+arithmetic and the errors that need no second process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_models import FAMILIES, make_model
+
+import hf_dsinfer
+from hf_dsinfer.injection.policies import gpt2
+from hf_dsinfer.parallel.groups import TensorParallelError
+from hf_dsinfer.parallel.loading import CheckpointReader
+from hf_dsinfer.parallel.plan import linear_styles
+from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+FP32_LOGIT_ATOL = 1e-4
+WORLDS = [2, 3]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tp{request.param}")
+    proc = torchrun(request.param, str(WORKER), str(out / "result.json"), str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads((out / "result.json").read_text())["ranks"]
+    for rank in ranks:
+        assert "crash" not in rank, rank["crash"]
+    return ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_single_process(run, name):
+    for rank in run:
+        fam = rank["families"][name]
+        assert fam["fused_ran"]
+        assert fam["logits_max_diff"] <= FP32_LOGIT_ATOL        # sharded loading
+        assert fam["in_place_logits_max_diff"] <= FP32_LOGIT_ATOL  # sliced after loading whole
+        assert all(passed for _, passed in fam["parity"].values()), fam["parity"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tokens_identical_on_every_rank(run, name):
+    first = run[0]["families"][name]
+    for rank in run:
+        fam = rank["families"][name]
+        assert fam["greedy_tp"] == fam["greedy_hf"]
+        assert fam["batch_tp"] == fam["batch_hf"] == fam["batch_in_place"]  # left-padded batch
+        assert fam["static_tp"] == fam["batch_hf"]  # static cache of local heads
+        assert fam["sample_tp"] == fam["sample_hf"] == first["sample_tp"]
+
+
+@pytest.mark.multiprocess
+def test_uneven_and_replicated_heads(run):
+    """Which heads each rank holds (first block): contiguous query runs covering every head."""
+    for name in ("gpt2", "llama", "mistral", "qwen2"):
+        q_runs = [tuple(rank["families"][name]["heads"][0][:2]) for rank in run]
+        assert q_runs[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(q_runs))
+    mistral_kv = [rank["families"]["mistral"]["heads"][0][2] for rank in run]
+    assert mistral_kv == [[0]] * len(run)  # one KV head, replicated on every rank
+
+
+@pytest.mark.multiprocess
+def test_parity_gate_catches_wrong_weights(run):
+    for rank in run:
+        (err, passed), = rank["gate_with_wrong_reference"].values()
+        assert not passed and err > 0.1
+
+
+@pytest.mark.multiprocess
+def test_bad_input_raises_at_init(run):
+    world = run[0]["world"]
+    for rank in run:
+        errors = rank["errors"]
+        assert "larger than the world size" in errors["tp_larger_than_world"]
+        assert "use tp_size in" in errors["heads_unsplittable"]
+        if world % 2:
+            assert "must tile the world" in errors["tp_not_dividing_world"]
+
+
+# -- in-process: no second process needed -------------------------------------------------------
+def test_no_process_group_raises(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    model = make_model("gpt2")
+    with pytest.raises(TensorParallelError, match="needs a torch.distributed process group"):
+        hf_dsinfer.init_inference(model, tp_size=2)
+    assert hf_dsinfer.fused_call_counts(model) == {}  # untouched
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
+def test_tp_size_validated(bad):
+    with pytest.raises(ValueError, match="tp_size"):
+        hf_dsinfer.DSInferConfig(tp_size=bad)
+
+
+def test_tp_with_compile_rejected():
+    with pytest.raises(ValueError, match="compile=True with tp_size=2"):
+        hf_dsinfer.DSInferConfig(tp_size=2, compile=True)
+
+
+@pytest.mark.parametrize(("heads", "kv", "tp", "expected"), [
+    (5, 5, 2, [((0, 3), (0, 1, 2)), ((3, 5), (3, 4))]),          # uneven MHA
+    (6, 2, 3, [((0, 2), (0,)), ((2, 4), (0, 1)), ((4, 6), (1,))]),  # GQA groups split
+    (5, 1, 3, [((0, 2), (0,)), ((2, 4), (0,)), ((4, 5), (0,))]),    # one KV head replicated
+    (8, 2, 3, [((0, 3), (0,)), ((3, 6), (0, 1, 1)), ((6, 8), (1,))]),  # unequal: per-query KV
+])
+def test_head_shard(heads, kv, tp, expected):
+    got = [dataclasses.astuple(head_shard(heads, kv, tp, r)) for r in range(tp)]
+    assert got == expected
+
+
+def test_head_shard_more_ranks_than_heads():
+    with pytest.raises(TensorParallelError, match=r"use tp_size in \[1, 2\]"):
+        head_shard(2, 2, 3, 0)
+
+
+def test_split_sizes():
+    assert split_sizes(101, 3) == [34, 34, 33] and split_sizes(4, 4) == [1, 1, 1, 1]
+
+
+def test_shard_spec_reads_only_its_slices(tmp_path):
+    """The safetensors slice reader and in-memory slicing agree, on both dims, with repeats."""
+    full = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
+    save_file({"w": full}, tmp_path / "model.safetensors")
+    reader = CheckpointReader(tmp_path)
+    for spec in (ShardSpec(0, ((1, 3), (4, 6))), ShardSpec(1, ((0, 2), (0, 2), (7, 10)))):
+        assert torch.equal(reader.read("w", spec), spec.take(full))
+    assert ShardSpec(1, ((7, 10),)).take(full).shape == (6, 3)
+
+
+def test_plan_sources():
+    llama = make_model("llama")
+    styles, source = linear_styles(
+        hf_dsinfer.injection.policies.find_policy(llama), llama.config)
+    assert source == "HF base_model_tp_plan" and styles["self_attn.o_proj"] == "rowwise"
+    model = make_model("gpt2")
+    wrong = dataclasses.replace(gpt2.POLICY, tp_plan={**gpt2.POLICY.tp_plan,
+                                                       "attn.c_proj": "colwise"})
+    with pytest.raises(TensorParallelError, match="Megatron-style"):
+        linear_styles(wrong, model.config)
