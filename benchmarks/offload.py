@@ -289,11 +289,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", default="2.5GiB", help="cgroup memory limit (RAM + page cache)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--accelerate-batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--accelerate-batches", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--previous", type=Path, default=None,
+                   help="JSON of an earlier run with the same settings: its rows are reused")
     p.add_argument("--max-blocks", type=int, nargs="+", default=[8, 32],
                    help="block-size caps for hf_dsinfer's policy search, one run each")
     p.add_argument("--compress", nargs="+", choices=("off", "on"), default=["off", "on"])
-    p.add_argument("--runtime-reserve", default="700MiB",
+    p.add_argument("--runtime-reserve", default="600MiB",
                    help="part of the limit left to Python/torch/transformers themselves")
     p.add_argument("--work", type=Path, default=Path("/tmp/hf_dsinfer_bench"))
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
@@ -328,7 +330,8 @@ def main(argv=None) -> int:
               f"{os.cpu_count()} CPU cores\n{describe_hardware(Hardware(**hardware))} "
               "(inside the limit)")
     print(header, flush=True)
-    rows = accelerate_runs(args, str(model)) + ours_runs(args, str(model), hardware)
+    rows = json.loads(args.previous.read_text())["rows"] if args.previous else []
+    rows += accelerate_runs(args, str(model)) + ours_runs(args, str(model), hardware)
     print(table(rows))
     print(summary(rows))
     plot(rows, args.png, f"OPT-2.7B shape ({args.layers} layers), {args.limit / 2**30:.1f} GiB "

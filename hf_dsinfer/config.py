@@ -246,11 +246,13 @@ def _check_offload(config: DSInferConfig) -> None:
     if config.offload is None:
         return
     clash = [name for name, on in (("quant", config.quant is not None), ("compile", config.compile),
-                                   ("tp_size", config.tp_size > 1)) if on]
+                                   ("tp_size", config.tp_size > 1),
+                                   ("cache='static'", config.cache == "static")) if on]
     if clash:
         raise DSInferConfigError(
             f"DSInferConfig: offload cannot be combined with {clash} (offloaded weights are "
-            "streamed per layer and compressed by the offload engine itself). Fix: drop "
+            "streamed per layer and compressed by the offload engine itself, and generate() "
+            "gets the offload engine's own per-micro-batch cache). Fix: drop "
             f"{clash[0]}; use offload={{'compress_weights': True}} for 4-bit weights.")
 
 

@@ -31,11 +31,6 @@ class CompressedTensor(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self.codes[:3])
 
 
-def compressible(tensor: torch.Tensor, group_size: int) -> bool:
-    """Weights (>= 2-D) whose size is a multiple of the group are compressed."""
-    return tensor.dim() >= 2 and tensor.numel() % group_size == 0
-
-
 def compress(tensor: torch.Tensor, group_size: int) -> CompressedTensor:
     codes = quantize_kv_int4(tensor.reshape(-1, group_size), group_size)
     return CompressedTensor(codes, tuple(tensor.shape))

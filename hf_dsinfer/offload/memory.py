@@ -18,7 +18,6 @@ layers, work) and pinned host memory (cpu tiers, one staging buffer).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import nn
@@ -48,6 +47,7 @@ class ModelShape:
     layer_numel: int  # parameters of one decoder layer
     other_numel: int  # parameters outside the decoder layers (tied ones counted once)
     dtype_bytes: int  # compute dtype
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # one layer's parameters, in order
 
     @classmethod
     def from_model(cls, model: nn.Module, blocks: list[nn.Module], dtype: torch.dtype):
@@ -62,7 +62,7 @@ class ModelShape:
         dims = [max(p.shape) for p in blocks[0].parameters() if p.dim() == 2]
         return cls(len(blocks), hidden, heads, kv_heads, head_dim, max(dims + [hidden]),
                    _attr(text, ("vocab_size",)), layer, total - layer * len(blocks),
-                   dtype.itemsize)
+                   dtype.itemsize, tuple(tuple(p.shape) for p in blocks[0].parameters()))
 
     def kv_token_bytes(self, compress: bool, group: int) -> float:
         """K and V bytes of one token of one sequence in one layer."""
@@ -110,7 +110,11 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     b = shape.dtype_bytes
     stored = shape.layer_bytes(policy.compress_weights, policy.group_size)
     w_dev, w_cpu, _ = (p / 100 for p in policy.weights)
-    if per_use_dense is None:
+    if per_use_dense is None and shape.param_shapes:  # the store's exact split
+        from hf_dsinfer.offload.store import per_use_dense_bytes
+
+        per_use_dense = per_use_dense_bytes(list(shape.param_shapes), policy, b)
+    if per_use_dense is None:  # by the percentages
         resident_dense = 0.0 if policy.compress_weights else (w_dev + w_cpu)
         per_use_dense = (1 - resident_dense) * shape.layer_numel * b
     streamed = (2 if policy.overlap else 1) * per_use_dense + DECODE_SCRATCH
@@ -156,7 +160,3 @@ def check_budget(fp: Footprint, policy: OffloadPolicy, when: str, fix: str) -> N
         raise OffloadBudgetError(
             f"hf_dsinfer offload: {when} needs {format_bytes(total)} of {memory}, the budget is "
             f"{format_bytes(budget)} ({terms}). Fix: {fix}")
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -5,8 +5,8 @@ chooses the placement fractions x = (w_dev, w_cpu, w_disk, c_dev, c_cpu, c_disk)
 times T_pre, T_dec:
 
     minimise   L * (T_pre + (n - 1) * T_dec)
-    subject to T_pre >= read_pre(x), write_pre(x), compute_pre(x)      (cost.py, overlap)
-               T_dec >= read_dec(x), write_dec(x), compute_dec(x)
+    subject to T_pre >= read_pre(x), write_pre(x), compute_pre(x)      (cost.py, overlap;
+               T_dec >= read_dec(x), write_dec(x), compute_dec(x)       without: >= their sum)
                w_dev + w_cpu + w_disk = 1,  c_dev + c_cpu + c_disk = 1
                host RAM(x) <= memory, device memory(x) <= device_memory     (memory.py)
                disk(x) <= free space in offload_dir
@@ -33,6 +33,7 @@ from hf_dsinfer.offload.memory import ModelShape, footprint
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TERMS = ("read", "write", "compute")
 NUM_MICRO = (1, 2, 4, 8, 16)
 
 
@@ -43,10 +44,10 @@ class Candidate:
     host_bytes: float  # peak host RAM by memory.footprint
 
 
-def _base_policy(micro: int, num: int, compress: bool, offload_dir: str, memory: int | None,
-                 device_memory: int | None, device: str) -> OffloadPolicy:
+def _base_policy(micro: int, num: int, compress: bool, overlap: bool, offload_dir: str,
+                 memory: int | None, device_memory: int | None, device: str) -> OffloadPolicy:
     return OffloadPolicy(weights=(0, 0, 100), cache=(0, 0, 100), micro_batch_size=micro,
-                         num_micro_batches=num, compress_weights=compress,
+                         num_micro_batches=num, compress_weights=compress, overlap=overlap,
                          compress_cache=compress, offload_dir=offload_dir, memory=memory,
                          device_memory=device_memory, device=device)
 
@@ -79,11 +80,14 @@ def solve(shape: ModelShape, hw: Hardware, work: Workload, policy: OffloadPolicy
         coef = layer_coefficients(shape, hw, work, batch, policy.micro_batch_size, phase,
                                   policy.compress_weights, policy.compress_cache,
                                   policy.group_size)
-        for term in ("read", "write", "compute"):
+        # overlap: the step takes the longest term; without: their sum
+        groups = [[t] for t in TERMS] if policy.overlap else [list(TERMS)]
+        for terms in groups:
             row = np.zeros(8)
-            row[:6], row[col] = coef[term], -1.0
+            row[:6] = np.sum([coef[t] for t in terms], axis=0)
+            row[col] = -1.0
             a_ub.append(row)
-            b_ub.append(-coef[term + "0"])
+            b_ub.append(-sum(coef[t + "0"] for t in terms))
     host, host0, dev, dev0 = _memory_rows(shape, policy, cuda, work)
     for row6, const, budget in ((host, host0, policy.memory), (dev, dev0, policy.device_memory)):
         if budget is not None and (cuda or row6 is host):
@@ -140,10 +144,13 @@ def search(shape: ModelShape, hw: Hardware, work: Workload, memory: int | None,
     free_disk = free_disk if free_disk is not None else _free_disk(offload_dir)
     choices = {"auto": (False, True), "on": (True,), "off": (False,)}[compress]
     found = []
-    for micro, num, packed in itertools.product(MICRO_BATCHES, NUM_MICRO, choices):
+    # without overlap only one layer is in flight: the way to fit a budget below two layers
+    for micro, num, packed, overlap in itertools.product(MICRO_BATCHES, NUM_MICRO, choices,
+                                                         (True, False)):
         if micro * num > max_block:
             continue
-        base = _base_policy(micro, num, packed, offload_dir, memory, device_memory, hw.device)
+        base = _base_policy(micro, num, packed, overlap, offload_dir, memory, device_memory,
+                            hw.device)
         solved = solve(shape, hw, work, base, free_disk)
         if solved is None:
             continue

@@ -34,7 +34,6 @@ from hf_dsinfer.offload.compression import (
     CompressedTensor,
     compress,
     compressed_nbytes,
-    compressible,
     decompress,
 )
 from hf_dsinfer.offload.policy import OffloadPolicy
@@ -73,23 +72,40 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def split_tiers(numels: list[int], weights: tuple[float, float, float]) -> list[str]:
+    """FlexGen's rule: each tensor goes to the tier its byte midpoint falls in."""
+    total, running, tiers = max(sum(numels), 1), 0, []
+    bounds = (weights[0], weights[0] + weights[1])
+    for size in numels:
+        middle = 100.0 * (running + size / 2) / total
+        running += size
+        tiers.append("device" if middle < bounds[0] else "cpu" if middle < bounds[1] else "disk")
+    return tiers
+
+
+def is_compressed(shape: tuple[int, ...], policy: OffloadPolicy) -> bool:
+    return policy.compress_weights and len(shape) >= 2 and _numel(shape) % policy.group_size == 0
+
+
 def place_layer(block: nn.Module, policy: OffloadPolicy, dtype: torch.dtype,
                 device: torch.device) -> list[Slot]:
     """FlexGen's per-layer split by cumulative bytes (see the module docstring)."""
     params = [(n, tuple(p.shape)) for n, p in block.named_parameters()]
-    sizes = [_numel(shape) for _, shape in params]
-    total, running, slots = max(sum(sizes), 1), 0, []
-    bounds = (policy.weights[0], policy.weights[0] + policy.weights[1])
-    for (name, shape), size in zip(params, sizes):
-        middle = 100.0 * (running + size / 2) / total
-        running += size
-        tier = "device" if middle < bounds[0] else "cpu" if middle < bounds[1] else "disk"
+    tiers = split_tiers([_numel(shape) for _, shape in params], policy.weights)
+    slots = []
+    for (name, shape), tier in zip(params, tiers):
         if device.type == "cpu" and tier == "device":
             tier = "cpu"  # one RAM: report it as the CPU tier
-        packed = policy.compress_weights and compressible(torch.empty(shape, device="meta"),
-                                                          policy.group_size)
-        slots.append(Slot(name, shape, dtype, tier, packed))
+        slots.append(Slot(name, shape, dtype, tier, is_compressed(shape, policy)))
     return slots
+
+
+def per_use_dense_bytes(shapes: list[tuple[int, ...]], policy: OffloadPolicy,
+                        dtype_bytes: int) -> int:
+    """Dense bytes of one layer's parameters that are loaded per use (disk tier, or 4-bit)."""
+    tiers = split_tiers([_numel(s) for s in shapes], policy.weights)
+    return sum(_numel(s) * dtype_bytes for s, tier in zip(shapes, tiers)
+               if tier == "disk" or is_compressed(s, policy))
 
 
 def fingerprint(model_config: dict, slots: list[Slot], num_layers: int, policy: OffloadPolicy,

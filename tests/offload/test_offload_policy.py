@@ -49,7 +49,7 @@ def test_config_round_trip_and_clashes(tmp_path):
     assert hf_dsinfer.DSInferConfig.from_json(cfg.to_json()) == cfg
     assert hf_dsinfer.DSInferConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert OffloadPolicy.coerce(cfg.offload.to_dict()) == cfg.offload
-    for clash in ({"quant": {"bits": 8}}, {"compile": True}):
+    for clash in ({"quant": {"bits": 8}}, {"compile": True}, {"cache": "static"}):
         with pytest.raises(hf_dsinfer.DSInferConfigError, match="cannot be combined"):
             hf_dsinfer.DSInferConfig(offload={}, **clash)
 
