@@ -6,7 +6,7 @@ Host RAM (a CPU compute device has only this one memory):
     resident   non-block weights (embeddings, final norm, lm_head)
                + L x the stored bytes of each layer's device/cpu tiers
     streamed   (1 + overlap) layers of per-use weights, dense, bound while a layer computes
-               (the next one is loading meanwhile)
+               (the next one is loading meanwhile), plus their 4-bit codes read from disk
     kv         block x (prompt + gen) x L x per-token K/V bytes on the device/cpu tiers,
                plus the prefetched dense copy of one micro-batch's cache
     work       per micro-batch activations (hidden, q/k/v, MLP intermediates, attention
@@ -117,7 +117,9 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     if per_use_dense is None:  # by the percentages
         resident_dense = 0.0 if policy.compress_weights else (w_dev + w_cpu)
         per_use_dense = (1 - resident_dense) * shape.layer_numel * b
-    streamed = (2 if policy.overlap else 1) * per_use_dense + DECODE_SCRATCH
+    in_flight = 2 if policy.overlap else 1
+    codes = stored * (policy.weights[2] / 100) if policy.compress_weights else 0.0  # disk reads
+    streamed = in_flight * (per_use_dense + codes) + DECODE_SCRATCH
     mb = min(batch, policy.micro_batch_size)
     seq = prompt_len + gen_len
     kv_token = shape.kv_token_bytes(policy.compress_cache, policy.group_size)
