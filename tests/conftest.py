@@ -13,3 +13,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# Tiny checkpoints on disk (safetensors + a tiny tokenizer), saved once per session, so that
+# from_pretrained, pipeline and the offload store read them exactly as a real checkpoint.
+import pytest
+from tiny_models import save_tiny
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory, "gpt2")
+
+
+@pytest.fixture(scope="session")
+def opt_dir(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory, "opt")

@@ -65,14 +65,20 @@ def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Te
 
     handles = [f.block.register_forward_hook(hook(i)) for i, f in enumerate(blocks)]
     try:
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
-              use_cache=True)
-        model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        prefill_and_step(model, ids, mask)
     finally:
         for handle in handles:
             handle.remove()
     return {i: torch.cat(outs, dim=1) for i, outs in captured.items()}
+
+
+def prefill_and_step(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The probe: prefill all but the last token into a DynamicCache, then one cached decode step
+    with the last token."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
+          use_cache=True)
+    model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
 def run_parity_gate(model: nn.Module, blocks: list) -> dict[str, ParityResult]:

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hf_dsinfer.injection.parity import PARITY_TOLERANCE, ParityResult, _probe_inputs
+from hf_dsinfer.injection.parity import (
+    PARITY_TOLERANCE,
+    ParityResult,
+    _probe_inputs,
+    prefill_and_step,
+)
 from hf_dsinfer.injection.policy import Policy
 
 REFERENCES_ATTR = "_dsinfer_tp_references"  # class name -> (block path, unsharded HF block)
@@ -75,10 +80,7 @@ def tp_parity_gate(model: nn.Module, report: Any,
     handles = [_capture(report.blocks[path].block, calls[path]) for path in calls]
     counts = {path: f.calls for path, f in report.blocks.items()}
     try:
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
-              use_cache=True)
-        model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        prefill_and_step(model, ids, mask)
     finally:
         for handle in handles:
             handle.remove()

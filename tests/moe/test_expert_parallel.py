@@ -9,13 +9,11 @@ numbers of new tokens, so the ranks that finish first must keep joining the all-
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 from tiny_models import make_model
 
 import hf_dsinfer
@@ -30,16 +28,6 @@ WORKER = Path(__file__).with_name("ep_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 BF16_LOGIT_RTOL = 3e-2
 CASES = {2: ["flat", "hier", "top1", "shared", "slicing", "bf16"], 4: ["flat", "hier", "slicing"]}
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES), ids=lambda w: f"ep{w}")

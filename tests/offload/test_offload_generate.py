@@ -94,10 +94,10 @@ def test_revert_brings_the_weights_back(tmp_path):
     assert torch.equal(_greedy(model, ids, mask), expected)
 
 
-def test_from_pretrained_device_map_explain_pipeline(llama_ckpt, tmp_path):
+def test_from_pretrained_device_map_explain_pipeline(llama_dir, tmp_path):
     policy = {"weights": (0, 50, 50), "cache": (0, 50, 50), "micro_batch_size": 2,
               "num_micro_batches": 2, "offload_dir": str(tmp_path)}
-    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dsinfer={"offload": policy})
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dsinfer={"offload": policy})
     device_map = model.hf_device_map
     assert device_map["model.embed_tokens"] == "cpu"
     assert {device_map[f"model.layers.0.{n}"] for n in ("self_attn.q_proj", "mlp.down_proj")} \
@@ -107,8 +107,8 @@ def test_from_pretrained_device_map_explain_pipeline(llama_ckpt, tmp_path):
     text = hf_dsinfer.explain(model)
     assert "offload: weights 0/50/50" in text and "disk" in text
     texts = ["w5 w6 w7 w8 w9 w10 w11", "w20 w21", "w30 w31 w32 w33"]
-    plain = pipeline("text-generation", model=llama_ckpt)
-    offl = pipeline("text-generation", model=llama_ckpt,
+    plain = pipeline("text-generation", model=llama_dir)
+    offl = pipeline("text-generation", model=llama_dir,
                     model_kwargs={"dsinfer": {"offload": policy}})
     assert offl.model.hf_device_map and get_engine(offl.model) is not None
     args = {"max_new_tokens": NEW, "do_sample": False, "batch_size": 3}

@@ -18,8 +18,8 @@ HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_wr
 WORK = Workload(prompt_len=64, gen_len=8)
 
 
-def test_search_fits_budget_and_prefers_memory(llama_ckpt, tmp_path):
-    shape = model_shape(llama_ckpt, torch.float32)
+def test_search_fits_budget_and_prefers_memory(llama_dir, tmp_path):
+    shape = model_shape(llama_dir, torch.float32)
     budgets = (shape.layer_numel * 4 * 3 + (64 << 20), 1 << 30)
     best = []
     for budget in budgets:
@@ -38,17 +38,17 @@ def test_search_fits_budget_and_prefers_memory(llama_ckpt, tmp_path):
     ids, mask = prompts()
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(llama_ckpt)
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir)
     expected = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     model = AutoModelForCausalLM.from_pretrained(
-        llama_ckpt, dsinfer={"offload": tight.policy.to_dict()})
+        llama_dir, dsinfer={"offload": tight.policy.to_dict()})
     got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected)
     assert hf_dsinfer.offload.get_engine(model) is not None
 
 
-def test_plan_cli(llama_ckpt, tmp_path, capsys):
-    code = main(["plan", "--model", llama_ckpt, "--prompt-len", "32", "--gen-len", "4",
+def test_plan_cli(llama_dir, tmp_path, capsys):
+    code = main(["plan", "--model", llama_dir, "--prompt-len", "32", "--gen-len", "4",
                  "--memory", "256MiB", "--offload-dir", str(tmp_path), "--probe-mib", "8",
                  "--dtype", "float32", "--top", "2"])
     out = capsys.readouterr().out

@@ -54,25 +54,25 @@ def test_config_round_trip_and_clashes(tmp_path):
             hf_dsinfer.DSInferConfig(offload={}, **clash)
 
 
-def test_unwritable_offload_dir(llama_ckpt, tmp_path):
+def test_unwritable_offload_dir(llama_dir, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     policy = {"weights": (0, 0, 100), "offload_dir": str(blocker / "offload")}
     with pytest.raises(OffloadFileError, match="not writable.*Fix"):
-        AutoModelForCausalLM.from_pretrained(llama_ckpt, dsinfer={"offload": policy})
+        AutoModelForCausalLM.from_pretrained(llama_dir, dsinfer={"offload": policy})
 
 
-def test_budget_smaller_than_one_layer(llama_ckpt, tmp_path):
+def test_budget_smaller_than_one_layer(llama_dir, tmp_path):
     policy = {"weights": (0, 0, 100), "offload_dir": str(tmp_path), "memory": "64KiB"}
     with pytest.raises(OffloadBudgetError, match="budget is 64.00 KiB.*Fix"):
-        AutoModelForCausalLM.from_pretrained(llama_ckpt, dsinfer={"offload": policy})
+        AutoModelForCausalLM.from_pretrained(llama_dir, dsinfer={"offload": policy})
     assert not (tmp_path / "weights").exists(), "nothing may be written before the budget check"
 
 
-def test_generate_time_budget(llama_ckpt, tmp_path):
+def test_generate_time_budget(llama_dir, tmp_path):
     # the weights fit, a KV cache of 3 x 4096 tokens does not: refused before the first token
     policy = {"weights": (0, 100, 0), "memory": "48MiB", "micro_batch_size": 3}
-    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dsinfer={"offload": policy})
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dsinfer={"offload": policy})
     ids, mask = prompts()
     with pytest.raises(OffloadBudgetError, match="kv cache"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4096, do_sample=False)
@@ -97,25 +97,25 @@ def _truncate(file: Path) -> None:
 
 
 @pytest.mark.parametrize(("damage", "words"), [(_corrupt, "CRC-32"), (_truncate, "truncated")])
-def test_damaged_offload_file_is_refused(llama_ckpt, tmp_path, damage, words):
+def test_damaged_offload_file_is_refused(llama_dir, tmp_path, damage, words):
     policy = {"weights": (0, 30, 70), "offload_dir": str(tmp_path)}
-    _reload(llama_ckpt, policy)  # writes the disk tier once
+    _reload(llama_dir, policy)  # writes the disk tier once
     files = _layer_files(tmp_path)
     assert len(files) == 2
     damage(files[1])
     with pytest.raises(OffloadFileError, match=f"{words}.*refused before generation.*Fix"):
-        _reload(llama_ckpt, policy)
+        _reload(llama_dir, policy)
 
 
-def test_half_written_folder_is_rewritten_not_trusted(llama_ckpt, tmp_path):
+def test_half_written_folder_is_rewritten_not_trusted(llama_dir, tmp_path):
     policy = {"weights": (0, 30, 70), "offload_dir": str(tmp_path)}
     ids, mask = prompts()
-    expected = _reload(llama_ckpt, policy).generate(ids, attention_mask=mask, max_new_tokens=5,
+    expected = _reload(llama_dir, policy).generate(ids, attention_mask=mask, max_new_tokens=5,
                                                       do_sample=False)
     folder = _layer_files(tmp_path)[0].parent
     (folder / "manifest.json").unlink()  # as if the writer died before its last step
     _corrupt(_layer_files(tmp_path)[0])
-    again = _reload(llama_ckpt, policy)
+    again = _reload(llama_dir, policy)
     assert (folder / "manifest.json").exists()
     got = again.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(got, expected)

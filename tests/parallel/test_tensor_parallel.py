@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 from safetensors.torch import save_file
 from tiny_models import FAMILIES, make_model
 
@@ -32,16 +30,6 @@ from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes
 WORKER = Path(__file__).with_name("tp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 WORLDS = [2, 3]
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")

@@ -1,0 +1,19 @@
+"""Start multi-process test workers the way users do: torchrun, on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N args...`, one torch
+    thread per worker, offline, with any outer launcher's rank variables removed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
