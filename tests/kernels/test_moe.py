@@ -164,6 +164,19 @@ def test_cpu_fallback_runs_only_experts_with_tokens(monkeypatch):
                      table=REDUCTION_TOL)
 
 
+@pytest.mark.parametrize("tokens", (8, 96))
+def test_cpu_path_picks_grouped_gemm_or_per_expert_gemms_by_rows(tokens):
+    """Few rows per expert: one grouped GEMM pair. Many (>= 32 per active expert): one oneDNN
+    GEMM pair per active expert, which is faster there. Same result either way."""
+    hidden, gate_up, down, weights, ids = _mlp_inputs(tokens, 32, 48, 4, 2, torch.float32)
+    with mock.patch.object(moe, "_expert_mlp", wraps=moe._expert_mlp) as expert_mlp:
+        out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+    looped = expert_mlp.call_count
+    assert looped == (0 if tokens == 8 else 4)
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
+
+
 def test_moe_align_sentinel_rows_sort_last():
     ids = torch.tensor([[2, 4], [4, 1]])  # 4 = E: dropped slots
     align = moe.moe_align(ids, num_experts=4)
