@@ -91,6 +91,13 @@ class CheckpointReader:
                 row += part.shape[0]
         return out
 
+    def read_whole(self, key: str) -> torch.Tensor:
+        """A whole tensor backed by the file mapping: its pages are read when touched and given
+        back as soon as the tensor is dropped (the parity gate's short-lived full weights; a
+        malloc'd copy would stay in the heap after it is freed)."""
+        with safe_open(self.files[key], "pt") as f:
+            return f.get_tensor(key)
+
     def _blocks(self, spec: ShardSpec, shape: list[int]):
         """Per row block, the slice indices to read (several when spec.dim == 1)."""
         row_bytes = 4 * math.prod(shape[1:])
@@ -216,7 +223,7 @@ def _read_full(reader: CheckpointReader, keys: dict[str, str], name: str,
                tp: RankGroup) -> torch.Tensor:
     if name not in keys:
         raise TensorParallelError(f"the checkpoint has no tensor for {name!r}.")
-    return reader.read(keys[name], None).to(tp.device)
+    return reader.read_whole(keys[name]).to(tp.device)
 
 
 def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str],
