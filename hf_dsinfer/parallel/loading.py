@@ -29,6 +29,7 @@ from torch import nn
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.injection.policies import find_policy
 from hf_dsinfer.injection.walker import _blocks
+from hf_dsinfer.integration.checkpoint import renamed_keys
 from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, build_references
 from hf_dsinfer.parallel.slicing import ShardSpec
@@ -199,18 +200,8 @@ def checkpoint_keys(model: nn.Module, reader: CheckpointReader) -> dict[str, str
     """model tensor name -> checkpoint key, through transformers' own key renamings (legacy
     names such as GPT-NeoX's `embed_out`, a missing or extra base-model prefix). Keys that need a
     weight *converter* (merging per-expert tensors, splitting fused ones) cannot be sliced."""
-    # transformers internals, outside integration/: the same renaming table from_pretrained uses
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    meta = dict.fromkeys(model.state_dict())
     mapping = {}
-    for key in reader.files:
-        name, converter = rename_source_key(key, renamings, converters,
-                                            model.base_model_prefix, meta)
+    for key, name, converter in renamed_keys(model, reader.files):
         if converter is not None:
             raise TensorParallelError(
                 f"checkpoint key {key!r} needs transformers' weight conversion {converter!r}, "
