@@ -92,13 +92,36 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> MoeAlignment:
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str,
-                out: torch.Tensor | None = None):
-    """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence;
-    written into `out` [n, H] (contiguous) when given."""
-    a = gated_act_ref(F.linear(x, gate_up), None, act)  # [n, I]
+                out: torch.Tensor | None = None, fuse: bool = False):
+    """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence (in
+    bf16 on a oneDNN CPU with `fuse`: act and * up fused into the GEMMs' epilogues); written
+    into `out` [n, H] (contiguous) when given."""
+    if fuse and _onednn_gated(x, gate_up, act):
+        inter = gate_up.shape[0] // 2
+        gate = torch.ops.mkldnn._linear_pointwise(x, gate_up[:inter], None, "swish", [], "")
+        a = torch.ops.mkldnn._linear_pointwise.binary(x, gate, gate_up[inter:], None, "mul")
+    else:
+        a = gated_act_ref(F.linear(x, gate_up), None, act)  # [n, I]
     if out is None:
         return F.linear(a, down)  # [n, H]
     return torch.matmul(a, down.t(), out=out)
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _onednn_gated(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> bool:
+    """silu(x @ Wg^T) * (x @ Wu^T) as two oneDNN GEMMs with fused epilogues (torch's own CPU
+    linear-pointwise ops, the ones inductor emits): in bf16 this skips a read-modify-write pass
+    over the [n, 2I] intermediate (~30% of the gate-up time at 512 rows per expert). The
+    activation is applied to the fp32 accumulator before rounding, one bf16 rounding fewer than
+    HF's op sequence; fp32 keeps HF's exact ops."""
+    return (act == "silu" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and gate_up.dtype == torch.bfloat16 and x.is_contiguous()
+            and gate_up.is_contiguous() and not torch.compiler.is_compiling() and _onednn_bf16())
 
 
 def grouped_expert_mlp_ref(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
@@ -327,7 +350,8 @@ def _grouped_mm_fits(*weights: torch.Tensor) -> bool:
         s * w.element_size() % 16 == 0 for w in weights for s in w.stride()[:-1])
 
 
-def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act: str):
+def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act: str,
+                       fuse: bool = False):
     """One GEMM pair per expert that has rows (idle experts cost nothing): the fallback without
     F.grouped_mm, and the faster path once experts get many rows each (oneDNN's GEMMs beat
     torch's CPU grouped GEMM from ~32 rows per expert: 64 ms vs 132 ms at 2048 tokens, 8 experts
@@ -337,7 +361,8 @@ def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, out=y[lo:hi])
+            _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, out=y[lo:hi],
+                        fuse=fuse)
     return y
 
 
@@ -366,7 +391,7 @@ def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="sil
     active = sum(hi > lo for lo, hi in itertools.pairwise(bounds))
     if (not _grouped_mm_fits(gate_up_proj, down_proj) or bounds[-1] == 0
             or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * active):
-        return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act)
+        return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act, fuse=True)
     y = _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act)
     if bounds[-1] < x_sorted.shape[0]:  # dropped rows: never computed, uninitialized
         y[bounds[-1]:] = 0

@@ -177,6 +177,20 @@ def test_cpu_path_picks_grouped_gemm_or_per_expert_gemms_by_rows(tokens):
                      table=REDUCTION_TOL)
 
 
+@pytest.mark.skipif(not moe._onednn_bf16(), reason="oneDNN bf16 not available on this CPU")
+def test_bf16_many_rows_fuse_activation_into_onednn_gemms(monkeypatch):
+    """bf16 experts with many rows: silu(gate) * up in the oneDNN GEMM epilogues, once per
+    active expert, close to HF's op sequence (one bf16 rounding fewer)."""
+    hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
+    picked, original = [], moe._onednn_gated
+    monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(original(*a)) or picked[-1])
+    out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+    assert picked == [True] * 4
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
+    assert picked == [True] * 4  # the reference keeps HF's own ops
+
+
 def test_moe_align_sentinel_rows_sort_last():
     ids = torch.tensor([[2, 4], [4, 1]])  # 4 = E: dropped slots
     align = moe.moe_align(ids, num_experts=4)
