@@ -116,7 +116,7 @@ def save_tiny(tmp_path_factory, name: str) -> str:
 
 
 # Mixture-of-experts models (transformers 5's fused 3-D expert tensors). Kept out of FAMILIES:
-# tests/moe covers them (tensor parallelism has no MoE plan).
+# tests/moe covers them, tensor parallelism included (ep x tp in test_ep_tp.py).
 _MOE_ATTN = dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, head_dim=16,
                  num_hidden_layers=2, max_position_embeddings=128, **_COMMON)
 MOE_CONFIGS = {

@@ -109,6 +109,9 @@ class FusedBlock:
         # the TP group before their bias is added; head_slice picks this rank's ALiBi heads.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_slice: slice | None = None
+        # OLMoE's q/k norm over the whole projection when the heads are sharded: (q, k) ->
+        # (q, k) normalized with the sum of squares all-reduced over the TP group.
+        self.sharded_qk_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.hf_forward = type(block).forward.__get__(block)
         params = list(inspect.signature(type(block).forward).parameters.values())[1:]
         self._arg_names = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -240,7 +243,9 @@ class FusedBlock:
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Qwen3-MoE: RMSNorm over each head's dims; OLMoE: over the whole q / k projection,
         then q, k, v clamped to +-clip_qkv. q, k, v are [B, S, heads * D]."""
-        if self.policy.qk_norm is not None:
+        if self.sharded_qk_norm is not None:
+            q, k = self.sharded_qk_norm(q, k)
+        elif self.policy.qk_norm is not None:
             q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         if self.spec.clip_qkv is not None:
             c = self.spec.clip_qkv

@@ -122,6 +122,8 @@ class FusedMoE:
         self.experts = module.get_submodule(layout.experts)
         self.quantized: nn.ModuleList | None = None  # [gate_up_0, down_0, gate_up_1, ...]
         self.parallel: Any = None  # hf_dsinfer.parallel.expert.ExpertParallel when ep_size > 1
+        # tp_size > 1: sums the tensor-sliced shared expert's partial output over the TP group
+        self.reduce: Any = None
         self.margins: list[torch.Tensor] | None = None  # parity probe: routing margins
 
     @property
@@ -145,7 +147,8 @@ class FusedMoE:
         else:
             out = self._local_experts(x, weights, ids)
         if self.spec.shared_expert:
-            out = out + self._shared_expert(x)
+            shared = self._shared_expert(x)
+            out = out + (shared if self.reduce is None else self.reduce(shared))
         return out
 
     # -- pieces --------------------------------------------------------------------------------

@@ -13,12 +13,22 @@ Placement (`ExpertPlacement`), for E experts on an expert-parallel group of N ra
 
 One MoE call on every rank of the group (each rank routes its *own* tokens: the dense parts are
 data parallel, or tensor parallel inside groups orthogonal to this one):
-    route -> per routed copy (dest rank, local expert) -> all-to-all of the hidden rows and the
-    local expert ids (split sizes exchanged first) -> received rows sorted by local expert ->
-    grouped expert GEMM -> all-to-all back -> (slices summed) -> weights, combine.
+    route -> one (token, destination rank) pair per rank a token needs, with up to k (local
+    expert, weight) entries -> all-to-all of the hidden rows (each token sent once per rank, not
+    once per expert) and of the entries (split sizes exchanged first) -> received rows' entries
+    sorted by local expert -> grouped expert GEMM -> weighted sum per pair on the expert's rank
+    -> all-to-all back (one pre-summed row per pair) -> added up per token (expert slices too).
 `ep_node_size` makes that two all-to-alls (`HierarchicalExchange`): inside each node to the peer
 with the destination's local index, then between nodes among same-index peers, so each rank
 sends node_size + N/node_size messages instead of N and cross-node messages are larger.
+
+With `tp_size` (DeepSpeed-MoE's parallelism-coordinated communication): the world is tiled by
+tp * ep ranks; TP groups are consecutive ranks, EP groups hold the ranks with the same TP index
+(stride tp), so every EP group holds all experts and each expert is kept by tp ranks. After the
+attention all-reduce the ranks of a TP group hold the same tokens, so TP rank j sends only its
+share j of them (balanced, tokens % tp != 0 and 1-token decode steps included) through its EP
+group's all-to-all, and one all-gather inside the TP group restores every token's MoE output
+on every rank: each all-to-all spans ep ranks instead of tp * ep and moves 1/tp of the rows.
 
 Every rank must call every MoE layer the same number of times: generate() is wrapped to pass
 `synced_gpus=True`, so ranks whose sequences finished keep stepping (HF feeds them padding)
@@ -36,7 +46,13 @@ from torch import nn
 
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels.moe import moe_align
-from hf_dsinfer.parallel.groups import RankGroup, rank_group
+from hf_dsinfer.parallel.groups import (
+    RankGroup,
+    ensure_world,
+    rank_group,
+    tensor_parallel_group,
+)
+from hf_dsinfer.parallel.slicing import split_sizes
 
 
 class ExpertParallelError(DSInferError):
@@ -113,12 +129,15 @@ def plan_placement(num_experts: int, intermediate: int, ep_size: int, rank: int,
 
 @dataclasses.dataclass
 class A2AStats:
-    """Bytes this rank sent to other ranks by all-to-all (rows and their metadata)."""
+    """Bytes this rank sent to other ranks by all-to-all (rows and their metadata); with tp_size,
+    the tokens of its share and the TP all-gathers that restore the rest."""
 
     row_bytes: int = 0
     meta_bytes: int = 0
     tokens: int = 0
     calls: int = 0
+    gathers: int = 0
+    gather_bytes: int = 0
 
     def per_token(self) -> float:
         return (self.row_bytes + self.meta_bytes) / max(self.tokens, 1)
@@ -138,25 +157,25 @@ class Exchange:
         self.send, self.recv = send.tolist(), recv.tolist()
         stats.meta_bytes += send.nbytes
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._a2a(rows.index_select(0, self.order), self.recv, self.send)
+    def forward(self, rows: torch.Tensor, meta: bool = False) -> torch.Tensor:
+        return self._a2a(rows.index_select(0, self.order), self.recv, self.send, meta)
 
     def backward(self, rows: torch.Tensor) -> torch.Tensor:
-        back = self._a2a(rows, self.send, self.recv)
+        back = self._a2a(rows, self.send, self.recv, False)
         out = torch.empty_like(back)
         out[self.order] = back
         return out
 
-    def _a2a(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+    def _a2a(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], meta: bool):
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits,
                                group=self.group.group)
         remote = sum(n for i, n in enumerate(in_splits) if i != self.group.rank)
         nbytes = remote * rows[0].nbytes if len(rows) else 0
-        if rows.is_floating_point():
-            self.stats.row_bytes += nbytes
-        else:
+        if meta or not rows.is_floating_point():
             self.stats.meta_bytes += nbytes
+        else:
+            self.stats.row_bytes += nbytes
         return out
 
 
@@ -168,8 +187,8 @@ class HierarchicalExchange:
         self.first = Exchange(dest % intra.size, intra, stats)
         self.second = Exchange(self.first.forward(dest) // intra.size, inter, stats)
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.second.forward(self.first.forward(rows))
+    def forward(self, rows: torch.Tensor, meta: bool = False) -> torch.Tensor:
+        return self.second.forward(self.first.forward(rows, meta), meta)
 
     def backward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.first.backward(self.second.backward(rows))
@@ -181,11 +200,13 @@ class HierarchicalExchange:
 
 
 class ExpertParallel:
-    """Set as `FusedMoE.parallel`: computes the routed experts across the EP group."""
+    """Set as `FusedMoE.parallel`: computes the routed experts across the EP group (and, with
+    a TP group, only this TP rank's share of the tokens, all-gathered afterwards)."""
 
     def __init__(self, placement: ExpertPlacement, group: RankGroup,
-                 node_groups: tuple[RankGroup, RankGroup] | None):
+                 node_groups: tuple[RankGroup, RankGroup] | None, tp: RankGroup | None = None):
         self.placement, self.group, self.node_groups = placement, group, node_groups
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.stats = A2AStats()
 
     def _exchange(self, dest: torch.Tensor):
@@ -195,38 +216,108 @@ class ExpertParallel:
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 expert_rows: Any) -> torch.Tensor:
-        """x [T, H], routing [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) [T, H]."""
-        t, k = ids.shape
-        slot, dest, local = self.placement.route(ids)
-        exchange = self._exchange(dest)
-        rows = exchange.forward(x.index_select(0, slot // k))  # [R_in, H]
-        local_in = exchange.forward(local)  # [R_in]
-        align = moe_align(local_in[:, None], self.placement.experts_per_rank)
-        y_sorted = expert_rows(rows.index_select(0, align.token_idx), align.expert_offsets)
-        y_in = torch.empty_like(rows)
-        y_in[align.token_idx] = y_sorted
-        y = exchange.backward(y_in)  # [C, H], the order of `slot`
-        per_slot = x.new_zeros(t * k, x.shape[-1])
-        per_slot.index_add_(0, slot, y)  # expert slices: the partial sums add up here
-        self.stats.tokens += t
+        """x [T, H], routing [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) [T, H].
+        Under tensor parallelism x is the same on every TP rank: each computes its share."""
+        if self.tp is None:
+            return self.dispatch(x, weights, ids, expert_rows)
+        sizes = split_sizes(x.shape[0], self.tp.size)
+        start = sum(sizes[: self.tp.rank])
+        share = slice(start, start + sizes[self.tp.rank])
+        y = self.dispatch(x[share], weights[share], ids[share], expert_rows)  # [T_share, H]
+        self.stats.gathers += 1
+        self.stats.gather_bytes += y.nbytes * (self.tp.size - 1)
+        return all_gather_rows(y, sizes, self.tp)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 expert_rows: Any) -> torch.Tensor:
+        """The EP all-to-all round trip for this rank's tokens x [T, H] (T may be 0)."""
+        pairs = route_pairs(self.placement, ids, weights)
+        exchange = self._exchange(pairs.dest)
+        rows = exchange.forward(x.index_select(0, pairs.token))  # [R, H]
+        entries = exchange.forward(pairs.entries(), meta=True)  # [R, 2k]
+        local, w = unpack_entries(entries, weights.dtype)  # [R, k], [R, k]
+        y = exchange.backward(self._weighted_experts(rows, local, w, expert_rows))  # [P, H]
+        out = x.new_zeros(x.shape)
+        out.index_add_(0, pairs.token, y)  # a token's partial sums from its ranks (and slices)
+        self.stats.tokens += ids.shape[0]
         self.stats.calls += 1
-        return (per_slot.view(t, k, -1) * weights[..., None]).to(x.dtype).sum(dim=1)
+        return out
+
+    def _weighted_experts(self, rows: torch.Tensor, local: torch.Tensor, w: torch.Tensor,
+                          expert_rows: Any) -> torch.Tensor:
+        """Received rows [R, H] with their entries local [R, k] (E_local = unused) and weights
+        [R, k] -> sum_j w[r, j] * expert_{local[r, j]}(rows[r]) [R, H], each contribution
+        rounded to the rows' dtype as HF rounds it (unused entries add an exact zero)."""
+        r, k = local.shape
+        align = moe_align(local, self.placement.experts_per_rank)
+        used = align.token_idx[: int(align.expert_offsets[-1])]
+        y_sorted = expert_rows(rows.index_select(0, used), align.expert_offsets)
+        per_entry = rows.new_zeros(r * k, rows.shape[-1])
+        per_entry[align.flat_idx[: len(used)]] = y_sorted
+        return (per_entry.view(r, k, rows.shape[-1]) * w[..., None]).to(rows.dtype).sum(dim=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRoute:
+    """One entry per (token, destination rank) pair, sorted by token then rank: what a token
+    sends to a rank once, whatever the number of that rank's experts it picked."""
+
+    token: torch.Tensor   # [P]
+    dest: torch.Tensor    # [P]
+    local: torch.Tensor   # [P, k] local expert ids on dest (experts_per_rank: unused entry)
+    weight: torch.Tensor  # [P, k] routing weights (0 where unused)
+
+    def entries(self) -> torch.Tensor:
+        """[P, 2k] fp32: the local ids (small integers, exact in fp32), then the weights (fp32
+        or bf16 routing weights, exact in fp32): one all-to-all carries both."""
+        return torch.cat([self.local.float(), self.weight.float()], dim=1)
+
+
+def unpack_entries(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    k = entries.shape[1] // 2
+    return entries[:, :k].long(), entries[:, k:].to(dtype)
+
+
+def route_pairs(placement: ExpertPlacement, ids: torch.Tensor, weights: torch.Tensor
+                ) -> PairRoute:
+    """Group the routed copies of ids / weights [T, k] by (token, destination rank)."""
+    k = ids.shape[1]
+    slot, dest, local = placement.route(ids)  # per routed copy
+    key = (slot // k) * placement.ep_size + dest
+    pair_key, pair = torch.unique(key, return_inverse=True)  # [P], copy -> its pair
+    table = torch.full((len(pair_key), k), placement.experts_per_rank, dtype=torch.long,
+                       device=ids.device)
+    table[pair, slot % k] = local
+    weight = weights.new_zeros(len(pair_key), k)
+    weight[pair, slot % k] = weights.reshape(-1)[slot]
+    return PairRoute(pair_key // placement.ep_size, pair_key % placement.ep_size, table, weight)
+
+
+def all_gather_rows(x: torch.Tensor, sizes: list[int], group: RankGroup) -> torch.Tensor:
+    """Concatenate every rank's rows x [sizes[r], ...] in rank order ([sum(sizes), ...]).
+    gloo's all_gather needs equal shapes, so shares are padded to the largest."""
+    width = max(sizes)
+    pad = x.new_zeros((width, *x.shape[1:]))
+    pad[: x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in range(group.size)]
+    dist.all_gather(parts, pad, group=group.group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
 def a2a_bytes_per_token(placement: ExpertPlacement, ids: torch.Tensor, hidden: int,
                         elem_bytes: int, node_size: int | None = None) -> tuple[float, float]:
     """(bytes per token our dispatch + combine send to other ranks, the minimum) for routing
-    `ids` [T, k] on rank `placement.rank`, without any process group: rows and their int64
-    expert ids, and the split-size vectors. The minimum sends each token's row once to every
+    `ids` [T, k] on rank `placement.rank`, without any process group: one row out and one
+    pre-summed row back per (token, rank) pair, the pair's k fp32 (local expert, weight)
+    entries, and the split-size vectors. The minimum sends each token's row once to every
     other rank holding one of its experts, and one pre-summed row back."""
     t, k = ids.shape
-    slot, dest, _ = placement.route(ids)
+    pairs = route_pairs(placement, ids, torch.ones(ids.shape))
     me, n = placement.rank, placement.ep_size
     row = hidden * elem_bytes
-    hops = _hops(dest, me, node_size)
-    ours = hops * (2 * row + 8) + 8 * n * (1 if node_size is None else 2)
-    pairs = torch.unique(torch.stack([slot // k, dest]), dim=1)  # [2, P] distinct (token, rank)
-    remote_pairs = int((pairs[1] != me).sum())
+    hops = _hops(pairs.dest, me, node_size)
+    ours = hops * (2 * row + 2 * k * 4) + 8 * n * (1 if node_size is None else 2)
+    remote_pairs = int((pairs.dest != me).sum())
     return ours / t, 2 * row * remote_pairs / t
 
 
@@ -253,6 +344,7 @@ class EPReport:
     placement: ExpertPlacement
     node_size: int | None
     moes: dict[str, Any]
+    tp_ranks: tuple[int, ...] = ()  # the TP group sharing tokens (coordinated all-to-all)
 
     def describe(self) -> str:
         p = self.placement
@@ -260,8 +352,11 @@ class EPReport:
                 if p.slices == 1 else f"1/{p.slices} slice of expert {p.local_experts().start}")
         a2a = "flat" if self.node_size is None else f"hierarchical ({self.node_size} ranks/node)"
         sent = sum(m.parallel.stats.per_token() for m in self.moes.values())
+        coordinated = "" if len(self.tp_ranks) < 2 else (
+            f"; parallelism-coordinated with TP group {self.tp_ranks}: 1/{len(self.tp_ranks)} "
+            "of the tokens through the all-to-all, then an all-gather in the TP group")
         return (f"expert parallel: rank {self.rank}/{self.size} (global ranks {self.ranks}) holds "
-                f"{held}; {a2a} all-to-all, {sent:.0f} bytes sent per token so far")
+                f"{held}; {a2a} all-to-all, {sent:.0f} bytes sent per token so far{coordinated}")
 
 
 def check_expert_parallel(report: Any, config: Any) -> None:
@@ -272,7 +367,22 @@ def check_expert_parallel(report: Any, config: Any) -> None:
             "shard. Fix: use ep_size=1, or tp_size for dense models.")
     for path, moe in report.moe.items():
         plan_placement(moe.spec.num_experts, moe.spec.intermediate, config.ep_size, 0, path)
+    check_world(config.ep_size, config.tp_size)
     expert_groups(config.ep_size, config.tp_size, config.ep_node_size)
+
+
+def check_world(ep_size: int, tp_size: int) -> None:
+    """ep_size * tp_size ranks hold one model replica; the world must be a whole number of them
+    (checked on every rank alike, before the expert-parallel groups are made)."""
+    world = ensure_world(f"ep_size={ep_size}")
+    replica = ep_size * tp_size
+    if world % replica:
+        fits = [e for e in range(1, world // tp_size + 1) if world % (e * tp_size) == 0]
+        raise ExpertParallelError(
+            f"ep_size={ep_size} x tp_size={tp_size} = {replica} ranks per model replica must "
+            f"divide the world of {world} process(es), got world % {replica} = "
+            f"{world % replica}. Fix: launch {replica} processes (torchrun --nproc-per-node "
+            f"{replica}) or a multiple, or with tp_size={tp_size} use ep_size in {fits}.")
 
 
 _NODE_GROUPS: dict[tuple[int, int, int], tuple[RankGroup, RankGroup]] = {}
@@ -344,6 +454,7 @@ def parallelize_experts(model: nn.Module, report: Any) -> EPReport:
     """Shard every fused MoE's experts over the EP group and route its tokens by all-to-all."""
     cfg = report.config
     ep, nodes = expert_groups(cfg.ep_size, cfg.tp_size, cfg.ep_node_size)
+    tp = tensor_parallel_group(cfg.tp_size)
     placement = None
     for path, moe in report.moe.items():
         if not moe.enabled:
@@ -353,9 +464,10 @@ def parallelize_experts(model: nn.Module, report: Any) -> EPReport:
         placement = plan_placement(moe.spec.num_experts, moe.spec.intermediate, ep.size,
                                    ep.rank, path)
         shard_experts(moe, placement)
-        moe.parallel = ExpertParallel(placement, ep, nodes)
+        moe.parallel = ExpertParallel(placement, ep, nodes, tp)
     model.generate = SyncedExpertGenerate(model.generate)
-    return EPReport(ep.rank, ep.size, ep.ranks, placement, cfg.ep_node_size, report.moe)
+    return EPReport(ep.rank, ep.size, ep.ranks, placement, cfg.ep_node_size, report.moe,
+                    tp.ranks)
 
 
 __all__ = ["ExpertParallel", "ExpertParallelError", "ExpertPlacement", "a2a_bytes_per_token",

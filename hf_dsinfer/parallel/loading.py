@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,15 @@ def load_tensor_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str
     model = build_on_meta(cls, folder, kwargs, config)
     reader = CheckpointReader(folder)
     keys = checkpoint_keys(model, reader)
+    if keys is None:  # e.g. per-expert MoE tensors that transformers merges while loading
+        warnings.warn(
+            f"hf_dsinfer: {folder} stores tensors that transformers converts while loading "
+            "(e.g. per-expert MoE weights merged into 3-D tensors), which cannot be read as "
+            "slices: every rank loads the whole model and slices it in place, so its peak "
+            "memory is the whole model's.", stacklevel=3)
+        del model
+        model = original(cls, *((path,) + tuple(args[1:])), **kwargs)
+        return init_inference(model, config)
     if config.parity_check:  # full weights of one block per class, for the parity gate
         policy = find_policy(model)
         refs = build_references(model, policy, lambda name: _read_full(reader, keys, name, tp),
@@ -196,16 +206,15 @@ def build_on_meta(cls: type, folder: Path, kwargs: dict[str, Any],
     return model
 
 
-def checkpoint_keys(model: nn.Module, reader: CheckpointReader) -> dict[str, str]:
+def checkpoint_keys(model: nn.Module, reader: CheckpointReader) -> dict[str, str] | None:
     """model tensor name -> checkpoint key, through transformers' own key renamings (legacy
-    names such as GPT-NeoX's `embed_out`, a missing or extra base-model prefix). Keys that need a
-    weight *converter* (merging per-expert tensors, splitting fused ones) cannot be sliced."""
+    names such as GPT-NeoX's `embed_out`, a missing or extra base-model prefix). None when some
+    key needs a weight *converter* (merging per-expert tensors, splitting fused ones): such a
+    checkpoint cannot be read as slices."""
     mapping = {}
     for key, name, converter in renamed_keys(model, reader.files):
         if converter is not None:
-            raise TensorParallelError(
-                f"checkpoint key {key!r} needs transformers' weight conversion {converter!r}, "
-                "which sharded loading does not do. Fix: use tp_size=1 for this checkpoint.")
+            return None
         mapping[name] = key
     return mapping
 

@@ -2,11 +2,18 @@
 
 Which linear is split how comes from HF's `config.base_model_tp_plan` where the family has one
 (Llama, Mistral, Qwen2, GPT-NeoX) and from our policy's `tp_plan` otherwise (GPT-2, OPT, BLOOM,
-GPT-J). Either must be the Megatron layout of the policy's linears: Q/K/V (or the fused QKV) and
-FC1 / gate-up column-parallel, the two output projections row-parallel. The slice *granularity*
-comes from the policy: query heads (with their KV heads, see slicing.py), the packed [q|k|v]
-Conv1D or head-interleaved QKV layouts, the MLP's intermediate size; the vocabulary for the
-embedding and lm_head.
+GPT-J, and the mixture-of-experts families). Either must be the Megatron layout of the policy's
+linears: Q/K/V (or the fused QKV) and FC1 / gate-up column-parallel, the two output projections
+row-parallel. The slice *granularity* comes from the policy: query heads (with their KV heads,
+see slicing.py), the packed [q|k|v] Conv1D or head-interleaved QKV layouts, the MLP's
+intermediate size; the vocabulary for the embedding and lm_head.
+
+Mixture-of-experts families (DeepSpeed-MoE's layout): attention, the dense MLPs of the layers in
+between and Qwen2-MoE's shared expert are tensor-sliced; the router stays replicated and the
+experts stay whole (expert parallelism shards them, parallel/expert.py). Each block is planned
+from the linears it has: a sparse block has no dense MLP, a dense block no shared expert.
+OLMoE's q/k RMSNorm over the whole projection gets its weight sliced like q / k, and the rank's
+share of the sum of squares (`BlockShard.kv_owned` counts a replicated KV head once).
 
 `plan_model` works on a model whose weights are real or on meta (shapes and module attributes
 only), so one plan serves in-place sharding and sharded loading alike.
@@ -40,12 +47,23 @@ def _join(parent: str | None, name: str) -> str:
     return name if not parent else f"{parent}.{name}"
 
 
+def mlp_parents(policy: P.Policy) -> list[str | None]:
+    """Block-relative paths of the modules holding mlp_in / mlp_out linears: the MLP itself
+    (dense families, dense layers of MoE families) and the shared expert (Qwen2-MoE)."""
+    parents: list[str | None] = [policy.mlp] if policy.mlp_in else []
+    if policy.moe is not None and policy.moe.shared_expert is not None:
+        parents.append(_join(policy.mlp, policy.moe.shared_expert))
+    return parents
+
+
 def megatron_styles(policy: P.Policy) -> dict[str, str]:
-    """The only layout we compute: block-relative linear path -> style."""
+    """The only layout we compute: block-relative linear path -> style (for MoE families the
+    union over sparse and dense blocks; never the experts or the router)."""
     styles = {_join(policy.attn, n): COLWISE for n in policy.qkv}
     styles[_join(policy.attn, policy.out_proj)] = ROWWISE
-    styles.update({_join(policy.mlp, n): COLWISE for n in policy.mlp_in})
-    styles[_join(policy.mlp, policy.mlp_out)] = ROWWISE
+    for parent in mlp_parents(policy):
+        styles.update({_join(parent, n): COLWISE for n in policy.mlp_in})
+        styles[_join(parent, policy.mlp_out)] = ROWWISE
     return styles
 
 
@@ -63,12 +81,8 @@ def hf_block_plan(config: Any) -> dict[str, str] | None:
 
 
 def linear_styles(policy: P.Policy, config: Any) -> tuple[dict[str, str], str]:
-    """(block-relative linear path -> style, where the plan came from); checked against Megatron."""
-    if getattr(policy, "moe", None) is not None:
-        raise TensorParallelError(
-            f"tp_size > 1 is not supported for the mixture-of-experts family {policy.family} "
-            "yet (its experts and q/k norms have no tensor-parallel plan). Fix: use tp_size=1, "
-            "with expert parallelism for the experts.")
+    """(block-relative linear path -> style, where the plan came from); checked against Megatron.
+    Plan entries for other modules (HF's expert entries of MoE families) are ignored."""
     source = "policy tp_plan" if policy.tp_plan is not None else "HF base_model_tp_plan"
     plan = policy.tp_plan if policy.tp_plan is not None else hf_block_plan(config)
     want = megatron_styles(policy)
@@ -94,9 +108,10 @@ class BlockShard:
     heads: HeadShard
     num_heads: int       # full model
     num_kv_heads: int
-    ffn: tuple[int, int]  # [start, stop) of the MLP intermediate dim
+    ffn: tuple[int, int]  # [start, stop) of the MLP intermediate dim ((0, 0): no dense MLP)
     ffn_size: int
     params: dict[str, ShardSpec]  # block-relative parameter name -> spec (absent: replicated)
+    kv_owned: tuple[bool, ...] = ()  # per local KV head: this rank counts it in a sum over heads
 
 
 def _linear_specs(module: nn.Module, ranges: Ranges, style: str,
@@ -113,27 +128,65 @@ def _linear_specs(module: nn.Module, ranges: Ranges, style: str,
 def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: int,
                rank: int) -> BlockShard:
     styles, _ = linear_styles(policy, config)
+    styles = {path: style for path, style in styles.items() if _has(block, path)}
     full = resolve_spec(block, policy, config, index)  # full head counts (real or meta weights)
     heads = head_shard(full.num_heads, full.num_kv_heads, tp, rank)
     if policy.qkv_layout != P.SEPARATE and full.num_kv_heads != full.num_heads:
         raise TensorParallelError(f"{policy.family}: a fused QKV layout with GQA is not sliceable")
-    mlp = block if not policy.mlp else block.get_submodule(policy.mlp)
-    fc1 = mlp.get_submodule(policy.mlp_in[0])
-    ffn_size = fc1.weight.shape[1 if policy.conv1d else 0]
-    ffn = shard_range(ffn_size, tp, rank)
     d = full.head_dim
     ranges: dict[str, Ranges] = dict(zip((_join(policy.attn, n) for n in policy.qkv),
                                          qkv_ranges(policy.qkv_layout, heads, full.num_heads, d)))
     # out_proj reads the concatenated local heads' outputs: input features [q0 * d, q1 * d)
     ranges[_join(policy.attn, policy.out_proj)] = ((heads.q[0] * d, heads.q[1] * d),)
-    for name in (*policy.mlp_in, policy.mlp_out):
-        ranges[_join(policy.mlp, name)] = (ffn,)
+    ffn, ffn_size = (0, 0), 0
+    for parent in mlp_parents(policy):
+        if not _has(block, _join(parent, policy.mlp_in[0])):  # a sparse block's MLP
+            continue
+        fc1 = block.get_submodule(_join(parent, policy.mlp_in[0]))
+        ffn_size = fc1.weight.shape[1 if policy.conv1d else 0]
+        ffn = shard_range(ffn_size, tp, rank)
+        for name in (*policy.mlp_in, policy.mlp_out):
+            ranges[_join(parent, name)] = (ffn,)
     params = {}
     for path, style in styles.items():
         module = block.get_submodule(path)
         for pname, spec in _linear_specs(module, ranges[path], style, policy.conv1d).items():
             params[f"{path}.{pname}"] = spec
-    return BlockShard(heads, full.num_heads, full.num_kv_heads, ffn, ffn_size, params)
+    owned: tuple[bool, ...] = ()
+    if policy.qk_norm == P.QK_NORM_FULL:  # norm weights [heads * d] follow q / k's slices
+        params[_join(policy.attn, "q_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 0)])
+        params[_join(policy.attn, "k_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 1)])
+        owned = kv_owned(full.num_heads, full.num_kv_heads, tp, rank)
+    return BlockShard(heads, full.num_heads, full.num_kv_heads, ffn, ffn_size, params, owned)
+
+
+def _qk_path(policy: P.Policy, which: int) -> str:
+    """Block-relative path of the q (0) or k (1) projection of a SEPARATE q/k/v layout."""
+    if policy.qkv_layout != P.SEPARATE:
+        raise TensorParallelError(
+            f"{policy.family}: a q/k norm over the whole projection needs separate q/k/v "
+            f"projections to be sliced, got the {policy.qkv_layout} layout. Fix: use tp_size=1.")
+    return _join(policy.attn, policy.qkv[which])
+
+
+def kv_owned(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[bool, ...]:
+    """Per local KV head of `rank`: True where this rank is the one that counts it in a sum over
+    all KV heads (a head kept by several ranks, or twice by one, is counted once: by the lowest
+    rank holding it, at its first local position)."""
+    owner: dict[int, int] = {}
+    for r in range(tp):
+        for h in head_shard(num_heads, num_kv_heads, tp, r).kv:
+            owner.setdefault(h, r)
+    mine = head_shard(num_heads, num_kv_heads, tp, rank).kv
+    return tuple(owner[h] == rank and h not in mine[:i] for i, h in enumerate(mine))
+
+
+def _has(block: nn.Module, path: str | None) -> bool:
+    try:
+        block.get_submodule(path or "")
+    except AttributeError:
+        return False
+    return True
 
 
 def vocab_spec(vocab: int, tp: int, rank: int) -> ShardSpec:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dsinfer.errors import ParityError
-from hf_dsinfer.injection.fused import resolve_spec
-from hf_dsinfer.injection.policy import Policy
+from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
+from hf_dsinfer.injection.policy import QK_NORM_FULL, Policy
 from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
 from hf_dsinfer.parallel.plan import (
@@ -66,9 +66,10 @@ class TPReport:
         if first is not None:
             q0, q1 = first.heads.q
             f0, f1 = first.ffn
+            mlp = f"MLP [{f0}:{f1}] of {first.ffn_size}" if first.ffn_size else \
+                "no dense MLP (MoE experts are not tensor-sliced)"
             heads = (f"; attention heads q[{q0}:{q1}] of {first.num_heads}, kv "
-                     f"{list(first.heads.kv)} of {first.num_kv_heads}; MLP [{f0}:{f1}] of "
-                     f"{first.ffn_size}")
+                     f"{list(first.heads.kv)} of {first.num_kv_heads}; {mlp}")
         v0 = sum(self.plan.vocab_sizes[: self.rank])
         v1 = v0 + self.plan.vocab_sizes[self.rank]
         how = "sharded loading (only this rank's slices read)" if self.loaded_sharded else \
@@ -168,6 +169,30 @@ class VocabParallelHead:
         return self.tp.all_gather_last_dim(local, self.sizes)
 
 
+class FullQKNorm:
+    """Installed as FusedBlock.sharded_qk_norm (OLMoE): RMSNorm over the whole q and k
+    projections while their heads are spread over the group. Each rank sums the squares of its
+    heads (a KV head kept by several ranks counted once), one all-reduce adds q's and k's sums,
+    and each rank scales its heads by its slice of the norm weights, in HF's fp32 numerics."""
+
+    def __init__(self, fused: Any, shard: BlockShard, tp: RankGroup):
+        self.norms = (fused._q_norm, fused._k_norm)
+        self.eps = tuple(_norm_eps(n) for n in self.norms)
+        d = fused.spec.head_dim
+        self.head_dim, self.widths = d, (shard.num_heads * d, shard.num_kv_heads * d)
+        device = fused._q_norm.weight.device
+        self.k_owned = torch.tensor(shard.kv_owned, dtype=torch.float32, device=device)  # [KV_l]
+        self.tp = tp
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q32, k32 = q.float(), k.float()  # [B, S, heads * D]
+        k_heads = k32.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)  # [B, S, local KV heads]
+        squares = torch.stack([q32.pow(2).sum(-1), (k_heads * self.k_owned).sum(-1)], -1)
+        mean = self.tp.all_reduce(squares) / squares.new_tensor(self.widths)  # [B, S, 2]
+        return tuple(norm.weight * (x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i])).to(t.dtype)
+                     for i, (x, t, norm) in enumerate(zip((q32, k32), (q, k), self.norms)))
+
+
 class SyncedGenerate:
     """Installed as `model.generate`: start every rank from the group's first rank's RNG state."""
 
@@ -177,6 +202,22 @@ class SyncedGenerate:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sync_rng(self.tp)
         return self.generate(*args, **kwargs)
+
+
+class RefuseShardedSave:
+    """Installed as `model.save_pretrained` of a tensor-parallel model: its parameters are this
+    rank's slices, so HF's save would write a checkpoint that no longer matches its config."""
+
+    def __init__(self, tp: RankGroup):
+        self.tp = tp
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise TensorParallelError(
+            f"save_pretrained on a tensor-parallel model: rank {self.tp.rank} of tp_size="
+            f"{self.tp.size} holds only its slices of the weights, so the files written would not "
+            "match the config and would load wrong. Fix: save the checkpoint from a tp_size=1 "
+            "model (before init_inference); from_pretrained(..., dsinfer={'tp_size': N}) then "
+            "reads each rank's slices from that single checkpoint.")
 
 
 def sync_rng(tp: RankGroup) -> None:
@@ -195,6 +236,10 @@ def _wire_blocks(model: nn.Module, report: Any, plan: ModelPlan, tp: RankGroup) 
         fused.reduce = tp.all_reduce
         q0, q1 = plan.blocks[path].heads.q
         fused.head_slice = slice(q0, q1)
+        if fused.policy.qk_norm == QK_NORM_FULL:
+            fused.sharded_qk_norm = FullQKNorm(fused, plan.blocks[path], tp)
+        if fused.is_moe:  # experts stay whole; the shared expert (if any) is tensor-sliced
+            fused.moe.reduce = tp.all_reduce
         if not fused.enabled:
             raise TensorParallelError(
                 f"{path} failed the parity gate and would fall back to the HF forward, which "
@@ -221,6 +266,7 @@ def parallelize(model: nn.Module, report: Any) -> TPReport:
     _wire_blocks(model, report, plan, tp)
     _wire_vocab(model, plan, tp)
     model.generate = SyncedGenerate(model.generate, tp)
+    model.save_pretrained = RefuseShardedSave(tp)
     refs = model.__dict__.pop(REFERENCES_ATTR, None)
     if refs is not None:  # loaded sharded: compare with unsharded copies of one block per class
         report.parity = tp_parity_gate(model, report, refs)

@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,11 +82,12 @@ def run_case(case: str, rank: int, world: int) -> dict:
     }
 
 
-def main() -> None:
+def worker_main(run: Callable[[str, int, int], dict]) -> None:
+    """argv: OUT_DIR CASE...; writes {case: run(case, rank, world)} to OUT_DIR/rank<r>.json."""
     out_dir, cases = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {case: run_case(case, rank, world) for case in cases}
+    results = {case: run(case, rank, world) for case in cases}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -93,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run_case)

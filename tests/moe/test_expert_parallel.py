@@ -22,6 +22,8 @@ from hf_dsinfer.parallel.expert import (
     ExpertPlacement,
     a2a_bytes_per_token,
     plan_placement,
+    route_pairs,
+    unpack_entries,
 )
 
 WORKER = Path(__file__).with_name("ep_worker.py")
@@ -104,6 +106,21 @@ def test_ep_on_dense_model_is_refused():
 def test_a2a_bytes_against_minimum():
     ids = torch.tensor([[0, 1], [4, 5], [0, 4], [6, 7]])  # 8 experts, rank 0 of 2 holds 0-3
     ours, minimum = a2a_bytes_per_token(ExpertPlacement(8, 2, 0), ids, hidden=4, elem_bytes=2)
-    # 5 remote rows (dispatch + combine, 8 B each) + their int64 ids + two 8-byte counts;
-    # minimum: tokens 1, 2, 3 each once to rank 1 and one pre-summed row back
-    assert ours == (5 * (2 * 8 + 8) + 16) / 4 and minimum == 3 * 2 * 8 / 4
+    # tokens 1, 2, 3 go to rank 1 once each (token 1 and 3 for two of its experts): 3 rows out
+    # and 3 pre-summed rows back (8 B each), 2 fp32 (id, weight) entries each, two 8-byte
+    # counts; the minimum is the rows alone
+    assert ours == (3 * (2 * 8 + 2 * 2 * 4) + 16) / 4 and minimum == 3 * 2 * 8 / 4
+
+
+def test_route_pairs_send_a_token_once_per_rank():
+    ids = torch.tensor([[0, 1], [4, 5], [0, 4], [7, 8]])  # 8: a dropped slot
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.0]])
+    pairs = route_pairs(ExpertPlacement(8, 2, 0), ids, weights)
+    assert pairs.token.tolist() == [0, 1, 2, 2, 3] and pairs.dest.tolist() == [0, 1, 0, 1, 1]
+    assert pairs.local.tolist() == [[0, 1], [0, 1], [0, 4], [4, 0], [3, 4]]  # 4: unused entry
+    want = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0], [0, 0.5], [0.9, 0]])
+    assert torch.equal(pairs.weight, want)
+    local, w = unpack_entries(pairs.entries(), weights.dtype)
+    assert torch.equal(local, pairs.local) and torch.equal(w, pairs.weight)
+    sliced = route_pairs(ExpertPlacement(1, 2, 0), torch.tensor([[0]]), torch.tensor([[1.0]]))
+    assert sliced.dest.tolist() == [0, 1] and sliced.local.tolist() == [[0], [0]]

@@ -90,6 +90,7 @@ def test_bad_input_raises_at_init(run):
         errors = rank["errors"]
         assert "larger than the world size" in errors["tp_larger_than_world"]
         assert "use tp_size in" in errors["heads_unsplittable"]
+        assert "holds only its slices" in errors["save_pretrained_of_a_shard"]
         if world % 2:
             assert "must tile the world" in errors["tp_not_dividing_world"]
 

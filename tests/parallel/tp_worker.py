@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -103,6 +104,8 @@ def check_errors(tp: int, world: int) -> dict:
     if world % 2:
         cases["tp_not_dividing_world"] = lambda: hf_dsinfer.init_inference(make_model("gpt2"),
                                                                            tp_size=2)
+    cases["save_pretrained_of_a_shard"] = lambda: hf_dsinfer.init_inference(
+        make_model("gpt2"), tp_size=tp).save_pretrained(tempfile.mkdtemp())
     out = {}
     for key, fn in cases.items():
         try:

@@ -14,6 +14,10 @@ POLICY = dataclasses.replace(
     block_classes=("MixtralDecoderLayer",),
     mlp_in=(),
     mlp_out="",
+    # HF's base_model_tp_plan also slices the experts (packed_colwise / rowwise); ours keeps
+    # them whole for expert parallelism and slices attention only (the router is replicated).
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"},
     moe=MoeLayout(classes=("MixtralSparseMoeBlock",), num_experts="num_local_experts",
                   renormalize=True, fp32_weights=True),
 )

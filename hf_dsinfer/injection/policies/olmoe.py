@@ -16,6 +16,11 @@ POLICY = dataclasses.replace(
     mlp_out="",
     qk_norm=QK_NORM_FULL,
     clip_qkv=FromConfig("clip_qkv"),
+    # HF's base_model_tp_plan gathers q/k/v back to full width (colwise_gather_output) for this
+    # norm and slices the experts; ours slices attention by heads, slices the q/k norm weights
+    # with q and k and all-reduces the sum of squares (parallel/plan.py), keeps experts whole.
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"},
     moe=MoeLayout(classes=("OlmoeSparseMoeBlock",), num_experts="num_experts",
                   renormalize=FromConfig("norm_topk_prob")),
 )

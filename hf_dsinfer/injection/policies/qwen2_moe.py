@@ -13,6 +13,14 @@ POLICY = dataclasses.replace(
     family="qwen2_moe",
     model_types=("qwen2_moe",),
     block_classes=("Qwen2MoeDecoderLayer",),
+    # HF's base_model_tp_plan also slices the experts and leaves the shared expert whole; ours
+    # keeps the experts whole (expert parallelism) and slices attention, the dense layers' MLP
+    # and the shared expert. The router and the shared expert's gate are replicated.
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+             "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+             "mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
+             "mlp.shared_expert.down_proj": "rowwise"},
     moe=MoeLayout(classes=("Qwen2MoeSparseMoeBlock",), num_experts="num_experts",
                   renormalize=FromConfig("norm_topk_prob"), shared_expert="shared_expert",
                   shared_expert_gate="shared_expert_gate"),

@@ -13,6 +13,12 @@ POLICY = dataclasses.replace(
     model_types=("qwen3_moe",),
     block_classes=("Qwen3MoeDecoderLayer",),
     qk_norm=QK_NORM_HEAD,
+    # HF's base_model_tp_plan also slices the experts; ours keeps them whole (expert
+    # parallelism) and slices attention and the dense layers' MLP. The per-head q/k norm
+    # weights [head_dim] and the router are replicated.
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+             "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
     moe=MoeLayout(classes=("Qwen3MoeSparseMoeBlock",), num_experts="num_experts",
                   renormalize=FromConfig("norm_topk_prob")),
 )
