@@ -385,12 +385,18 @@ def _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act: str):
     return yt[:, :rows].t()  # [R, H] view
 
 
+def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
+    """One GEMM pair per active expert (else two grouped GEMMs): without F.grouped_mm, with no
+    routed rows, or with many rows per active expert."""
+    active = sum(hi > lo for lo, hi in itertools.pairwise(bounds))
+    return (not _grouped_mm_fits(gate_up_proj, down_proj) or bounds[-1] == 0
+            or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * active)
+
+
 def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
     act = resolve_activation(act)
     bounds = offsets.tolist()  # one host sync
-    active = sum(hi > lo for lo, hi in itertools.pairwise(bounds))
-    if (not _grouped_mm_fits(gate_up_proj, down_proj) or bounds[-1] == 0
-            or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * active):
+    if _per_expert_gemms(bounds, gate_up_proj, down_proj):
         return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act, fuse=True)
     y = _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act)
     if bounds[-1] < x_sorted.shape[0]:  # dropped rows: never computed, uninitialized
@@ -415,11 +421,30 @@ def combine_expert_rows(rows: torch.Tensor, weights: torch.Tensor, align: MoeAli
 
 
 def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
-    """Align, one gather into expert-sorted rows, two grouped GEMMs, combine."""
+    """Align, one gather into expert-sorted rows, two grouped GEMMs, combine; or, with many
+    rows per expert, one GEMM pair per active expert, each combined while its rows are hot."""
     align = moe_align(ids, gate_up_proj.shape[0])
     x = hidden.index_select(0, align.token_idx)  # [T*k, H], contiguous per expert
+    bounds = align.expert_offsets.tolist()  # one host sync
+    if _per_expert_gemms(bounds, gate_up_proj, down_proj):
+        return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds,
+                                 resolve_activation(act))
     y = grouped_expert_rows_cpu(x, gate_up_proj, down_proj, align.expert_offsets, act)
     return combine_expert_rows(y, weights, align)
+
+
+def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, weights, align, bounds, act):
+    """Per active expert: its rows' MLP, times their routing weights (in the promoted dtype,
+    rounded to the rows' dtype), index-added into the output. Expert by expert, in expert
+    order: the accumulation order of HF's eager experts loop, with no [T*k, H] intermediate."""
+    w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert
+    out = torch.zeros_like(hidden)  # [T, H]
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            y = _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, fuse=True)
+            out.index_add_(0, align.token_idx[lo:hi], y.mul_(w_sorted[lo:hi, None]))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
