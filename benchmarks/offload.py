@@ -88,11 +88,24 @@ def setup_cgroup(limit: int) -> None:
             pass
 
 
+def wait_for_quiet(max_load: float, patience_s: int) -> float:
+    """Sleep (30 s at a time, up to `patience_s`) until the 1-minute load average is below
+    `max_load` (the machine is shared); the load average the run starts under."""
+    waited = 0
+    while os.getloadavg()[0] >= max_load and waited < patience_s:
+        time.sleep(30)
+        waited += 30
+    return os.getloadavg()[0]
+
+
 def run_limited(spec: dict, timeout: int) -> dict:
     """Run one measurement in a fresh process inside the cgroup; its JSON line, or an error."""
     cmd = (f"echo $$ > {CGROUP}/cgroup.procs && exec {sys.executable} {HERE} --worker "
            f"'{json.dumps(spec)}'")
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), "TRITON_INTERPRET": "0"}
+    # a fixed glibc mmap threshold: large freed tensors go back to the OS at once, in both
+    # systems (the dynamic one keeps up to 32 MB chunks in the heap, ~1 GB of RSS after loading)
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), "TRITON_INTERPRET": "0",
+           "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     try:
         out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env,
                              timeout=timeout, check=False)
@@ -110,11 +123,15 @@ def run_limited(spec: dict, timeout: int) -> dict:
 class StepClock:
     """A logits processor: generate() calls it once per step, right after the forward."""
 
-    def __init__(self):
+    def __init__(self, stats: dict | None = None):
         self.stamps: list[float] = []
+        self.stats = stats  # the offload engine's counters, snapshot after the prefill
+        self.after_prefill: dict = {}
 
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
+        if len(self.stamps) == 1 and self.stats is not None:
+            self.after_prefill = dict(self.stats)
         return scores
 
 
@@ -128,7 +145,10 @@ def _timed_generate(model, batch: int, prompt: int, gen: int) -> dict:
     from transformers import LogitsProcessorList
 
     ids = torch.randint(4, 50000, (batch, prompt), generator=torch.Generator().manual_seed(1))
-    clock = StepClock()
+    engine = getattr(model, "_dsinfer_offload", None)
+    if engine is not None:
+        engine.reset_stats()
+    clock = StepClock(engine.stats if engine is not None else None)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen,
@@ -137,9 +157,14 @@ def _timed_generate(model, batch: int, prompt: int, gen: int) -> dict:
     end = time.perf_counter()
     assert out.shape == (batch, prompt + gen), out.shape
     prefill = clock.stamps[0] - start
-    return {"prefill_s": prefill, "decode_s": end - clock.stamps[0], "total_s": end - start,
-            "tok_s": batch * gen / (end - start),
-            "decode_tok_s": batch * (gen - 1) / max(end - clock.stamps[0], 1e-9)}
+    result = {"prefill_s": prefill, "decode_s": end - clock.stamps[0], "total_s": end - start,
+              "tok_s": batch * gen / (end - start),
+              "decode_tok_s": batch * (gen - 1) / max(end - clock.stamps[0], 1e-9)}
+    if engine is not None:  # the engine's own clocks, per phase (seconds, all layers)
+        before = clock.after_prefill
+        result["phases"] = {"prefill": before,
+                            "decode": {k: v - before.get(k, 0) for k, v in engine.stats.items()}}
+    return result
 
 
 def worker(spec: dict) -> dict:
@@ -174,7 +199,7 @@ def accelerate_runs(args, model: str) -> list[dict]:
     rows = []
     for batch in args.accelerate_batches:
         room = args.limit - batch * kv_bytes_per_seq(args.layers, args.prompt_len + args.gen_len)
-        max_memory = int(room - args.runtime_reserve)
+        max_memory = int(room - args.accelerate_reserve)
         if max_memory < 128 << 20:
             rows.append({"system": "accelerate", "batch": batch, "error": "KV cache alone "
                          "exceeds the limit"})
@@ -182,8 +207,9 @@ def accelerate_runs(args, model: str) -> list[dict]:
         spec = {"kind": "accelerate", "model": model, "batch": batch, "max_memory": max_memory,
                 "offload_dir": str(args.work / "accelerate_offload"),
                 "prompt_len": args.prompt_len, "gen_len": args.gen_len}
+        load = wait_for_quiet(args.max_load, args.patience)
         rows.append({"system": "accelerate", "batch": batch, "max_memory": max_memory,
-                     **run_limited(spec, args.timeout)})
+                     "load": load, **run_limited(spec, args.timeout)})
         _log(rows[-1])
     return rows
 
@@ -213,10 +239,44 @@ def ours_runs(args, model: str, hardware: dict) -> list[dict]:
                    "batch": best.policy.block_size, "policy": best.policy.describe(),
                    "pred_tok_s": best.prediction.throughput,
                    "pred_prefill_s": best.prediction.prefill_s,
-                   "pred_decode_s": best.prediction.decode_s}
-            rows.append({**row, **run_limited(spec, args.timeout)})
+                   "pred_decode_s": best.prediction.decode_s,
+                   "pred_terms": predicted_terms(shape, hw, best.policy, work)}
+            load = wait_for_quiet(args.max_load, args.patience)
+            rows.append({**row, "load": load, **run_limited(spec, args.timeout)})
             _log(rows[-1])
     return rows
+
+
+def predicted_terms(shape, hw, policy, work) -> dict:
+    """The cost model's per-phase terms summed over the layers (seconds): disk/host reads and
+    compute of the prefill and of all decode steps, to set beside the engine's clocks."""
+    from hf_dsinfer.offload.cost import layer_terms
+
+    out = {}
+    for phase, prefill, steps in (("prefill", True, 1), ("decode", False, work.gen_len - 1)):
+        terms = layer_terms(shape, hw, policy, work, policy.block_size, prefill)
+        scale = shape.num_layers * steps
+        out[phase] = {"read": terms.read * scale, "compute": terms.compute * scale}
+    return out
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Predicted vs measured per phase, all layers: reads (weights by the loader thread, KV by
+    the cache thread) and compute (inside the layer forwards)."""
+    lines = [("| system | batch | phase | wall s | pred. read s | weight read s | KV read s | "
+              "waited for weights s | pred. compute s | compute s |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "phases" not in r or "pred_terms" not in r:
+            continue
+        for phase in ("prefill", "decode"):
+            got, pred = r["phases"][phase], r["pred_terms"][phase]
+            lines.append(
+                f"| {r['system']} | {r['batch']} | {phase} | {r[phase + '_s']:.1f} | "
+                f"{pred['read']:.1f} | {got.get('load_s', 0):.1f} | {got.get('kv_read_s', 0):.1f}"
+                f" | {got.get('wait_s', 0):.1f} | {pred['compute']:.1f} | "
+                f"{got.get('compute_s', 0):.1f} |")
+    return "\n".join(lines)
 
 
 def _log(row: dict) -> None:
@@ -224,22 +284,28 @@ def _log(row: dict) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [("| system | batch | prefill s | decode s | total s | tok/s | decode tok/s | "
-             "predicted tok/s | achieved / predicted | peak RSS GiB | policy / note |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [("| system | batch | load avg | prefill s (pred.) | decode s (pred.) | total s | "
+              "tok/s | decode tok/s | predicted tok/s | achieved / predicted | peak RSS GiB | "
+              "policy / note |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        load = f"{r['load']:.1f}" if "load" in r else "-"
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['batch']} | - | - | - | - | - | - | - | - | "
-                         f"{r['error']} |")
+            lines.append(f"| {r['system']} | {r['batch']} | {load} | - | - | - | - | - | - | - | "
+                         f"- | {r['error']} |")
             continue
         pred = r.get("pred_tok_s")
-        note = (r.get("policy") or "").replace(" | ", "; ") or f"max_memory {r.get('max_memory', 0) / 2**30:.2f} GiB"
+        note = (r.get("policy") or "").replace(" | ", "; ") or \
+            f"max_memory {r.get('max_memory', 0) / 2**30:.2f} GiB"
         predicted = f"{pred:.2f}" if pred else "-"
         ratio = f"{r['tok_s'] / pred:.0%}" if pred else "-"
+        pre = f" ({r['pred_prefill_s']:.1f})" if pred else ""
+        dec = f" ({r['pred_decode_s']:.1f})" if pred else ""
         lines.append(
-            f"| {r['system']} | {r['batch']} | {r['prefill_s']:.1f} | {r['decode_s']:.1f} | "
-            f"{r['total_s']:.1f} | {r['tok_s']:.2f} | {r['decode_tok_s']:.2f} | {predicted} | "
-            f"{ratio} | {r['peak_rss'] / 2**30:.2f} | {note} |")
+            f"| {r['system']} | {r['batch']} | {load} | {r['prefill_s']:.1f}{pre} | "
+            f"{r['decode_s']:.1f}{dec} | {r['total_s']:.1f} | {r['tok_s']:.2f} | "
+            f"{r['decode_tok_s']:.2f} | {predicted} | {ratio} | {r['peak_rss'] / 2**30:.2f} | "
+            f"{note} |")
     return "\n".join(lines)
 
 
@@ -289,14 +355,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", default="2.5GiB", help="cgroup memory limit (RAM + page cache)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--accelerate-batches", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--accelerate-batches", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--previous", type=Path, default=None,
                    help="JSON of an earlier run with the same settings: its rows are reused")
-    p.add_argument("--max-blocks", type=int, nargs="+", default=[8, 32],
+    p.add_argument("--max-load", type=float, default=1.5,
+                   help="wait (30 s steps) until the 1-minute load average is below this")
+    p.add_argument("--patience", type=int, default=600,
+                   help="seconds to wait for --max-load before running anyway")
+    p.add_argument("--max-blocks", type=int, nargs="+", default=[8, 16, 32],
                    help="block-size caps for hf_dsinfer's policy search, one run each")
     p.add_argument("--compress", nargs="+", choices=("off", "on"), default=["off", "on"])
     p.add_argument("--runtime-reserve", default="600MiB",
                    help="part of the limit left to Python/torch/transformers themselves")
+    p.add_argument("--accelerate-reserve", default="600MiB",
+                   help="part of the limit accelerate's max_memory leaves to the runtime and its "
+                        "loader (raise it when accelerate is killed in the cgroup)")
     p.add_argument("--work", type=Path, default=Path("/tmp/hf_dsinfer_bench"))
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--png", type=Path, default=Path("/tmp/hf_dsinfer_bench/offload.png"))
@@ -305,6 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.worker is None:
         args.limit = parse_bytes(args.limit, "limit")
         args.runtime_reserve = parse_bytes(args.runtime_reserve, "runtime_reserve")
+        args.accelerate_reserve = parse_bytes(args.accelerate_reserve, "accelerate_reserve")
     return args
 
 
@@ -317,6 +391,7 @@ def main(argv=None) -> int:
     make_model(model, args.layers)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     setup_cgroup(args.limit)
+    wait_for_quiet(args.max_load, args.patience)
     hardware = run_limited({"kind": "hardware", "offload_dir": str(args.work / "ours")}, 600)
     if "error" in hardware:
         print(f"measuring the hardware failed: {hardware['error']}")
@@ -333,6 +408,8 @@ def main(argv=None) -> int:
     rows = json.loads(args.previous.read_text())["rows"] if args.previous else []
     rows += accelerate_runs(args, str(model)) + ours_runs(args, str(model), hardware)
     print(table(rows))
+    print()
+    print(phase_table(rows))
     print(summary(rows))
     plot(rows, args.png, f"OPT-2.7B shape ({args.layers} layers), {args.limit / 2**30:.1f} GiB "
          f"limit, prompt {args.prompt_len}, gen {args.gen_len}, CPU")

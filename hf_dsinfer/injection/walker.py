@@ -83,8 +83,12 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         if type(block).__name__ not in policy.block_classes:
             report.skipped[path] = f"{type(block).__name__} is not a {policy.family} block class"
             continue
+        if config.offload is None and _offloaded_by_accelerate(block):
+            report.skipped[path] = ACCELERATE_OFFLOADED
+            continue
         spec = resolve_spec(block, policy, model.config, index)
         report.blocks[path] = FusedBlock(block, policy, spec, backend)
+    _warn_accelerate_offloaded(report)
     report.moe = build_moe(report.blocks, model.config, config.moe_capacity_factor)
     try:
         _check_quant(model, config, report)  # fail before touching the model
@@ -140,6 +144,25 @@ def revert(model: nn.Module) -> nn.Module:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+ACCELERATE_OFFLOADED = (
+    "weights offloaded by accelerate (device_map 'cpu'/'disk'): its hooks load them one "
+    "submodule at a time, which a fused block would bypass, so the HF forward runs. For "
+    "streamed offload with fused blocks use dsinfer={'offload': {...}}")
+
+
+def _offloaded_by_accelerate(block: nn.Module) -> bool:
+    """Some parameter is a meta placeholder that an accelerate hook fills per forward."""
+    return any(p.device.type == "meta" for p in block.parameters()) and any(
+        hasattr(m, "_hf_hook") for m in block.modules())
+
+
+def _warn_accelerate_offloaded(report: InjectionReport) -> None:
+    paths = [p for p, why in report.skipped.items() if why is ACCELERATE_OFFLOADED]
+    if paths:
+        warnings.warn(f"hf_dsinfer: {len(paths)} decoder block(s) ({paths[0]} ...) keep the HF "
+                      f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=4)
+
+
 def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
     if config.offload is not None:  # imported lazily: accelerate hooks, threads, safetensors
         from hf_dsinfer.offload.attach import attach_offload

@@ -353,6 +353,65 @@ def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
 
 
 # ----------------------------------------------------------------------------------------------
+# torch's int4 CPU layout as a storage format (the offload engine keeps 4-bit weights in it, so
+# a decode step multiplies by the codes read from disk, with no dequantize pass)
+# ----------------------------------------------------------------------------------------------
+
+# Output rows per block of torch's CPU int4 layout (checked against
+# _convert_weight_to_int4pack_for_cpu on torch 2.13 for out % 64 == 0): the [out, in // 2]
+# uint8 result is [out // 64, in, 32] bytes, byte [b, k, j] = q[64b + j, k] | q[64b + 32 + j, k] << 4.
+INT4PACK_BLOCK_N = 64
+
+
+def int4pack_cpu_supported(out_features: int, in_features: int, group_size: int) -> bool:
+    return (out_features % INT4PACK_BLOCK_N == 0 and group_size in INT4_GROUP_SIZES
+            and in_features % group_size == 0)
+
+
+def dequantize_int4pack_rows(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                             dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Output rows [start, stop) (multiples of 64) of a weight in torch's CPU int4 layout
+    (codes [out, in // 2] uint8, scales_zeros [in // group, out, 2]) as [rows, in] in `dtype`:
+    W = (q - 8) * scale + zero, fp32 math, as the CPU kernel computes it."""
+    in_f, half = codes.shape[1] * 2, INT4PACK_BLOCK_N // 2
+    groups = in_f // group_size
+    blocks = codes.view(-1, in_f, half)[start // INT4PACK_BLOCK_N: stop // INT4PACK_BLOCK_N]
+    b = blocks.shape[0]  # blocks: [b, in, 32]
+    sz = scales_zeros[:, start:stop].float()  # [G, rows, 2]
+    scale = sz[..., 0].t().reshape(b, 2, half, groups, 1)  # row 64b + 32h + j
+    shift = (sz[..., 1] - 8.0 * sz[..., 0]).t().reshape(b, 2, half, groups, 1)  # zero - 8 scale
+    out = torch.empty(b, 2, half, groups, group_size, dtype=torch.float32, device=codes.device)
+    for h, nibbles in enumerate((blocks & 0xF, blocks >> 4)):  # rows j, then rows 32 + j
+        q = nibbles.transpose(1, 2).reshape(b, half, groups, group_size).float()
+        torch.addcmul(shift[:, h], q, scale[:, h], out=out[:, h])  # one fp32 pass
+    return out.view(stop - start, in_f).to(dtype)
+
+
+def linear_int4pack_cpu(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for W in torch's CPU int4 layout: the packed kernel up to
+    QUANT_PACK_MAX_ROWS rows (it reads 0.5 byte per weight), else chunked dequantize + GEMM."""
+    n = codes.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if x2.shape[0] <= QUANT_PACK_MAX_ROWS:
+        sz = scales_zeros.to(x.dtype)  # no-op when x has the scales' dtype
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), codes, group_size, sz)
+        y = y if bias is None else y + bias
+    else:
+        chunk = max(DEQUANT_CHUNK_ROWS // INT4PACK_BLOCK_N, 1) * INT4PACK_BLOCK_N
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            return dequantize_int4pack_rows(codes, scales_zeros, group_size, x.dtype, start, stop)
+
+        y = torch.empty(x2.shape[0], n, dtype=x.dtype)  # [M, out]
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            y[:, start:stop] = F.linear(x2, rows(start, stop),
+                                        None if bias is None else bias[start:stop])
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------
 

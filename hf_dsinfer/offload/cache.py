@@ -17,6 +17,7 @@ when read: attention always sees dense K/V in the compute dtype.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Executor, Future
 from pathlib import Path
 
@@ -167,36 +168,59 @@ class KVSegment:
 class MicroKV:
     """The cache of one micro-batch in one layer: segments by rows, and a prefetched read."""
 
-    def __init__(self, segments: list[tuple[KVSegment, int, int]]):
+    def __init__(self, segments: list[tuple[KVSegment, int, int]], stats: dict[str, float]):
         self.segments = segments
         self.length = 0
         self._pending: tuple[int, Future] | None = None
+        self.stats = stats  # the BlockCache's: kv_read_s (on any thread), kv_wait_s
 
     def prefetch(self, executor: Executor) -> None:
         """Start reading the whole cache (before the next update) on the I/O thread."""
         if self.length and self._pending is None and not all(s.cheap for s, _, _ in self.segments):
             self._pending = (self.length, executor.submit(self.read, 0, self.length))
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [rows, heads, s, D]; return the whole cache, dense, [rows, heads, T, D]."""
+    def update(self, k: torch.Tensor, v: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [rows, heads, s, D]; return the whole cache, dense, [rows, heads, T, D]
+        (written into `out`, [rows, heads, T, D] each, when given: the whole-block update
+        assembles every micro-batch's rows in one tensor without a concatenation)."""
         start = self.length
         for segment, r0, r1 in self.segments:
             segment.append(k[r0:r1], v[r0:r1])
         self.length += k.shape[2]
-        if self._pending is not None:
-            upto, future = self._pending
-            self._pending = None
-            old_k, old_v = future.result()
-            assert upto == start, "a prefetched cache read is stale"
-            new_k, new_v = self.read(start, self.length)
-            return torch.cat((old_k, new_k), dim=2), torch.cat((old_v, new_v), dim=2)
-        return self.read(0, self.length)
+        if self._pending is None:
+            whole = self.read(0, self.length)
+            return whole if out is None else _copy_pair(out, whole)
+        upto, future = self._pending
+        self._pending = None
+        waited = time.perf_counter()
+        old = future.result()
+        self.stats["kv_wait_s"] += time.perf_counter() - waited
+        assert upto == start, "a prefetched cache read is stale"
+        # dense storage holds exactly k, v: no need to read the new tokens back
+        new = self.read(start, self.length) if self.lossy else (k, v)
+        if out is None:
+            out = tuple(torch.empty(*x.shape[:2], self.length, x.shape[3], dtype=x.dtype,
+                                    device=x.device) for x in old)
+        for dest, before, after in zip(out, old, new):
+            dest[:, :, :start] = before
+            dest[:, :, start:] = after
+        return out
+
+    @property
+    def lossy(self) -> bool:
+        return any(segment.group for segment, _, _ in self.segments)
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        began = time.perf_counter()
         ks, vs = zip(*(segment.read(start, stop) for segment, _, _ in self.segments))
         if len(ks) == 1:
-            return ks[0], vs[0]
-        return torch.cat(ks, dim=0), torch.cat(vs, dim=0)
+            out = ks[0], vs[0]
+        else:
+            out = torch.cat(ks, dim=0), torch.cat(vs, dim=0)
+        self.stats["kv_read_s"] += time.perf_counter() - began
+        return out
 
     def close(self) -> None:
         if self._pending is not None:
@@ -204,6 +228,13 @@ class MicroKV:
             self._pending = None
         for segment, _, _ in self.segments:
             segment.close()
+
+
+def _copy_pair(out: tuple[torch.Tensor, torch.Tensor],
+               src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    out[0].copy_(src[0])
+    out[1].copy_(src[1])
+    return out
 
 
 # -- HF cache objects --------------------------------------------------------------------------------
@@ -225,21 +256,28 @@ class BlockKVLayer(CacheLayerMixin):
                       for m in range(len(self.owner.rows))]
         self.is_initialized = True
 
-    def update_micro(self, m: int, k: torch.Tensor, v: torch.Tensor):
+    def update_micro(self, m: int, k: torch.Tensor, v: torch.Tensor, out=None):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
-        return self.micro[m].update(k, v)
+        return self.micro[m].update(k, v, out)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """A whole-block update (a layer called without the micro-batch loop): split by rows."""
+        """A whole-block update (a layer called without the micro-batch loop): split by rows,
+        each micro-batch writing its rows of one [B, heads, T, D] pair."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        outs, start = [], 0
+        if len(self.owner.rows) == 1:
+            return self.update_micro(0, key_states, value_states)
+        total = self.get_seq_length() + key_states.shape[2]
+        out = tuple(torch.empty(*x.shape[:2], total, x.shape[3], dtype=x.dtype, device=x.device)
+                    for x in (key_states, value_states))
+        start = 0
         for m, rows in enumerate(self.owner.rows):
-            outs.append(self.update_micro(m, key_states[start:start + rows],
-                                          value_states[start:start + rows]))
+            rows_out = (out[0][start:start + rows], out[1][start:start + rows])
+            self.update_micro(m, key_states[start:start + rows],
+                              value_states[start:start + rows], rows_out)
             start += rows
-        return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+        return out
 
     def prefetch_micro(self, m: int, executor: Executor) -> None:
         if self.is_initialized:
@@ -269,12 +307,14 @@ class BlockCache(Cache):
     """The cache of one block of micro-batches (`rows[m]` sequences each), per the policy."""
 
     def __init__(self, num_layers: int, rows: list[int], policy: OffloadPolicy,
-                 device: torch.device, folder: Path | None, capacity: int):
+                 device: torch.device, folder: Path | None, capacity: int,
+                 stats: dict[str, float] | None = None):
         self.rows = rows
         self.policy = policy
         self.device = device
         self.folder = folder
         self.capacity = capacity
+        self.stats = {"kv_read_s": 0.0, "kv_wait_s": 0.0} if stats is None else stats
         super().__init__(layers=[BlockKVLayer(j, self) for j in range(num_layers)])
 
     def new_micro(self, layer: int, m: int, heads: int, head_dim: int,
@@ -284,7 +324,7 @@ class BlockCache(Cache):
             path = None if tier != "disk" else self.folder / f"kv_L{layer:04d}_m{m:03d}.bin"
             segments.append((KVSegment(tier, r1 - r0, heads, head_dim, dtype, self.policy,
                                        self.device, path, self.capacity), r0, r1))
-        return MicroKV(segments)
+        return MicroKV(segments, self.stats)
 
     def view(self, m: int) -> MicroBatchView:
         return MicroBatchView(self, m)

@@ -61,3 +61,8 @@ def decompress(item: CompressedTensor, dtype: torch.dtype,
 def compressed_nbytes(numel: int, group_size: int) -> int:
     """Bytes of a compressed tensor of `numel` values: codes + fp16 scale and min per group."""
     return numel // 2 + 4 * (numel // group_size)
+
+
+def packed_nbytes(numel: int, group_size: int, scale_bytes: int) -> int:
+    """Bytes of a weight in torch's CPU int4 layout: codes + (scale, zero) per group."""
+    return numel // 2 + 2 * scale_bytes * (numel // group_size)

@@ -12,7 +12,10 @@ Per decoder layer and block of `bs` sequences (prompt s, n new tokens, KV bytes 
     total    L * (T_pre + (n - 1) * T_dec) + n * lm_head,  throughput = bs * n / total
 
 A block of several micro-batches multiplies every layer once per micro-batch, so its compute
-term is  n_micro * max(flops / n_micro / FLOP/s, layer bytes / memory bandwidth).
+term is  n_micro * max(flops / n_micro / FLOP/s, layer bytes / memory bandwidth)  on CUDA and in
+every prefill; a CPU decode step runs the whole block in one pass (see `_matmul_seconds`, which
+also prices 4-bit weights: packed int4 matmuls in a CPU decode step, one dequantize per layer
+otherwise).
 
 With overlap the terms of one step run concurrently (hence the maxima); without, they add up.
 W: a layer's stored bytes (4-bit when compressed), P its parameters. On a CPU compute device
@@ -26,15 +29,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from hf_dsinfer.hardware import median_time, read_bandwidth
+from hf_dsinfer.kernels.kv_quant import dequantize_kv_int4, quantize_kv_int4
+from hf_dsinfer.kernels.quant import (
+    QUANT_PACK_MAX_ROWS,
+    dequantize_int4pack_rows,
+    linear_int4pack_cpu,
+)
 from hf_dsinfer.offload.compression import compress, decompress
 from hf_dsinfer.offload.memory import ModelShape
+from hf_dsinfer.offload.packed import pack_weight
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 
@@ -49,6 +59,10 @@ class Hardware:
     disk_write: float
     h2d: float  # host -> device copy (inf on a CPU compute device)
     decompress: float  # dense bytes produced per second by 4-bit decompression
+    # CPU only: weights x rows per second of the packed int4 matmul (few rows), and dense
+    # bytes per second of decoding a 4-bit KV cache
+    int4_mm: float = float("inf")
+    kv_decompress: float = float("inf")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -59,42 +73,85 @@ class Hardware:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
+CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_dsinfer" \
+    / "hardware.json"
+
+
 def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-                     device: str = "cpu", disk_mib: int = 256) -> Hardware:
-    """Measure the constants the cost model needs (a few seconds)."""
+                     device: str = "cpu", disk_mib: int = 512, cache: bool = False) -> Hardware:
+    """Measure the constants the cost model needs (~10-20 s: every probe is repeated and its
+    median kept, because this machine is shared and one short probe once read the disk at a
+    quarter of its speed). With `cache`, a result measured before for the same machine, folder
+    file system, device, dtype and probe size is reused (hardware.json under ~/.cache)."""
+    key = _cache_key(Path(folder), dtype, device, disk_mib)
+    if cache and (hit := _cached(key)) is not None:
+        return hit
     dev = torch.device(device)
     read, write = measure_disk(Path(folder), disk_mib)
-    return Hardware(device=str(dev), flops=measure_flops(dtype, dev),
-                    memory_bw=read_bandwidth(dev, 0.5) * 1e9, disk_read=read, disk_write=write,
-                    h2d=measure_h2d(dev), decompress=measure_decompress(dtype, dev))
+    hw = Hardware(device=str(dev), flops=measure_flops(dtype, dev),
+                  memory_bw=read_bandwidth(dev, 0.5) * 1e9, disk_read=read, disk_write=write,
+                  h2d=measure_h2d(dev), decompress=measure_decompress(dtype, dev),
+                  int4_mm=measure_int4_mm(dtype, dev), kv_decompress=measure_kv_decompress(dtype, dev))
+    _store(key, hw)
+    return hw
+
+
+def _cache_key(folder: Path, dtype: torch.dtype, device: str, disk_mib: int) -> str:
+    probe = folder if folder.exists() else next(p for p in folder.parents if p.exists())
+    return json.dumps([os.uname().nodename, os.cpu_count(), os.stat(probe).st_dev, str(dtype),
+                       device, disk_mib, torch.get_num_threads()])
+
+
+def _cached(key: str) -> Hardware | None:
+    try:
+        entry = json.loads(CACHE_FILE.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return Hardware(**entry) if entry else None
+
+
+def _store(key: str, hw: Hardware) -> None:
+    try:
+        data = json.loads(CACHE_FILE.read_text()) if CACHE_FILE.exists() else {}
+        data[key] = dataclasses.asdict(hw)
+        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        CACHE_FILE.write_text(json.dumps(data, indent=1))
+    except (OSError, ValueError):
+        pass  # a cache that cannot be written only costs a re-measurement
 
 
 def measure_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = median_time(lambda i: a @ b, 3, device)
+    seconds = median_time(lambda i: a @ b, 5, device)
     return 2 * n**3 / seconds
 
 
-def measure_disk(folder: Path, mib: int) -> tuple[float, float]:
-    """(read, write) bytes/s of `folder`'s disk, page cache dropped so the disk is really read."""
+def measure_disk(folder: Path, mib: int, reps: int = 5) -> tuple[float, float]:
+    """(read, write) bytes/s of `folder`'s disk: a `mib` file written and fsync'ed, then read
+    back `reps` times the way the weight store reads a layer (whole file, O_DIRECT where
+    allowed, else buffered with the page cache dropped); medians."""
+    from hf_dsinfer.offload import files
+
     folder.mkdir(parents=True, exist_ok=True)
-    data = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8).numpy()
-    fd, name = tempfile.mkstemp(dir=folder, prefix=".bw_probe_")
+    data = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8)
+    path = folder / f".bw_probe_{os.getpid()}.safetensors"
+    writes, reads = [], []
     try:
-        start = time.perf_counter()
-        os.write(fd, data.tobytes())
-        os.fsync(fd)
-        write = data.nbytes / (time.perf_counter() - start)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        out = torch.empty(mib << 20, dtype=torch.uint8)
-        start = time.perf_counter()
-        os.preadv(fd, [out.numpy()], 0)
-        read = data.nbytes / (time.perf_counter() - start)
+        for _ in range(2):
+            start = time.perf_counter()
+            files.write_file(path, {"probe": data})  # save, fsync, rename (+ its CRC pass)
+            writes.append(data.numel() / (time.perf_counter() - start))
+        reader = files.SafetensorsFile(path)
+        out = files.aligned_buffer(files.aligned_size(reader.size))
+        for _ in range(reps):
+            start = time.perf_counter()
+            reader.read_all(out)
+            reads.append(reader.size / (time.perf_counter() - start))
+        reader.close()
     finally:
-        os.close(fd)
-        os.unlink(name)
-    return read, write
+        path.unlink(missing_ok=True)
+    return statistics.median(reads), max(writes)
 
 
 def measure_h2d(device: torch.device) -> float:
@@ -106,11 +163,37 @@ def measure_h2d(device: torch.device) -> float:
 
 
 def measure_decompress(dtype: torch.dtype, device: torch.device) -> float:
-    weight = torch.randn(2048, 4096, device=device).to(dtype)
-    packed = compress(weight, 64)
-    out = torch.empty_like(weight)
-    seconds = median_time(lambda i: decompress(packed, dtype, out=out), 3, device)
+    """Dense bytes/s of decoding 4-bit weights: the packed layout's whole-matrix dequantize on
+    a CPU (once per layer per prefill), FlexGen's codes on CUDA."""
+    weight = torch.randn(4096, 2048, device=device).to(dtype)
+    if device.type == "cpu":
+        packed = pack_weight(weight, 64)
+        seconds = median_time(lambda i: dequantize_int4pack_rows(*packed, 64, dtype, 0, 4096),
+                              3, device)
+    else:
+        codes = compress(weight, 64)
+        out = torch.empty_like(weight)
+        seconds = median_time(lambda i: decompress(codes, dtype, out=out), 3, device)
     return weight.numel() * weight.element_size() / seconds
+
+
+def measure_int4_mm(dtype: torch.dtype, device: torch.device, rows: int = 8) -> float:
+    """Weights x rows per second of the packed int4 CPU matmul at a few rows (decode)."""
+    if device.type != "cpu":
+        return float("inf")
+    weight = torch.randn(4096, 4096).to(dtype)
+    packed = pack_weight(weight, 64)
+    x = torch.randn(rows, 4096).to(dtype)
+    seconds = median_time(lambda i: linear_int4pack_cpu(x, *packed, 64), 5, device)
+    return weight.numel() * rows / seconds
+
+
+def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
+    """Dense bytes/s of decoding a 4-bit KV cache (token-major, groups along head_dim)."""
+    kv = torch.randn(512, 8, 32, 80, device=device).to(dtype)  # [tokens, rows, heads, D]
+    codes = quantize_kv_int4(kv, 80)
+    seconds = median_time(lambda i: dequantize_kv_int4(codes, dtype), 3, device)
+    return kv.numel() * kv.element_size() / seconds
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -167,19 +250,35 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     write = [0.0] * 6
     write[5] = new_tokens * kv_tok / hw.disk_write
     flops = 2 * new_tokens * shape.layer_numel + 4 * new_tokens * ctx * shape.hidden
-    # each micro-batch multiplies by the whole layer: compute-bound, or bound by reading the
-    # layer's weights from the compute device's memory, whichever is slower
-    micros = -(-batch // micro)
-    compute0 = micros * max(flops / micros / hw.flops, dense / hw.memory_bw)
-    if not prefill:  # and attention reads the whole cache
-        compute0 += batch * ctx * kv_dense / hw.memory_bw
-    if compress_w:
-        compute0 += dense / hw.decompress
+    compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense)
+    if not prefill:  # attention reads the whole cache; on the CPU the block's K/V are also
+        # assembled from the micro-batches' reads (two more passes)
+        compute0 += (1 if cuda else 3) * batch * ctx * kv_dense / hw.memory_bw
     compute = [0.0] * 6
     if compress_c and not prefill:  # decoding the whole cache of the step, wherever it lives
-        compute0 += batch * ctx * kv_dense / hw.decompress
+        rate = hw.decompress if cuda else hw.kv_decompress
+        compute0 += batch * ctx * kv_dense / rate
     return {"read": read, "read0": 0.0, "write": write, "write0": 0.0, "compute": compute,
             "compute0": compute0}
+
+
+def _matmul_seconds(shape: ModelShape, hw: Hardware, batch: int, micro: int, prefill: bool,
+                    compress_w: bool, flops: float, dense: float) -> float:
+    """The layer's matrix products for one step of the block.
+
+    Every pass over the weights is compute-bound or bound by reading them from the compute
+    device's memory, whichever is slower. CUDA (and any prefill) runs one pass per micro-batch;
+    a CPU decode step runs the whole block in one pass. 4-bit weights: on CUDA they are
+    decompressed per use; on the CPU a decode step of at most QUANT_PACK_MAX_ROWS rows
+    multiplies by the packed codes (int4_mm), and more rows (a prefill) dequantize the layer
+    once."""
+    cuda = hw.device.startswith("cuda")
+    passes = -(-batch // micro) if (prefill or cuda) else 1
+    one_pass = max(flops / passes / hw.flops, dense / hw.memory_bw)
+    if compress_w and not cuda and not prefill and batch <= QUANT_PACK_MAX_ROWS:
+        return max(flops / hw.flops, shape.layer_numel * batch / hw.int4_mm)
+    decode = dense / hw.decompress if compress_w else 0.0
+    return passes * one_pass + decode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _CRC_CHUNK = 64 << 20
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in whole pages
 
 
 class OffloadFileError(DSInferError):
@@ -122,6 +123,7 @@ class SafetensorsFile:
         self._fd = -1
         self.entries, self.data_start = self._validate(expected, verify_crc)
         self._fd = os.open(path, os.O_RDONLY)
+        self._direct = hasattr(os, "O_DIRECT")  # until a direct read is refused
 
     def _fail(self, what: str) -> OffloadFileError:
         return OffloadFileError(
@@ -172,6 +174,35 @@ class SafetensorsFile:
             os.posix_fadvise(self._fd, self.data_start + lo, hi - lo, os.POSIX_FADV_DONTNEED)
         return buf.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
+    @property
+    def size(self) -> int:
+        """Bytes of the whole file (header + data)."""
+        return self.data_start + max((e["data_offsets"][1] for e in self.entries.values()),
+                                     default=0)
+
+    def read_all(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every tensor of the file, as views of `out` (a uint8 buffer of at least
+        `aligned_size(self.size)` bytes whose address is DIRECT_ALIGN-aligned), filled by one
+        whole-file read: O_DIRECT where the file system allows it (DMA into the buffer, no page
+        cache, no copy on the CPU: ~2 GB/s here against 0.6-2.2 for buffered reads of the same
+        file while the CPU is busy), else one buffered read."""
+        size = self.size
+        span = aligned_size(size)
+        assert out.numel() >= span and out.data_ptr() % DIRECT_ALIGN == 0, "unaligned buffer"
+        got = _read_direct(self.path, out[:span]) if self._direct else -1
+        if got < 0:
+            self._direct = False
+            got = os.preadv(self._fd, [out[:size].numpy()], 0)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if got < size:
+            raise self._fail(f"short: read {got} of {size} bytes")
+        views = {}
+        for name, info in self.entries.items():
+            lo, hi = info["data_offsets"]
+            raw = out[self.data_start + lo: self.data_start + hi]
+            views[name] = raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return views
+
     def nbytes(self, name: str) -> int:
         lo, hi = self.entries[name]["data_offsets"]
         return hi - lo
@@ -183,6 +214,33 @@ class SafetensorsFile:
 
     def __del__(self) -> None:
         self.close()
+
+
+def aligned_size(nbytes: int) -> int:
+    return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer of `nbytes` whose address is DIRECT_ALIGN-aligned (O_DIRECT needs
+    it; torch's allocator aligns to 64 bytes only)."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip: skip + nbytes]
+
+
+def _read_direct(path: Path, out: torch.Tensor) -> int:
+    """Bytes read by one O_DIRECT read of `path` from offset 0 into `out`, or -1 where the file
+    system refuses O_DIRECT (tmpfs, some overlay mounts)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return -1
+    try:
+        return os.preadv(fd, [out.numpy()], 0)
+    except OSError:
+        return -1
+    finally:
+        os.close(fd)
 
 
 def open_folder(folder: Path, fingerprint: str, verify_crc: bool) -> dict[str, SafetensorsFile]:

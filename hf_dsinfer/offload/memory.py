@@ -18,6 +18,7 @@ layers, work) and pinned host memory (cpu tiers, one staging buffer).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -48,9 +49,12 @@ class ModelShape:
     other_numel: int  # parameters outside the decoder layers (tied ones counted once)
     dtype_bytes: int  # compute dtype
     param_shapes: tuple[tuple[int, ...], ...] = ()  # one layer's parameters, in order
+    linear_params: tuple[bool, ...] = ()  # per parameter: an nn.Linear weight?
 
     @classmethod
     def from_model(cls, model: nn.Module, blocks: list[nn.Module], dtype: torch.dtype):
+        from hf_dsinfer.offload.store import linear_weights
+
         config = model.config
         text = getattr(config, "get_text_config", lambda: config)()
         hidden = _attr(text, ("hidden_size", "n_embd", "d_model"))
@@ -62,7 +66,8 @@ class ModelShape:
         dims = [max(p.shape) for p in blocks[0].parameters() if p.dim() == 2]
         return cls(len(blocks), hidden, heads, kv_heads, head_dim, max(dims + [hidden]),
                    _attr(text, ("vocab_size",)), layer, total - layer * len(blocks),
-                   dtype.itemsize, tuple(tuple(p.shape) for p in blocks[0].parameters()))
+                   dtype.itemsize, tuple(tuple(p.shape) for p in blocks[0].parameters()),
+                   tuple(linear_weights(blocks[0])))
 
     def kv_token_bytes(self, compress: bool, group: int) -> float:
         """K and V bytes of one token of one sequence in one layer."""
@@ -113,7 +118,8 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     if per_use_dense is None and shape.param_shapes:  # the store's exact split
         from hf_dsinfer.offload.store import per_use_dense_bytes
 
-        per_use_dense = per_use_dense_bytes(list(shape.param_shapes), policy, b)
+        per_use_dense = per_use_dense_bytes(list(shape.param_shapes), policy, b,
+                                            list(shape.linear_params), not cuda)
     if per_use_dense is None:  # by the percentages
         resident_dense = 0.0 if policy.compress_weights else (w_dev + w_cpu)
         per_use_dense = (1 - resident_dense) * shape.layer_numel * b
@@ -129,9 +135,13 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     work = _workspace(shape, batch, mb, max(prompt_len, 1))
     others = shape.other_numel * b
     if not cuda:
+        # decode runs the whole block at once: its K/V assembled, the next layer's read ahead,
+        # and a file read's raw copy
+        kv_read = 3 * batch * seq * 2 * shape.kv_heads * shape.head_dim * b
         host = {"non-block weights": others, "resident layers": shape.num_layers * stored
                 * (w_dev + w_cpu), "streamed layers": streamed, "kv cache": kv_all * (c_dev + c_cpu),
-                "kv read": kv_read, "activations": work}
+                "kv read": kv_read, "activations": work,
+                "prefill dequantized layer": _prefill_dequantized(shape, policy)}
         return Footprint(host, {})
     host = {"cpu-tier layers": shape.num_layers * stored * w_cpu,
             "pinned staging": per_use_dense, "kv cache": kv_all * c_cpu}
@@ -139,6 +149,16 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
               "streamed layers": streamed, "kv cache": kv_all * c_dev, "kv read": kv_read,
               "activations": work}
     return Footprint(host, device)
+
+
+def _prefill_dequantized(shape: ModelShape, policy: OffloadPolicy) -> float:
+    """Packed 4-bit linears of one layer dequantized for a prefill (PackedInt4Linear), plus the
+    fp32 and uint8 temporaries of the largest one."""
+    from hf_dsinfer.offload.store import is_packed
+
+    sizes = [math.prod(s) for s, lin in zip(shape.param_shapes, shape.linear_params)
+             if is_packed(s, lin, policy, True)]
+    return sum(sizes) * shape.dtype_bytes + max(sizes, default=0) * 6
 
 
 def _workspace(shape: ModelShape, batch: int, mb: int, prompt: int) -> float:

@@ -34,8 +34,10 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS
 from hf_dsinfer.offload.cache import BlockCache
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
+from hf_dsinfer.offload.packed import PackedInt4Linear, PackedWeight
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 from hf_dsinfer.offload.store import WeightStore
 
@@ -59,7 +61,13 @@ class OffloadEngine:
         self._bound: dict[int, torch.Tensor] = {}  # layer -> the buffer its weights live in
         self._free: list[torch.Tensor] = []  # layer buffers not in use (at most two exist)
         self._params = [_param_slots(block, store) for block in blocks]
-        self.stats = {"loads": 0, "load_s": 0.0, "wait_s": 0.0}
+        self.packed = [[m for m in block.modules() if isinstance(m, PackedInt4Linear)]
+                       for block in blocks]
+        # load_s: weight reads (+ decode) on the I/O thread; wait_s: compute waiting for them;
+        # compute_s: inside the layer forwards (includes waiting for the KV cache reads)
+        # kv_read_s: KV cache reads (any thread); kv_wait_s: compute waiting for them
+        self.stats = {"loads": 0, "load_s": 0.0, "wait_s": 0.0, "compute_s": 0.0,
+                      "kv_read_s": 0.0, "kv_wait_s": 0.0}
         self._lock = threading.Lock()
 
     # -- weights --------------------------------------------------------------------------------
@@ -92,11 +100,19 @@ class OffloadEngine:
                 self._pending[nxt] = (spare, self.weight_io.submit(self._timed_load, nxt, spare))
         for name, tensor in weights.items():
             module, attr, _ = self._params[j][name]
-            module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            if isinstance(tensor, PackedWeight):
+                module.bind(tensor)
+            else:
+                module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
 
     def release(self, j: int) -> None:
+        for module in self.packed[j]:
+            module.dense = None
         for module, attr, placeholder in self._params[j].values():
-            module._parameters[attr] = placeholder
+            if placeholder is None:
+                module.unbind()
+            else:
+                module._parameters[attr] = placeholder
         buffer = self._bound.pop(j, None)
         if buffer is not None:
             self._free.append(buffer)
@@ -125,7 +141,7 @@ class OffloadEngine:
 
     def check_budget(self, batch: int, prompt_len: int, gen_len: int) -> None:
         """Before a generate() block starts: do its KV cache and activations fit the budget?"""
-        per_use = sum(s.dense_nbytes for s in self.store.slots if not s.bound)
+        per_use = sum(s.buffer_nbytes for s in self.store.slots if not s.bound)
         fp = footprint(self.shape, self.policy, self.device.type == "cuda", batch, prompt_len,
                        gen_len, per_use)
         check_budget(fp, self.policy, f"generating {gen_len} tokens after {prompt_len} for "
@@ -135,8 +151,8 @@ class OffloadEngine:
                      "that fits.")
 
     def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(self.stats, 0)
-        self.stats.update(load_s=0.0, wait_s=0.0)
+        for key in self.stats:  # in place: a running BlockCache holds this dict
+            self.stats[key] = 0 if key == "loads" else 0.0
 
 
 def _param_slots(block: nn.Module, store: WeightStore) -> dict[str, tuple[nn.Module, str, Any]]:
@@ -147,8 +163,8 @@ def _param_slots(block: nn.Module, store: WeightStore) -> dict[str, tuple[nn.Mod
             continue
         path, _, attr = slot.name.rpartition(".")
         module = block.get_submodule(path) if path else block
-        placeholder = nn.Parameter(torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
-                                   requires_grad=False)
+        placeholder = None if slot.packed else nn.Parameter(
+            torch.empty(slot.shape, dtype=slot.dtype, device="meta"), requires_grad=False)
         out[slot.name] = (module, attr, placeholder)
     return out
 
@@ -181,16 +197,50 @@ class OffloadedLayer:
         if cache_arg is None:  # a forward outside our generate(): the whole batch at once
             return self.inner(**named)
         cache: BlockCache = named[cache_arg]
+        if self._whole_block(named["hidden_states"]):
+            return self._run_whole_block(named, cache)
         batch = named["hidden_states"].shape[0]
+        self._materialize_packed(named["hidden_states"], min(cache.rows))
         outs, start = [], 0
         for m, rows in enumerate(cache.rows):
             self._prefetch_next_cache(cache, m)
             part = {k: _rows(k, v, start, start + rows, batch) for k, v in named.items()}
             part[cache_arg] = cache.view(m)
             part["hidden_states"] = part["hidden_states"].to(self.engine.device)
-            outs.append(self._park(self.inner(**part)))
+            outs.append(self._park(self._compute(part)))
             start += rows
         return _merge(outs)
+
+    def _materialize_packed(self, hidden: torch.Tensor, rows: int) -> None:
+        """Prefill: packed 4-bit linears are dequantized once for all micro-batches (release()
+        drops the dense copies with the codes)."""
+        if rows * hidden.shape[1] <= QUANT_PACK_MAX_ROWS:
+            return
+        for module in self.engine.packed[self.index]:
+            module.materialize(hidden.dtype)
+
+    def _whole_block(self, hidden: torch.Tensor) -> bool:
+        """Decode steps on a CPU compute device run the whole block in one call: micro-batches
+        exist to bound device memory (FlexGen's GPU), and on the CPU each one would stream the
+        layer's weights from RAM again for a few rows. Prefill keeps the micro-batches (their
+        activations are what the budget bounds)."""
+        return self.engine.device.type == "cpu" and hidden.shape[1] == 1  # [B, 1, H]
+
+    def _run_whole_block(self, named: dict[str, Any], cache: BlockCache) -> Any:
+        """The block's rows at once; each micro-batch's cache is updated and read by the
+        BlockCache itself, and the next layer's caches are read ahead meanwhile."""
+        io = self.engine.cache_io
+        if io is not None and self.index + 1 < len(cache.layers):
+            for m in range(len(cache.rows)):
+                cache.layers[self.index + 1].prefetch_micro(m, io)
+        self._materialize_packed(named["hidden_states"], named["hidden_states"].shape[0])
+        return self._compute(named)
+
+    def _compute(self, named: dict[str, Any]) -> Any:
+        start = time.perf_counter()
+        out = self.inner(**named)
+        self.engine.stats["compute_s"] += time.perf_counter() - start
+        return out
 
     def _prefetch_next_cache(self, cache: BlockCache, m: int) -> None:
         io = self.engine.cache_io
@@ -272,7 +322,7 @@ def _generate_block(model, engine: OffloadEngine, generate, args, kwargs: dict[s
     prompt, total = _lengths(model, kwargs)
     engine.check_budget(sum(rows), prompt, total - prompt)
     cache = BlockCache(len(engine.blocks), rows, engine.policy, engine.device,
-                       _kv_folder(engine.policy), total)
+                       _kv_folder(engine.policy), total, engine.stats)
     try:
         return generate(*args, past_key_values=cache, **kwargs)
     finally:

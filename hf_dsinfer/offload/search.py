@@ -195,7 +195,7 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
 
     shape = model_shape(path, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device)
+    hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True)
     found = search(shape, hw, Workload(prompt_len, gen_len), parse_bytes(memory, "memory"),
                    offload_dir, parse_bytes(device_memory, "device_memory"), compress)
     if not found:
@@ -219,7 +219,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
     parser.add_argument("--compress", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--top", type=int, default=5, help="candidates to list")
-    parser.add_argument("--probe-mib", type=int, default=256, help="disk bandwidth probe size")
+    parser.add_argument("--probe-mib", type=int, default=512, help="disk bandwidth probe size")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="measure the machine again instead of reusing ~/.cache/hf_dsinfer")
     parser.set_defaults(func=run)
     return parser
 
@@ -231,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     shape = model_shape(args.model, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib)
+    hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib,
+                          cache=not args.remeasure)
     work = Workload(args.prompt_len, args.gen_len)
     found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
                    parse_bytes(args.device_memory, "device_memory"), args.compress)
@@ -253,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
 def describe_hardware(hw: Hardware) -> str:
     return (f"measured {hw.device}: matmul {hw.flops / 1e12:.2f} TFLOP/s, memory "
             f"{hw.memory_bw / 1e9:.1f} GB/s, disk read {hw.disk_read / 1e9:.2f} GB/s, write "
-            f"{hw.disk_write / 1e9:.2f} GB/s, 4-bit decode {hw.decompress / 1e9:.2f} GB/s")
+            f"{hw.disk_write / 1e9:.2f} GB/s, 4-bit decode {hw.decompress / 1e9:.2f} GB/s, "
+            f"int4 matmul {hw.int4_mm / 1e9:.1f} G weight-rows/s, 4-bit KV decode "
+            f"{hw.kv_decompress / 1e9:.2f} GB/s")
 
 
 def format_candidates(found: list[Candidate]) -> str:

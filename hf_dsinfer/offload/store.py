@@ -29,13 +29,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_dsinfer.kernels.kv_quant import KVInt4
+from hf_dsinfer.kernels.quant import int4pack_cpu_supported
 from hf_dsinfer.offload import files
 from hf_dsinfer.offload.compression import (
     CompressedTensor,
     compress,
     compressed_nbytes,
     decompress,
+    packed_nbytes,
 )
+from hf_dsinfer.offload.packed import PackedWeight, pack_weight
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 Source = Callable[[int, str], torch.Tensor]  # (layer index, name in block) -> CPU tensor
@@ -50,19 +53,28 @@ class Slot:
     dtype: torch.dtype
     tier: str
     compressed: bool
+    packed: bool = False  # 4-bit in torch's CPU int4 layout, multiplied without dequantizing
 
     @property
     def dense_nbytes(self) -> int:
         return _numel(self.shape) * self.dtype.itemsize
 
+    @property
+    def buffer_nbytes(self) -> int:
+        """Dense bytes this slot occupies in a layer buffer while bound (packed: none)."""
+        return 0 if self.packed else self.dense_nbytes
+
     def stored_nbytes(self, group_size: int) -> int:
+        if self.packed:  # codes + (scale, zero) per group in the compute dtype
+            return packed_nbytes(_numel(self.shape), group_size, self.dtype.itemsize)
         return compressed_nbytes(_numel(self.shape), group_size) if self.compressed \
             else self.dense_nbytes
 
     @property
     def bound(self) -> bool:
-        """Dense and resident: bound to its module once, never loaded per forward."""
-        return not self.compressed and self.tier != "disk"
+        """Resident and usable as stored (dense, or packed 4-bit): bound to its module once,
+        never loaded per forward."""
+        return (self.packed or not self.compressed) and self.tier != "disk"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -87,25 +99,45 @@ def is_compressed(shape: tuple[int, ...], policy: OffloadPolicy) -> bool:
     return policy.compress_weights and len(shape) >= 2 and _numel(shape) % policy.group_size == 0
 
 
+def is_packed(shape: tuple[int, ...], linear: bool, policy: OffloadPolicy, cpu: bool) -> bool:
+    """A compressed nn.Linear weight kept in torch's CPU int4 layout: on a CPU compute device a
+    decode step multiplies by its codes directly (see PackedInt4Linear)."""
+    return (cpu and linear and len(shape) == 2 and is_compressed(shape, policy)
+            and int4pack_cpu_supported(shape[0], shape[1], policy.group_size))
+
+
+def linear_weights(block: nn.Module) -> list[bool]:
+    """Per parameter of `block` (named_parameters order): is it an nn.Linear's weight?"""
+    owners = dict(block.named_modules())
+    return [isinstance(owners.get(n.rpartition(".")[0]), nn.Linear) and n.endswith("weight")
+            for n, _ in block.named_parameters()]
+
+
 def place_layer(block: nn.Module, policy: OffloadPolicy, dtype: torch.dtype,
                 device: torch.device) -> list[Slot]:
     """FlexGen's per-layer split by cumulative bytes (see the module docstring)."""
     params = [(n, tuple(p.shape)) for n, p in block.named_parameters()]
     tiers = split_tiers([_numel(shape) for _, shape in params], policy.weights)
+    cpu = device.type == "cpu"
     slots = []
-    for (name, shape), tier in zip(params, tiers):
-        if device.type == "cpu" and tier == "device":
+    for (name, shape), tier, linear in zip(params, tiers, linear_weights(block)):
+        if cpu and tier == "device":
             tier = "cpu"  # one RAM: report it as the CPU tier
-        slots.append(Slot(name, shape, dtype, tier, is_compressed(shape, policy)))
+        slots.append(Slot(name, shape, dtype, tier, is_compressed(shape, policy),
+                          is_packed(shape, linear, policy, cpu)))
     return slots
 
 
 def per_use_dense_bytes(shapes: list[tuple[int, ...]], policy: OffloadPolicy,
-                        dtype_bytes: int) -> int:
-    """Dense bytes of one layer's parameters that are loaded per use (disk tier, or 4-bit)."""
+                        dtype_bytes: int, linear: list[bool] | None = None,
+                        cpu: bool = False) -> int:
+    """Dense bytes of one layer's parameters that are loaded per use (disk tier, or 4-bit
+    decompressed; packed 4-bit linears need none)."""
     tiers = split_tiers([_numel(s) for s in shapes], policy.weights)
-    return sum(_numel(s) * dtype_bytes for s, tier in zip(shapes, tiers)
-               if tier == "disk" or is_compressed(s, policy))
+    linear = linear or [False] * len(shapes)
+    return sum(_numel(s) * dtype_bytes for s, tier, lin in zip(shapes, tiers, linear)
+               if (tier == "disk" or is_compressed(s, policy))
+               and not is_packed(s, lin, policy, cpu))
 
 
 def fingerprint(model_config: dict, slots: list[Slot], num_layers: int, policy: OffloadPolicy,
@@ -130,7 +162,11 @@ class WeightStore:
             {} for _ in range(num_layers)]  # device/cpu tier items that are loaded per use
         self.disk: list[files.SafetensorsFile | None] = [None] * num_layers
         self._staging: torch.Tensor | None = None  # pinned read buffer (CUDA only)
-        self._offsets, self.per_use_bytes = _buffer_layout(slots)
+        # on the CPU a layer file is read whole, straight into the layer buffer (after its dense
+        # part), and its dense tensors are used where they landed
+        self.whole_file = device.type == "cpu"
+        self._offsets, self.dense_bytes = _buffer_layout(slots, self.whole_file)
+        self.file_bytes = 0  # the largest layer file, page-rounded (set by build)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- building ---------------------------------------------------------------------------------
@@ -156,6 +192,8 @@ class WeightStore:
             reuse = files.open_folder(folder, fp, verify_crc=False)
         for j in range(self.num_layers if disk_slots else 0):
             self.disk[j] = reuse[f"layer_{j:05d}.safetensors"]
+        if self.whole_file and disk_slots:
+            self.file_bytes = max(files.aligned_size(f.size) for f in self.disk)
 
     def _prepare_folder(self, folder: Path) -> None:
         need = self.num_layers * sum(s.stored_nbytes(self.policy.group_size)
@@ -169,10 +207,13 @@ class WeightStore:
             if slot.tier == "disk" and skip_disk:
                 continue
             tensor = source(j, slot.name).to(slot.dtype)
-            if slot.bound:
+            if slot.bound and not slot.packed:
                 bind(j, slot.name, tensor.to(self.device))
                 continue
-            item = compress(tensor, self.policy.group_size) if slot.compressed else tensor
+            item = _compress(tensor, slot, self.policy.group_size)
+            if slot.bound:  # packed 4-bit in RAM: multiplied as stored
+                bind(j, slot.name, item)
+                continue
             if slot.tier == "disk":
                 to_write.update(_flatten(slot.name, item))
             else:
@@ -188,32 +229,58 @@ class WeightStore:
         return item
 
     # -- loading (runs on the prefetch thread) ----------------------------------------------------
+    @property
+    def per_use_bytes(self) -> int:
+        """Bytes of one layer buffer: dense part, then (CPU) the layer file's span."""
+        return self.dense_bytes + self.file_bytes
+
     def new_buffer(self) -> torch.Tensor:
         """One layer's worth of per-use weights: the engine pools two (current + next), so the
         memory of streamed layers is exactly that, with no allocator growth or fragmentation."""
+        if self.whole_file:
+            return files.aligned_buffer(self.per_use_bytes)  # O_DIRECT reads land in it
         return torch.empty(self.per_use_bytes, dtype=torch.uint8, device=self.device)
 
-    def load(self, j: int, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Dense compute-device tensors of layer j's non-bound parameters, as views of
-        `buffer` (from new_buffer(); a fresh one when None)."""
+    def load(self, j: int, buffer: torch.Tensor | None = None
+             ) -> dict[str, torch.Tensor | PackedWeight]:
+        """Compute-device tensors of layer j's non-bound parameters (dense, or PackedWeight
+        codes), as views of `buffer` (from new_buffer(); a fresh one when None)."""
         buffer = self.new_buffer() if buffer is None else buffer
+        views = {}
+        if self.whole_file and self.disk[j] is not None:
+            views = self.disk[j].read_all(buffer[self.dense_bytes:])
         out = {}
         for slot in self.slots:
             if slot.bound:
                 continue
-            offset = self._offsets[slot.name]
-            dest = buffer[offset: offset + slot.dense_nbytes].view(slot.dtype).view(slot.shape)
-            if slot.compressed:
-                item = self._read(j, slot) if slot.tier == "disk" else self.held[j][slot.name]
-                decompress(self._to_device(item), slot.dtype, out=dest)
-            elif slot.tier == "disk":
-                self._read_dense(j, slot, dest)
-            else:  # a dense cpu-tier tensor and a CUDA compute device
-                self._copy(dest, self.held[j][slot.name])
-            out[slot.name] = dest
+            if slot.packed:  # disk tier: the codes as read
+                out[slot.name] = PackedWeight(views[f"{slot.name}.int4"], views[f"{slot.name}.sz"])
+            elif self.whole_file and slot.tier == "disk" and not slot.compressed:
+                out[slot.name] = views[slot.name]
+            else:
+                out[slot.name] = self._load_into_buffer(j, slot, buffer, views)
         if self._stream is not None:
             self._stream.synchronize()  # this layer's copies and decodes are done
         return out
+
+    def _load_into_buffer(self, j: int, slot: Slot, buffer: torch.Tensor,
+                          views: dict[str, torch.Tensor]) -> torch.Tensor:
+        offset = self._offsets[slot.name]
+        dest = buffer[offset: offset + slot.dense_nbytes].view(slot.dtype).view(slot.shape)
+        if slot.compressed:
+            if slot.tier != "disk":
+                item = self.held[j][slot.name]
+            elif views:
+                parts = [views[f"{slot.name}.{p}"] for p in ("packed", "scales", "mins")]
+                item = CompressedTensor(KVInt4(*parts, self.policy.group_size), slot.shape)
+            else:
+                item = self._read(j, slot)
+            decompress(self._to_device(item), slot.dtype, out=dest)
+        elif slot.tier == "disk":
+            self._read_dense(j, slot, dest)
+        else:  # a dense cpu-tier tensor and a CUDA compute device
+            self._copy(dest, self.held[j][slot.name])
+        return dest
 
     def _read(self, j: int, slot: Slot) -> CompressedTensor:
         file = self.disk[j]
@@ -254,17 +321,28 @@ class WeightStore:
                 file.close()
 
 
-def _buffer_layout(slots: list[Slot]) -> tuple[dict[str, int], int]:
-    """Byte offset of each per-use slot in a layer buffer (64-byte aligned), and its size."""
+def _buffer_layout(slots: list[Slot], whole_file: bool) -> tuple[dict[str, int], int]:
+    """Byte offset of each per-use slot that is decoded or copied into a layer buffer, and the
+    size of that dense part (page-rounded, so that the file read after it is aligned). Packed
+    slots, and with whole-file reads dense disk slots, are used where the file read put them."""
     offsets, size = {}, 0
     for slot in slots:
-        if not slot.bound:
+        in_file = slot.packed or (whole_file and slot.tier == "disk" and not slot.compressed)
+        if not slot.bound and not in_file:
             offsets[slot.name] = size
             size += -(-slot.dense_nbytes // 64) * 64
-    return offsets, size
+    return offsets, files.aligned_size(size)
+
+
+def _compress(tensor: torch.Tensor, slot: Slot, group_size: int):
+    if slot.packed:
+        return pack_weight(tensor, group_size)
+    return compress(tensor, group_size) if slot.compressed else tensor
 
 
 def _flatten(name: str, item) -> dict[str, torch.Tensor]:
+    if isinstance(item, PackedWeight):
+        return {f"{name}.int4": item.codes, f"{name}.sz": item.scales_zeros}
     if isinstance(item, CompressedTensor):
         codes = item.codes
         return {f"{name}.packed": codes.packed, f"{name}.scales": codes.scales,

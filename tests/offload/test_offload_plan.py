@@ -14,7 +14,7 @@ from hf_dsinfer.offload.search import model_shape, search
 
 # A fixed machine (no measuring in the unit test): CPU compute, slow disk.
 HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_write=1e9,
-              h2d=float("inf"), decompress=2e9)
+              h2d=float("inf"), decompress=2e9, int4_mm=5e10, kv_decompress=2e9)
 WORK = Workload(prompt_len=64, gen_len=8)
 
 
@@ -47,10 +47,43 @@ def test_search_fits_budget_and_prefers_memory(llama_dir, tmp_path):
     assert hf_dsinfer.offload.get_engine(model) is not None
 
 
-def test_plan_cli(llama_dir, tmp_path, capsys):
+def test_plan_cli(llama_dir, tmp_path, capsys, monkeypatch):
+    from hf_dsinfer.offload import cost
+
+    monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
     code = main(["plan", "--model", llama_dir, "--prompt-len", "32", "--gen-len", "4",
                  "--memory", "256MiB", "--offload-dir", str(tmp_path), "--probe-mib", "8",
                  "--dtype", "float32", "--top", "2"])
     out = capsys.readouterr().out
     assert code == 0
     assert "measured cpu: matmul" in out and "chosen policy" in out and "tok/s" in out
+
+
+def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
+    """A second measure_hardware(cache=True) for the same machine/folder/dtype reuses the first
+    result; cache=False measures again."""
+    from hf_dsinfer.offload import cost
+
+    calls = []
+    monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
+    monkeypatch.setattr(cost, "measure_disk", lambda folder, mib: calls.append(mib) or (2e9, 1e9))
+    for name in ("measure_flops", "measure_decompress", "measure_int4_mm",
+                 "measure_kv_decompress"):
+        monkeypatch.setattr(cost, name, lambda dtype, dev: 1e9)
+    monkeypatch.setattr(cost, "read_bandwidth", lambda dev, gib: 10.0)
+    first = cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True)
+    assert cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True) == first
+    assert calls == [64]
+    cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=False)
+    assert calls == [64, 64]
+    assert first.disk_read == 2e9 and first.memory_bw == 1e10
+
+
+def test_disk_probe_reads_like_the_store(tmp_path):
+    """The disk probe writes, then reads a file whole several times (O_DIRECT where allowed)
+    and leaves nothing behind."""
+    from hf_dsinfer.offload.cost import measure_disk
+
+    read, write = measure_disk(tmp_path, 4, reps=3)
+    assert read > 0 and write > 0
+    assert not list(tmp_path.iterdir())
