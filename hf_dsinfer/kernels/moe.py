@@ -429,8 +429,12 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     if _per_expert_gemms(bounds, gate_up_proj, down_proj):
         return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds,
                                  resolve_activation(act))
-    y = grouped_expert_rows_cpu(x, gate_up_proj, down_proj, align.expert_offsets, act)
-    return combine_expert_rows(y, weights, align)
+    y = _grouped_rows_gmm(x, gate_up_proj, down_proj, align.expert_offsets,
+                          resolve_activation(act))  # [T*k, H]; rows past bounds[-1] unset
+    w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert
+    kept = bounds[-1]  # dropped slots (capacity factor) sort last and are never computed
+    out = torch.zeros_like(hidden)  # [T, H], summed in expert order as HF's eager loop does
+    return out.index_add_(0, align.token_idx[:kept], y[:kept].mul_(w_sorted[:kept, None]))
 
 
 def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, weights, align, bounds, act):
