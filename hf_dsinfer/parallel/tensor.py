@@ -179,8 +179,10 @@ class FullQKNorm:
         self.norms = (fused._q_norm, fused._k_norm)
         self.eps = tuple(_norm_eps(n) for n in self.norms)
         d = fused.spec.head_dim
-        self.head_dim, self.widths = d, (shard.num_heads * d, shard.num_kv_heads * d)
+        self.head_dim = d
         device = fused._q_norm.weight.device
+        self.widths = torch.tensor([shard.num_heads * d, shard.num_kv_heads * d],
+                                   dtype=torch.float32, device=device)  # full q / k widths
         self.k_owned = torch.tensor(shard.kv_owned, dtype=torch.float32, device=device)  # [KV_l]
         self.tp = tp
 
@@ -188,7 +190,7 @@ class FullQKNorm:
         q32, k32 = q.float(), k.float()  # [B, S, heads * D]
         k_heads = k32.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)  # [B, S, local KV heads]
         squares = torch.stack([q32.pow(2).sum(-1), (k_heads * self.k_owned).sum(-1)], -1)
-        mean = self.tp.all_reduce(squares) / squares.new_tensor(self.widths)  # [B, S, 2]
+        mean = self.tp.all_reduce(squares) / self.widths  # [B, S, 2]
         return tuple(norm.weight * (x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i])).to(t.dtype)
                      for i, (x, t, norm) in enumerate(zip((q32, k32), (q, k), self.norms)))
 

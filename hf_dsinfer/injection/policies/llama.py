@@ -24,3 +24,9 @@ POLICY = Policy(
     positions=ROPE,
     notes="cos/sin come from the model's own rotary_emb, so every HF rope_scaling type works",
 )
+
+# Megatron splits of this block's linears, for families derived from it whose HF
+# base_model_tp_plan does not fit (the mixture-of-experts families: it slices their experts).
+ATTENTION_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                     "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"}
+MLP_TP_PLAN = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}

@@ -4,6 +4,7 @@ no dense linears (mlp_in / mlp_out empty)."""
 
 import dataclasses
 
+from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import MoeLayout
 
@@ -16,8 +17,7 @@ POLICY = dataclasses.replace(
     mlp_out="",
     # HF's base_model_tp_plan also slices the experts (packed_colwise / rowwise); ours keeps
     # them whole for expert parallelism and slices attention only (the router is replicated).
-    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"},
+    tp_plan=ATTENTION_TP_PLAN,
     moe=MoeLayout(classes=("MixtralSparseMoeBlock",), num_experts="num_local_experts",
                   renormalize=True, fp32_weights=True),
 )

@@ -4,6 +4,7 @@ dense linears: mlp_in / mlp_out empty)."""
 
 import dataclasses
 
+from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import QK_NORM_FULL, FromConfig, MoeLayout
 
@@ -19,8 +20,7 @@ POLICY = dataclasses.replace(
     # HF's base_model_tp_plan gathers q/k/v back to full width (colwise_gather_output) for this
     # norm and slices the experts; ours slices attention by heads, slices the q/k norm weights
     # with q and k and all-reduces the sum of squares (parallel/plan.py), keeps experts whole.
-    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"},
+    tp_plan=ATTENTION_TP_PLAN,
     moe=MoeLayout(classes=("OlmoeSparseMoeBlock",), num_experts="num_experts",
                   renormalize=FromConfig("norm_topk_prob")),
 )

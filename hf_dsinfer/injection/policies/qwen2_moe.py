@@ -5,6 +5,7 @@ the other layers have a dense gated MLP (Llama's gate/up/down names, also the sh
 
 import dataclasses
 
+from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN, MLP_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import FromConfig, MoeLayout
 
@@ -16,9 +17,7 @@ POLICY = dataclasses.replace(
     # HF's base_model_tp_plan also slices the experts and leaves the shared expert whole; ours
     # keeps the experts whole (expert parallelism) and slices attention, the dense layers' MLP
     # and the shared expert. The router and the shared expert's gate are replicated.
-    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
-             "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN,
              "mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
              "mlp.shared_expert.down_proj": "rowwise"},
     moe=MoeLayout(classes=("Qwen2MoeSparseMoeBlock",), num_experts="num_experts",

@@ -4,6 +4,7 @@ sparse MoE MLP (no shared expert); dense layers (Llama's gate/up/down names) per
 
 import dataclasses
 
+from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN, MLP_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import QK_NORM_HEAD, FromConfig, MoeLayout
 
@@ -16,9 +17,7 @@ POLICY = dataclasses.replace(
     # HF's base_model_tp_plan also slices the experts; ours keeps them whole (expert
     # parallelism) and slices attention and the dense layers' MLP. The per-head q/k norm
     # weights [head_dim] and the router are replicated.
-    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-             "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
-             "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN},
     moe=MoeLayout(classes=("Qwen3MoeSparseMoeBlock",), num_experts="num_experts",
                   renormalize=FromConfig("norm_topk_prob")),
 )
