@@ -39,12 +39,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels import _dispatch, _native
 from hf_dsinfer.kernels.linear import dot_in_fp32
 
 # Rows of x up to which the CPU path uses torch's packed int8/int4 kernels (measured crossover
 # with the chunked dequantize + F.linear path is ~24-32 rows at 8192x8192 bf16).
 QUANT_PACK_MAX_ROWS = 32
+# Rows of x up to which the CPU int8 path uses the native kernel of csrc/cpu_quant.c
+# (_native.py). Measured per 5632 x 2048 weight, bf16 x: native 0.41 / 0.52 / 0.72 / 1.34 /
+# 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's _weight_int8pack_mm 0.63 / 0.66 / 0.88 / 1.84 /
+# 3.42 ms.
+NATIVE_MAX_ROWS = 16
 # Output rows dequantized at a time in the chunked path (512 x 8192 bf16 = 8 MB, cache-resident).
 DEQUANT_CHUNK_ROWS = 512
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -54,6 +59,7 @@ class Int8Weight(NamedTuple):
     qweight: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], dtype of the original weight
     in_scale: torch.Tensor | None = None  # [in] fp32 input-channel equalization, or None
+    rowsum: torch.Tensor | None = None  # [out] int32 sum of each row of qweight (native kernel)
 
 
 class Int4Weight(NamedTuple):
@@ -86,8 +92,9 @@ def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
         in_scale = w.abs().amax(dim=0).sqrt().clamp(min=1e-4)  # [in]
         w = w / in_scale
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
-    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scales, in_scale)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    rowsum = q.sum(dim=1, dtype=torch.int32) if q.device.type == "cpu" else None
+    return Int8Weight(q, scales, in_scale, rowsum)
 
 
 def dequantize_int8(qweight: Int8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -324,14 +331,46 @@ def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -
                                  qweight.mins[start:stop], qweight.group_size, dtype)
 
 
+def _native_int8(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
+    lib = _native.lib()
+    q, scales, in_scale = qweight.qweight, qweight.scales, qweight.in_scale
+    m, k = x2.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype)
+    code = lib.hfd_int8_gemv(
+        x2.data_ptr(), _native.DTYPE_CODES[x2.dtype],
+        None if in_scale is None else in_scale.data_ptr(), q.data_ptr(), qweight.rowsum.data_ptr(),
+        scales.data_ptr(), _native.DTYPE_CODES[scales.dtype],
+        None if bias is None else bias.data_ptr(),
+        _native.DTYPE_CODES[bias.dtype] if bias is not None else 0,
+        y.data_ptr(), m, n, k, torch.get_num_threads())
+    _native.check(code, "hfd_int8_gemv")
+    return y
+
+
+def _native_int8_fits(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None) -> bool:
+    dtypes = _native.DTYPE_CODES
+    return (x2.shape[0] <= NATIVE_MAX_ROWS and qweight.rowsum is not None
+            and x2.dtype in dtypes and qweight.scales.dtype in dtypes
+            and (bias is None or (bias.dtype in dtypes and bias.is_contiguous()))
+            and qweight.qweight.is_contiguous() and _native.available())
+
+
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
-    """_weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, chunked dequantize + GEMM above."""
-    q, scales = qweight.qweight, qweight.scales
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    """The native kernel up to NATIVE_MAX_ROWS rows where it runs, else torch's
+    _weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, else chunked dequantize + GEMM."""
+    q = qweight.qweight
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+    if _native_int8_fits(x2, qweight, bias):
+        return _native_int8(x2, qweight, bias).reshape(*x.shape[:-1], q.shape[0])
+    if qweight.in_scale is not None:
+        # x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: torch's kernels see plain int8
+        x2 = (x2.float() * qweight.in_scale).to(x.dtype)
+        qweight = qweight._replace(in_scale=None)
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
     if x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0:
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
-        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales.to(x.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(x2, q, qweight.scales.to(x.dtype))
         y = y if bias is None else y + bias
     else:
         rows = functools.partial(_int8_rows, qweight, x.dtype)
@@ -426,7 +465,7 @@ def linear_int8(
     """y = x @ dequantize_int8(qweight).T + bias, computed by the backend's int8 kernel."""
     fn = _dispatch.pick(backend, x.device, ref=linear_int8_ref, triton_fn=linear_int8_triton,
                         cpu_fn=linear_int8_cpu)
-    if qweight.in_scale is not None and fn is not linear_int8_ref:
+    if qweight.in_scale is not None and fn is linear_int8_triton:
         # x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: the kernels see plain int8
         x = (x.float() * qweight.in_scale).to(x.dtype)
         qweight = qweight._replace(in_scale=None)

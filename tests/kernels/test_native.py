@@ -1,0 +1,107 @@
+"""The native CPU int8 kernel (csrc/cpu_quant.c via kernels/_native.py).
+
+It must compute what the dequantize-then-F.linear reference computes, to fp32 accuracy (its 24-bit
+fixed-point x is exact for the values a bf16 / fp16 x can hold), and the CPU entry point must
+really call it where it applies (counted), and not where it does not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import quant as Q
+
+pytestmark = pytest.mark.skipif(not _native.available(),
+                                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gaussian(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def _count(monkeypatch, name):
+    calls = []
+    original = getattr(Q, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(Q, name, counted)
+    return calls
+
+
+def _exact(x, w, bias=None):
+    """x @ w.T + bias in float64: the value every kernel approximates."""
+    y = x.double() @ w.double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", (128, 80, 40, 8))  # 80, 40, 8: a masked tail of the 64-wide loop
+@pytest.mark.parametrize("rows", (1, 3, 8))
+@pytest.mark.parametrize("equalize", (False, True))
+def test_int8_native_matches_exact(monkeypatch, dtype, k, rows, equalize):
+    calls = _count(monkeypatch, "_native_int8")
+    w = _gaussian(37, k) * torch.linspace(0.2, 3.0, k)
+    qw = Q.quantize_int8(w.to(dtype), equalize=equalize)
+    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(37, seed=2).to(dtype)
+    out = Q.linear_int8(x, qw, bias, backend="cpu")
+    assert calls == [1] and out.dtype == dtype and out.shape == (rows, 37)
+    expected = _exact(x, Q.dequantize_int8(qw, torch.float32), bias)
+    # the only roundings left are fp32 ones and the final one to `dtype`
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert torch.allclose(out.double(), expected, rtol=ulp, atol=ulp * expected.abs().max())
+
+
+def test_int8_native_extreme_inputs():
+    """A zero row, one huge element among small ones, and 3-D x."""
+    qw = Q.quantize_int8(_gaussian(16, 64))
+    x = torch.zeros(2, 3, 64)
+    x[1, 2, 5] = 1e4
+    x[1, 2, 6:] = 1e-3
+    out = Q.linear_int8(x, qw, backend="cpu")
+    expected = _exact(x.reshape(-1, 64), Q.dequantize_int8(qw, torch.float32)).reshape(2, 3, 16)
+    assert torch.equal(out[0], torch.zeros(3, 16))
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+def test_native_not_used_above_its_rows(monkeypatch):
+    """More rows than NATIVE_MAX_ROWS: torch's kernels, same results."""
+    c8 = _count(monkeypatch, "_native_int8")
+    rows = Q.NATIVE_MAX_ROWS + 1
+    q8 = Q.quantize_int8(_gaussian(32, 64).bfloat16())
+    x = _gaussian(rows, 64, seed=1).bfloat16()
+    out, ref = Q.linear_int8(x, q8, backend="cpu").float(), Q.linear_int8_ref(x, q8).float()
+    assert c8 == [] and torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+
+
+def test_native_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    assert not _native.available() and "disabled" in _native.why_unavailable()
+    calls = _count(monkeypatch, "_native_int8")
+    qw = Q.quantize_int8(_gaussian(32, 64))
+    Q.linear_int8(_gaussian(1, 64), qw, backend="cpu")
+    assert calls == []
+
+
+def test_failed_build_falls_back_with_reason(monkeypatch, tmp_path):
+    """No working compiler: lib() is None, the reason names the failure, nothing is cached."""
+    monkeypatch.setenv("HF_DSINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    _native._load.cache_clear()
+    monkeypatch.setattr(_native, "_why", [])
+    try:
+        assert _native.lib() is None
+        assert "build failed" in _native.why_unavailable()
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        _native._load.cache_clear()
