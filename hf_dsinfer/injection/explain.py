@@ -74,6 +74,8 @@ def explain(model: nn.Module) -> str:
     extras = []
     if report.quant is not None:
         extras.append(f"quantized: {report.quant.describe()}")
+    if report.head is not None:
+        extras.append(report.head.describe())
     if report.decode is not None:
         extras.append(f"decode (generate): {report.decode.describe()}")
     if getattr(model, "_dsinfer_offload", None) is not None:

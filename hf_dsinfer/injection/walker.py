@@ -17,6 +17,7 @@ from torch import nn
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import DSInferError, ParityError, UnsupportedModelError
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
+from hf_dsinfer.injection.head import HeadReport, install_head, uninstall_head
 from hf_dsinfer.injection.latency import (
     DecodeMode,
     disable_compiled_decode,
@@ -61,6 +62,7 @@ class InjectionReport:
     moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> FusedMoE
     moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
+    head: HeadReport | None = None  # the output projection on the kernel library, if it is
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -116,6 +118,8 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         report.quant = quantize_blocks(live, config.quant)
         live_moe = {p: m for p, m in report.moe.items() if m.enabled}
         report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
+    if report.blocks:
+        report.head = install_head(model, config, backend)
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
@@ -136,6 +140,7 @@ def revert(model: nn.Module) -> nn.Module:
             "ranks and the HF forwards cannot run on them. Fix: load the model again.")
     uninstall_moe(report.moe)  # raises first if the experts are quantized or sharded
     _detach_offload(model)
+    uninstall_head(model, report.head)
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)

@@ -26,7 +26,9 @@ def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
 def test_quantized_blocks(quant, min_sqnr, max_ratio):
     ref = make_model("llama")
     model = hf_dsinfer.init_inference(copy.deepcopy(ref), quant=quant)
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    head = model.get_output_embeddings()  # untied in this model: quantized to int8
+    assert isinstance(head, QuantizedLinear) and head.bits == 8
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not head]
     assert len(linears) == 2 * 7 and all(m.bits == quant["bits"] for m in linears)
     # the fp32 weights are gone: the footprint shows the compression
     assert model.get_memory_footprint() <= max_ratio * ref.get_memory_footprint()
@@ -39,6 +41,29 @@ def test_quantized_blocks(quant, min_sqnr, max_ratio):
     assert out.shape[1] == ids.shape[1] + 12
     assert all(hf_dsinfer.fused_call_counts(model).values())
     assert f"int{quant['bits']}" in hf_dsinfer.explain(model)
+
+
+def test_output_head_on_kernel_library():
+    """An untied head runs kernels.linear (counted) with HF's logits in fp32; revert restores
+    it; a tied head is never quantized (that would copy the embedding table)."""
+    ref = make_model("llama")
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    head = model.get_output_embeddings()
+    ids, mask = prompts()
+    with torch.no_grad():
+        a, b = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert head.forward.calls == 1 and (a - b)[valid].abs().max() <= 1e-4
+    assert "output head lm_head: kernel-library linear" in hf_dsinfer.explain(model)
+    hf_dsinfer.revert(model)
+    assert "forward" not in head.__dict__
+    tied = make_model("gpt2")  # GPT-2 ties lm_head to wte
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    tied = hf_dsinfer.init_inference(tied, quant={"bits": 8})
+    assert not isinstance(tied.get_output_embeddings(), QuantizedLinear)
+    with torch.no_grad():
+        tied(ids, attention_mask=mask)
+    assert tied.get_output_embeddings().forward.calls == 1
 
 
 def test_int8_quantized_hf_fallback_uses_same_weights():
