@@ -85,6 +85,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
     lib.hfd_int8_gemv.restype = i32
+    lib.hfd_advise_hugepages.argtypes = [p, i64]
+    lib.hfd_advise_hugepages.restype = i32
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,6 +124,23 @@ def why_unavailable() -> str | None:
     if os.environ.get(ENV_VAR, "1") == "0":
         return f"disabled by {ENV_VAR}=0"
     return None if _load() is not None else "; ".join(_why)
+
+
+# Tensors from this size up are placed on transparent huge pages by `streamed_copy`.
+HUGEPAGE_MIN_BYTES = 4 << 20
+
+
+def streamed_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor `t` whose memory was advised for transparent huge pages
+    before being written (the native kernels stream such weights faster; see csrc/). `t` itself
+    when the library is unavailable or `t` is small."""
+    library = lib()
+    nbytes = t.numel() * t.element_size()
+    if library is None or t.device.type != "cpu" or nbytes < HUGEPAGE_MIN_BYTES:
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype)
+    library.hfd_advise_hugepages(out.data_ptr(), nbytes)  # refusal only costs speed
+    return out.copy_(t)
 
 
 def check(code: int, name: str) -> None:

@@ -23,10 +23,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 #define ROWS 4 /* weight rows streamed together by one thread */
+/* Bytes ahead of the current column that each row is prefetched: from DRAM (weights cycled past
+   the L3) a 5632 x 2048 int8 matrix streamed at 14.6 GB/s without, 17.3 GB/s with 1024 (512:
+   16.0, 2048: 15.5), 19.1 GB/s with 1024 and transparent huge pages. */
+#define PREFETCH 1024
 
 static inline float load_f32(const void *p, int64_t i, int dt) {
     if (dt == DT_F32) return ((const float *)p)[i];
@@ -38,6 +43,14 @@ static inline float load_f32(const void *p, int64_t i, int dt) {
         return f;
     }
     return _cvtsh_ss(h);
+}
+
+/* 16 elements of x from element i on (masked lanes read as 0), as fp32 */
+static inline __m512 load16(const void *p, int64_t i, int dt, __mmask16 mk) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(mk, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)p + i);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
 }
 
 /* Round to nearest even, as torch's float -> bf16 / fp16 conversions do. */
@@ -64,27 +77,41 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
     int64_t kp = (K + 63) / 64 * 64;
     uint8_t *planes = (uint8_t *)aligned_alloc(64, (size_t)(M * 3 * kp));
     double *unit = (double *)malloc((size_t)M * sizeof(double));
-    float *xf = (float *)malloc((size_t)K * sizeof(float));
+    float *xf = (float *)aligned_alloc(64, (size_t)kp * sizeof(float));
     if (!planes || !unit || !xf) {
         free(planes); free(unit); free(xf);
         return -2;
     }
     for (int64_t m = 0; m < M; m++) {
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) {
-            float v = load_f32(x, m * K + k, x_dt) * (in_scale ? in_scale[k] : 1.0f);
-            xf[k] = v;
-            amax = fmaxf(amax, fabsf(v));
+        /* xf = x[m] * in_scale in fp32 (zero past K), and its absmax */
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < kp; k += 16) {
+            int64_t left = K - k < 16 ? (K - k > 0 ? K - k : 0) : 16;
+            __mmask16 mk = (__mmask16)(left == 16 ? 0xFFFF : (1u << left) - 1);
+            __m512 v = load16(x, m * K + k, x_dt, mk);
+            if (in_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, in_scale + k));
+            _mm512_store_ps(xf + k, v);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
         }
-        double fx = amax > 0.f ? 8388607.0 / amax : 0.0; /* x * fx in [-(2^23 - 1), 2^23 - 1] */
-        unit[m] = amax > 0.f ? 1.0 / fx : 0.0;
+        float amax = _mm512_reduce_max_ps(vmax);
+        /* x * fx rounds to an integer in [-(2^23 - 1), 2^23 - 1]; + 2^23 makes it unsigned */
+        float fx = amax > 0.f ? 8388607.0f / amax : 0.f;
+        unit[m] = amax > 0.f ? (double)amax / 8388607.0 : 0.0;
         uint8_t *p0 = planes + m * 3 * kp, *p1 = p0 + kp, *p2 = p1 + kp;
-        for (int64_t k = 0; k < kp; k++) {
-            /* columns past K get 0 in every plane, so they add nothing */
-            int32_t u = k < K ? (int32_t)lrint((double)xf[k] * fx) + 8388608 : 0;
-            p0[k] = (uint8_t)(u & 255);
-            p1[k] = (uint8_t)((u >> 8) & 255);
-            p2[k] = (uint8_t)(u >> 16);
+        const __m512 vfx = _mm512_set1_ps(fx);
+        const __m512i offset = _mm512_set1_epi32(8388608), byte = _mm512_set1_epi32(255);
+        const __m512i lim = _mm512_set1_epi32(8388607); /* fp32 rounding may reach 2^23 */
+        for (int64_t k = 0; k < kp; k += 16) {
+            __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(xf + k), vfx));
+            i = _mm512_max_epi32(_mm512_min_epi32(i, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+            __m512i u = _mm512_add_epi32(i, offset);
+            if (k + 16 > K) { /* columns past K are 0 in every plane, so they add nothing */
+                int64_t left = K - k > 0 ? K - k : 0;
+                u = _mm512_maskz_mov_epi32((__mmask16)((1u << left) - 1), u);
+            }
+            _mm_store_si128((__m128i *)(p0 + k), _mm512_cvtepi32_epi8(_mm512_and_si512(u, byte)));
+            _mm_store_si128((__m128i *)(p1 + k), _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(u, 8), byte)));
+            _mm_store_si128((__m128i *)(p2 + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 16)));
         }
     }
     free(xf);
@@ -105,6 +132,7 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
                 __m512i x0 = _mm512_load_si512(p0 + k), x1 = _mm512_load_si512(p1 + k);
                 __m512i x2 = _mm512_load_si512(p2 + k);
                 for (int r = 0; r < ROWS; r++) {
+                    _mm_prefetch((const char *)(wr[r] + k + PREFETCH), _MM_HINT_T0);
                     __m512i w = _mm512_loadu_si512(wr[r] + k);
                     a0[r] = _mm512_dpbusd_epi32(a0[r], x0, w);
                     a1[r] = _mm512_dpbusd_epi32(a1[r], x1, w);
@@ -136,4 +164,15 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
     free(planes);
     free(unit);
     return 0;
+}
+
+/* Ask for transparent huge pages on the 2 MiB-aligned interior of [p, p + nbytes), before the
+   pages are first written: fewer TLB misses while a weight streams (see PREFETCH). Returns 0, or
+   -1 when the kernel refuses (THP off), which only costs speed. */
+int hfd_advise_hugepages(void *p, int64_t nbytes) {
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    uintptr_t end = ((uintptr_t)p + (uintptr_t)nbytes) & ~(huge - 1);
+    if (end <= start) return 0;
+    return madvise((void *)start, end - start, MADV_HUGEPAGE);
 }
