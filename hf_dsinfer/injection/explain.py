@@ -74,6 +74,8 @@ def explain(model: nn.Module) -> str:
     extras = []
     if report.quant is not None:
         extras.append(f"quantized: {report.quant.describe()}")
+        if report.quant.bits == 8 and next(model.parameters()).device.type == "cpu":
+            extras.append(f"int8 CPU kernel: {_int8_cpu_kernel()}")
     if report.head is not None:
         extras.append(report.head.describe())
     if report.decode is not None:
@@ -93,6 +95,15 @@ def explain(model: nn.Module) -> str:
              _row("---", "---", "---", "---", "---")]
     return "\n".join(lines + _block_rows(report) + _moe_rows(report)
                      + _left_alone_rows(model, report))
+
+
+def _int8_cpu_kernel() -> str:
+    from hf_dsinfer.kernels import _native
+
+    why = _native.why_unavailable()
+    if why is None:
+        return "native (kernels/csrc/cpu_quant.c, AVX-512 VNNI)"
+    return f"torch's _weight_int8pack_mm (native kernel unavailable: {why})"
 
 
 def _moe_rows(report: InjectionReport) -> list[str]:

@@ -105,3 +105,14 @@ def test_failed_build_falls_back_with_reason(monkeypatch, tmp_path):
         assert not list(tmp_path.rglob("*.so"))
     finally:
         _native._load.cache_clear()
+
+
+def test_explain_names_the_int8_kernel(monkeypatch):
+    from tiny_models import make_model
+
+    import hf_dsinfer
+
+    model = hf_dsinfer.init_inference(make_model("llama"), quant={"bits": 8})
+    assert "int8 CPU kernel: native" in hf_dsinfer.explain(model)
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    assert "_weight_int8pack_mm (native kernel unavailable: disabled" in hf_dsinfer.explain(model)
