@@ -46,6 +46,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features = qweight[0].shape[0]
         self._cached: Int8Weight | Int4Weight | None = None
+        self._cached_from: tuple[torch.Tensor, ...] = ()  # the buffers _cached was built from
 
     @property
     def quantized(self) -> Int8Weight | Int4Weight:

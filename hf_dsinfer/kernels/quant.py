@@ -46,7 +46,8 @@ from hf_dsinfer.kernels.linear import dot_in_fp32
 # with the chunked dequantize + F.linear path is ~24-32 rows at 8192x8192 bf16).
 QUANT_PACK_MAX_ROWS = 32
 # Rows of x up to which the CPU int8 path uses the native kernel of csrc/cpu_quant.c
-# (_native.py). Measured per 5632 x 2048 weight, bf16 x: native 0.41 / 0.52 / 0.72 / 1.34 /
+# (_native.py). Measured per 5632 x 2048 weight, bf16 x, 6 weights cycled (69 MB, so partly
+# L3-resident on this VM; from DRAM both are slower, the native one ~1.4x faster): native 0.41 / 0.52 / 0.72 / 1.34 /
 # 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's _weight_int8pack_mm 0.63 / 0.66 / 0.88 / 1.84 /
 # 3.42 ms.
 NATIVE_MAX_ROWS = 16
@@ -332,13 +333,20 @@ def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -
                                  qweight.mins[start:stop], qweight.group_size, dtype)
 
 
-def _native_int8(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
+def _fold_in_scale(x: torch.Tensor, qweight: Int8Weight) -> tuple[torch.Tensor, Int8Weight]:
+    """x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: for kernels that take plain int8."""
+    if qweight.in_scale is None:
+        return x, qweight
+    return (x.float() * qweight.in_scale).to(x.dtype), qweight._replace(in_scale=None)
+
+
+def _native_int8(lib, x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
     q, scales, in_scale = qweight.qweight, qweight.scales, qweight.in_scale
     m, k = x2.shape
     n = q.shape[0]
     codes = _native.DTYPE_CODES
     y = torch.empty(m, n, dtype=x2.dtype)
-    code = _native.lib().hfd_int8_gemv(
+    code = lib.hfd_int8_gemv(
         x2.data_ptr(), codes[x2.dtype], None if in_scale is None else in_scale.data_ptr(),
         q.data_ptr(), qweight.rowsum.data_ptr(), scales.data_ptr(), codes[scales.dtype],
         None if bias is None else bias.data_ptr(), 0 if bias is None else codes[bias.dtype],
@@ -348,14 +356,14 @@ def _native_int8(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | Non
     return y
 
 
-def _native_int8_fits(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None) -> bool:
-    """Whether the native kernel takes this call (the weight-side checks hold by construction:
-    quantize_int8 makes rowsum and contiguous int8 rows on CPU)."""
+def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
+    """The native library when its kernel takes this call, else None (the weight-side checks
+    hold by construction: quantize_int8 makes rowsum and contiguous int8 rows on CPU)."""
     dtypes = _native.DTYPE_CODES
-    return (x2.shape[0] <= NATIVE_MAX_ROWS and qweight.rowsum is not None
+    fits = (x2.shape[0] <= NATIVE_MAX_ROWS and qweight.rowsum is not None
             and x2.dtype in dtypes and qweight.scales.dtype in dtypes
-            and (bias is None or (bias.dtype in dtypes and bias.is_contiguous()))
-            and _native.lib() is not None)
+            and (bias is None or (bias.dtype in dtypes and bias.is_contiguous())))
+    return _native.lib() if fits else None
 
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
@@ -363,12 +371,10 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
     _weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, else chunked dequantize + GEMM."""
     q = qweight.qweight
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
-    if _native_int8_fits(x2, qweight, bias):
-        return _native_int8(x2, qweight, bias).reshape(*x.shape[:-1], q.shape[0])
-    if qweight.in_scale is not None:
-        # x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: torch's kernels see plain int8
-        x2 = (x2.float() * qweight.in_scale).to(x.dtype)
-        qweight = qweight._replace(in_scale=None)
+    lib = _native_int8_lib(x2, qweight, bias)
+    if lib is not None:
+        return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], q.shape[0])
+    x2, qweight = _fold_in_scale(x2, qweight)  # torch's kernels take plain int8
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
     if x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0:
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
@@ -467,10 +473,8 @@ def linear_int8(
     """y = x @ dequantize_int8(qweight).T + bias, computed by the backend's int8 kernel."""
     fn = _dispatch.pick(backend, x.device, ref=linear_int8_ref, triton_fn=linear_int8_triton,
                         cpu_fn=linear_int8_cpu)
-    if qweight.in_scale is not None and fn is linear_int8_triton:
-        # x @ (q * s * in_scale).T == (x * in_scale) @ (q * s).T: the kernels see plain int8
-        x = (x.float() * qweight.in_scale).to(x.dtype)
-        qweight = qweight._replace(in_scale=None)
+    if fn is linear_int8_triton:  # the CPU path folds in_scale itself (or the native kernel)
+        x, qweight = _fold_in_scale(x, qweight)
     return fn(x, qweight, bias)
 
 
