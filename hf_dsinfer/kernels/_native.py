@@ -1,4 +1,4 @@
-"""The native CPU kernel of csrc/cpu_quant.c: built on first use, loaded with ctypes.
+"""The native CPU kernels of csrc/ (cpu_quant.c, cpu_moe.c): built on first use, loaded with ctypes.
 
 The int8 matrix-vector products of decode are bound by memory bandwidth, and torch's own CPU
 kernel for them is not. On the 2-core Xeon here, weights cycled through 690 MB (past this VM's
@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 ENV_VAR = "HF_DSINFER_NATIVE"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_quant.c"
+AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_quant.c", "cpu_moe.c")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512vnni", "-mavx512bf16", "-mf16c", "-mfma"]
+         "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mf16c", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
 # dtype codes of the C functions
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -60,7 +61,7 @@ def _cache_root() -> Path:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -72,7 +73,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -88,6 +89,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
     lib.hfd_int8_gemv.restype = i32
     lib.hfd_advise_hugepages.argtypes = [p, i64]
+    lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, i32, i32, i32]
+    lib.hfd_moe_bf16.restype = i32
+    lib.hfd_amx_available.argtypes = []
+    lib.hfd_amx_available.restype = i32
     lib.hfd_advise_hugepages.restype = i32
 
 
@@ -143,6 +148,19 @@ def streamed_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype)
     library.hfd_advise_hugepages(out.data_ptr(), nbytes)  # refusal only costs speed
     return out.copy_(t)
+
+
+def amx_allowed() -> bool:
+    """AMX may be used where the CPU has it (the C side checks the CPU and asks Linux for the
+    tile state); HF_DSINFER_NATIVE_AMX=0 keeps the AVX-512 paths."""
+    return os.environ.get(AMX_ENV_VAR, "1") != "0"
+
+
+def amx_available() -> bool:
+    """The native kernels will use AMX tiles here (allowed, CPU has AMX-BF16, Linux grants the
+    tile state)."""
+    library = lib()
+    return library is not None and amx_allowed() and bool(library.hfd_amx_available())
 
 
 def check(code: int, name: str) -> None:

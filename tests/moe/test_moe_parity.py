@@ -23,6 +23,8 @@ from hf_dsinfer.injection.moe import MoeStateError, drop_over_capacity
 from hf_dsinfer.injection.parity import MOE_TIE_MARGIN
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import moe as moe_kernels
 from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
 
 FP32_LOGIT_ATOL = 1e-4
@@ -106,6 +108,47 @@ def test_bf16_parity_gate_and_logits(name):
     assert (ties & mask.bool()).sum() <= mask.sum() // 3, "too many near-ties to test anything"
     err = (a[valid] - b[valid]).abs().max() / a[valid].abs().max()
     assert err <= BF16_LOGIT_RTOL, (name, err.item())
+
+
+@pytest.mark.skipif(not _native.available(), reason="native CPU kernels unavailable")
+def test_bf16_decode_runs_the_native_expert_kernel(monkeypatch):
+    """Batch-1 bf16 decode routes one row per expert: csrc/cpu_moe.c computes them (counted),
+    and at every decode step each MoE layer's output matches HF's MoE block run on the same
+    input (tokens whose HF routing is a near-tie are skipped: bf16 may legally flip them)."""
+    calls = []
+    original = moe_kernels._native_moe_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "_native_moe_rows", counted)
+    ref = make_model("mixtral_8x2", dtype=torch.bfloat16)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    moes = get_report(fused).moe
+    checked, errors = [], []
+
+    def hook(path, moe):
+        def compare(module, args, output):
+            x = args[0]
+            if x.shape[1] != 1 or moe.routing_margin(x).min() < MOE_TIE_MARGIN[torch.bfloat16]:
+                return
+            want = type(module).forward(ref.get_submodule(path), x)
+            want = want[0] if isinstance(want, tuple) else want
+            got = output[0] if isinstance(output, tuple) else output
+            errors.append(((got.float() - want.float()).abs().max() / want.abs().max()).item())
+            checked.append(path)
+        return compare
+
+    handles = [fused.get_submodule(p).register_forward_hook(hook(p, m)) for p, m in moes.items()]
+    ids, mask = prompts(batch=1)
+    with torch.inference_mode():
+        fused.generate(ids, attention_mask=mask, **GEN)
+    for h in handles:
+        h.remove()
+    assert len(calls) >= (GEN["max_new_tokens"] - 1) * len(moes)  # every decode step and layer
+    assert len(checked) >= GEN["max_new_tokens"] // 2, "too many near-ties to test anything"
+    assert max(errors) <= 1e-2, errors
 
 
 def test_revert_restores_hf_forwards():

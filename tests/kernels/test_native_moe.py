@@ -1,0 +1,129 @@
+"""The native bf16 expert-MLP kernel for about one row per expert (csrc/cpu_moe.c via kernels/moe.py).
+
+It must round where HF's expert ops round (each GEMM, silu, the product), so it lands within the
+bf16 reference's own distance of a float64 computation, and the CPU entry points must really
+call it for about one row per expert (decode; counted), and not for more rows per expert, other
+dtypes or activations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import moe as M
+
+pytestmark = pytest.mark.skipif(not _native.available(),
+                                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
+
+
+def _count(monkeypatch, name="_native_moe_rows"):
+    calls = []
+    original = getattr(M, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(M, name, counted)
+    return calls
+
+
+def _experts(num_experts, hidden, inter, tokens, top_k, seed=0, drop=0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).bfloat16()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    if drop:  # an id >= E marks a dropped slot (capacity factor, or an expert on another rank)
+        ids.view(-1)[:drop] = num_experts
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    return x, gate_up, down, ids, weights
+
+
+# (experts, hidden, intermediate, tokens, top_k): 40, 56, 70, 33 exercise the masked column tail
+# of the 32-wide loop; 9 tokens x top-2 over 3 experts gives more rows per expert than one
+# 4-row register tile; 20 rows per expert take two 16-row AMX panels; the last is the
+# benchmark's shape at 16 tokens.
+SHAPES = [(8, 64, 96, 5, 2), (4, 40, 56, 3, 1), (3, 33, 70, 9, 2), (8, 128, 64, 1, 2),
+          (2, 64, 96, 20, 2), (8, 1024, 3584, 16, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("drop", (0, 2))
+@pytest.mark.parametrize("amx", ("1", "0"), ids=("amx-if-present", "avx512"))
+def test_native_expert_rows_match_reference(monkeypatch, shape, drop, amx):
+    """Any number of rows per expert (the dispatcher sends it a few, the kernel takes all), on
+    AMX tiles where the CPU has them and the sizes are multiples of 32, and on AVX-512."""
+    monkeypatch.setenv(_native.AMX_ENV_VAR, amx)
+    x, gate_up, down, ids, _ = _experts(*shape, drop=drop)
+    align = M.moe_align(ids, gate_up.shape[0])
+    xs = x.index_select(0, align.token_idx)
+    kept = int(align.expert_offsets[-1])
+    out = M._native_moe_rows(_native.lib(), xs, gate_up, down, align.expert_offsets, kept)
+    ref = M.grouped_expert_rows_ref(xs, gate_up, down, align.expert_offsets)
+    exact = M.grouped_expert_rows_ref(xs.double(), gate_up.double(), down.double(),
+                                      align.expert_offsets)
+    assert torch.all(out[kept:] == 0)  # dropped rows come back as zeros
+    err, ref_err = ((out.double() - exact).abs().max().item(),
+                    (ref.double() - exact).abs().max().item())
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+    # small shapes sum few enough terms that fp32 sums in any order round to the same bf16
+    if shape[1] * shape[2] <= 64 * 96:
+        assert torch.equal(out, ref)
+
+
+def _one_row_per_expert(num_experts=8, hidden=64, inter=96, tokens=4, top_k=2):
+    """Decode-like routing: each token's experts distinct from the other tokens'."""
+    x, gate_up, down, _, weights = _experts(num_experts, hidden, inter, tokens, top_k, seed=3)
+    ids = torch.arange(tokens * top_k).view(tokens, top_k) % num_experts
+    return x, gate_up, down, ids, weights
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (4, 2), (3, 1)])
+def test_native_runs_for_decode_routing(monkeypatch, tokens, top_k):
+    x, gate_up, down, ids, weights = _one_row_per_expert(tokens=tokens, top_k=top_k)
+    calls = _count(monkeypatch)
+    out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    ref = M.grouped_expert_mlp_ref(x, gate_up, down, weights, ids, "silu")
+    assert calls == [1]
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    align = M.moe_align(ids, gate_up.shape[0])
+    xs = x.index_select(0, align.token_idx)
+    rows = M.grouped_expert_rows(xs, gate_up, down, align.expert_offsets, "silu", backend="cpu")
+    assert calls == [1, 1]
+    assert torch.equal(rows, M.grouped_expert_rows_ref(xs, gate_up, down, align.expert_offsets))
+
+
+def test_native_not_used_for_many_rows_fp32_or_other_activations(monkeypatch):
+    calls = _count(monkeypatch)
+    x, gate_up, down, _, weights = _one_row_per_expert(tokens=8)
+    ids = torch.tensor([[0, 1]] * 8)  # 8 rows each for two experts: grouped_mm is faster
+    M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    x, gate_up, down, ids, weights = _one_row_per_expert()
+    M.grouped_expert_mlp(x.float(), gate_up.float(), down.float(), weights, ids, "silu",
+                         backend="cpu")
+    M.grouped_expert_mlp(x, gate_up, down, weights, ids, "gelu", backend="cpu")
+    assert calls == []
+
+
+def test_native_moe_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    calls = _count(monkeypatch)
+    x, gate_up, down, ids, weights = _one_row_per_expert()
+    out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    ref = M.grouped_expert_mlp_ref(x, gate_up, down, weights, ids, "silu")
+    assert calls == [] and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_native_moe_under_inference_mode(monkeypatch):
+    calls = _count(monkeypatch)
+    x, gate_up, down, ids, weights = _one_row_per_expert()
+    with torch.inference_mode():
+        out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    ref = M.grouped_expert_mlp_ref(x, gate_up, down, weights, ids, "silu")
+    assert calls == [1] and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
