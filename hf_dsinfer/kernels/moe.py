@@ -400,11 +400,12 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
 # Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) beats F.grouped_mm
 # (oneDNN's GEMM per expert) on CPU. Measured at hidden 1024, intermediate 3584, 8 experts,
 # weights cycled through 704 MB (past this VM's L3), ms native vs grouped_mm:
-#   AMX tiles:        1 row/expert 6.87 vs 7.71 (25.6 GB/s), 2: 7.21 vs 7.72, 4: 7.34 vs 7.81,
-#                     8: 8.20 vs 7.96, 16: 9.49 vs 8.43 (the per-element epilogue grows)
-#   AVX-512 BF16 dot: 1 row/expert 7.18 vs 7.76, 2: 8.46 vs 7.89, 4: 10.43 vs 8.10 (the dot
+#   AMX tiles:        1 row/expert 6.48 vs 7.37 (27.2 GB/s), 4: 6.60 vs 7.57, 8: 6.82 vs 7.79,
+#                     16: 7.15 vs 8.23, 32: 9.42 vs 9.78 (from 32 one oneDNN GEMM pair per expert
+#                     with fused epilogues takes over, _LOOP_MIN_ROWS_PER_EXPERT)
+#   AVX-512 BF16 dot: 1 row/expert 6.82 vs 7.70, 2: 7.99 vs 7.68, 4: 9.73 vs 7.74 (the dot
 #                     products, not the reads, bound it from 2 rows on)
-_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 4.0, "avx512": 1.5}
+_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 32.0, "avx512": 1.5}
 
 
 def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[int]):

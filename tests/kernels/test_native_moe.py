@@ -101,14 +101,27 @@ def test_native_runs_for_decode_routing(monkeypatch, tokens, top_k):
 
 def test_native_not_used_for_many_rows_fp32_or_other_activations(monkeypatch):
     calls = _count(monkeypatch)
-    x, gate_up, down, _, weights = _one_row_per_expert(tokens=8)
-    ids = torch.tensor([[0, 1]] * 8)  # 8 rows each for two experts: grouped_mm is faster
+    x, gate_up, down, _, weights = _one_row_per_expert(tokens=40)
+    ids = torch.tensor([[0, 1]] * 40)  # 40 rows each for two experts: oneDNN GEMMs are faster
     M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
     x, gate_up, down, ids, weights = _one_row_per_expert()
     M.grouped_expert_mlp(x.float(), gate_up.float(), down.float(), weights, ids, "silu",
                          backend="cpu")
     M.grouped_expert_mlp(x, gate_up, down, weights, ids, "gelu", backend="cpu")
     assert calls == []
+
+
+def test_avx512_path_takes_only_about_one_row_per_expert(monkeypatch):
+    """Without AMX tiles the dot products bound the kernel from 2 rows per expert on."""
+    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    calls = _count(monkeypatch)
+    x, gate_up, down, _, weights = _one_row_per_expert(tokens=4)
+    M.grouped_expert_mlp(x, gate_up, down, weights, torch.tensor([[0, 1]] * 4), "silu",
+                         backend="cpu")
+    assert calls == []
+    x, gate_up, down, ids, weights = _one_row_per_expert(tokens=4)
+    M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    assert calls == [1]
 
 
 def test_native_moe_can_be_switched_off(monkeypatch):

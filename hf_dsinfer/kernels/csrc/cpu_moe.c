@@ -100,7 +100,64 @@ static void dots_rows(const uint16_t *w, int64_t ldw, int nw, const uint16_t *x,
     }
 }
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+/* ---- vector epilogue (16 fp32 lanes) ---- */
+
+/* fp32 -> bf16 bits (round to nearest even, NaN kept quiet) in the low 16 bits of each lane:
+   the scalar f32_to_bf16, lane-wise (not vcvtneps2bf16, which flushes denormals). */
+static inline __m512i bf16_bits(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 bf16_round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+
+/* e^x to about 1 ulp of fp32 (Cody-Waite reduction by ln 2, degree-6 polynomial on
+   [-ln2/2, ln2/2]); overflows to inf past 88.72 and underflows to 0 below -87.3 like expf. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.7228f), lo = _mm512_set1_ps(-103.9721f);
+    __m512 big = _mm512_set1_ps(INFINITY);
+    __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    /* p * 2^n, with scalef handling the exponent range (subnormal results included) */
+    __m512 y = _mm512_scalef_ps(p, n);
+    return _mm512_mask_mov_ps(y, over, big);
+}
+
+/* a[c] = bf16(bf16(silu(bf16(g[c]))) * bf16(u[c])) for c < cols, 16 lanes at a time. */
+static inline void gated_silu_row(const float *g, const float *u, uint16_t *a, int64_t cols) {
+    for (int64_t c = 0; c < cols; c += 16) {
+        __mmask16 mk = (__mmask16)(cols - c >= 16 ? 0xFFFF : (1u << (cols - c)) - 1);
+        __m512 gs = bf16_round(_mm512_maskz_loadu_ps(mk, g + c));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
+        __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        __m512 us = bf16_round(_mm512_maskz_loadu_ps(mk, u + c));
+        _mm256_mask_storeu_epi16(a + c, mk, _mm512_cvtepi32_epi16(bf16_bits(_mm512_mul_ps(s, us))));
+    }
+}
+
+/* y[c] = bf16(o[c]) for c < cols. */
+static inline void round_row(const float *o, uint16_t *y, int64_t cols) {
+    for (int64_t c = 0; c < cols; c += 16) {
+        __mmask16 mk = (__mmask16)(cols - c >= 16 ? 0xFFFF : (1u << (cols - c)) - 1);
+        _mm256_mask_storeu_epi16(y + c, mk, _mm512_cvtepi32_epi16(bf16_bits(_mm512_maskz_loadu_ps(mk, o + c))));
+    }
+}
 
 /* ---- AMX (tiles of 16 x 64 bytes; TDPBF16PS) -------------------------------------------------
  * C[16 weight rows x 16 expert rows] += A[16 weight rows x 32 k] . B[16 k-pairs x 16 rows]:
@@ -274,15 +331,8 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
                     dots_rows(wu + r * H, H, nw, xe, n, H, u + r, TASK);
                 }
             }
-            for (int64_t i = 0; i < n; i++) {
-                uint16_t *ar = a + (offsets[e] - offsets[0] + i) * I + j0;
-                for (int64_t c = 0; c < cols; c++) {
-                    float gs = bf16_to_f32(f32_to_bf16(g[i * TASK + c]));
-                    float s = bf16_to_f32(f32_to_bf16(silu(gs)));
-                    float us = bf16_to_f32(f32_to_bf16(u[i * TASK + c]));
-                    ar[c] = f32_to_bf16(s * us);
-                }
-            }
+            for (int64_t i = 0; i < n; i++)
+                gated_silu_row(g + i * TASK, u + i * TASK, a + (offsets[e] - offsets[0] + i) * I + j0, cols);
         }
         if (amx) _tile_release();
     }
@@ -315,10 +365,7 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
                     dots_rows(wd + r * I, I, nw, ae, n, I, o + r, TASK);
                 }
             }
-            for (int64_t i = 0; i < n; i++) {
-                uint16_t *yr = y + (offsets[e] + i) * H + j0;
-                for (int64_t c = 0; c < cols; c++) yr[c] = f32_to_bf16(o[i * TASK + c]);
-            }
+            for (int64_t i = 0; i < n; i++) round_row(o + i * TASK, y + (offsets[e] + i) * H + j0, cols);
         }
         if (amx) _tile_release();
     }
