@@ -9,7 +9,7 @@ byte dot products, prefetch, huge pages; see the file's header for the numerics)
 
 cpu_moe.c, the bf16 expert MLPs of MoE decode (a few rows per expert): AMX tiles straight on the
 stored expert weights where the CPU has AMX-BF16 (AVX-512 BF16 dot products elsewhere), one
-call for all experts; 6-11% faster reads than torch's grouped GEMM at 1-4 rows per expert (see
+call for all experts; 12-15% faster than torch's grouped GEMM at 1-16 rows per expert (see
 kernels/moe.py). torch has neither path and no maintained library adds them to torch, so they
 are ours.
 
