@@ -401,11 +401,14 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
 # (oneDNN's GEMM per expert) on CPU. Measured at hidden 1024, intermediate 3584, 8 experts,
 # weights cycled through 704 MB (past this VM's L3), ms native vs grouped_mm:
 #   AMX tiles:        1 row/expert 6.48 vs 7.37 (27.2 GB/s), 4: 6.60 vs 7.57, 8: 6.82 vs 7.79,
-#                     16: 7.15 vs 8.23, 32: 9.42 vs 9.78 (from 32 one oneDNN GEMM pair per expert
-#                     with fused epilogues takes over, _LOOP_MIN_ROWS_PER_EXPERT)
+#                     16: 7.15 vs 8.23, 32: 9.42 vs 9.78; against one oneDNN GEMM pair per expert
+#                     with fused epilogues (the path from _LOOP_MIN_ROWS_PER_EXPERT on): 32 rows
+#                     10.66 vs 14.07, 64: 15.25 vs 18.89, 96: 19.65 vs 21.20, 128: 24.82 vs 24.42
+#                     (each 16-row panel re-reads the weight block from L2 and AMX is not fed
+#                     at its peak, so oneDNN's blocking wins past ~100 rows)
 #   AVX-512 BF16 dot: 1 row/expert 6.82 vs 7.70, 2: 7.99 vs 7.68, 4: 9.73 vs 7.74 (the dot
 #                     products, not the reads, bound it from 2 rows on)
-_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 32.0, "avx512": 1.5}
+_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 96.0, "avx512": 1.5}
 
 
 def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[int]):

@@ -101,8 +101,9 @@ def test_native_runs_for_decode_routing(monkeypatch, tokens, top_k):
 
 def test_native_not_used_for_many_rows_fp32_or_other_activations(monkeypatch):
     calls = _count(monkeypatch)
-    x, gate_up, down, _, weights = _one_row_per_expert(tokens=40)
-    ids = torch.tensor([[0, 1]] * 40)  # 40 rows each for two experts: oneDNN GEMMs are faster
+    many = int(M._NATIVE_MAX_ROWS_PER_EXPERT["amx"]) + 1
+    x, gate_up, down, _, weights = _one_row_per_expert(tokens=many)
+    ids = torch.tensor([[0, 1]] * many)  # rows per expert past the AMX range: oneDNN GEMMs
     M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
     x, gate_up, down, ids, weights = _one_row_per_expert()
     M.grouped_expert_mlp(x.float(), gate_up.float(), down.float(), weights, ids, "silu",
