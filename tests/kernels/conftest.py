@@ -9,6 +9,7 @@ import triton. Import the helpers in a test module with
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -67,3 +68,18 @@ def requires_triton():
 def triton_interpret(monkeypatch):
     """Make sure Triton kernels run under the CPU interpreter for this test."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Wrap module.<name> for this test so each call appends to the returned list: the proof
+    that a fast path ran, not only that its output matched."""
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls

@@ -7,13 +7,12 @@ really call it where it applies (counted), and not where it does not.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import quant as Q
+from tests.kernels.conftest import count_calls
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
@@ -27,16 +26,7 @@ def _gaussian(*shape, seed=0):
 
 
 def _count(monkeypatch, name):
-    calls = []
-    original = getattr(Q, name)
-
-    @functools.wraps(original)
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(Q, name, counted)
-    return calls
+    return count_calls(monkeypatch, Q, name)
 
 
 def _exact(x, w, bias=None):

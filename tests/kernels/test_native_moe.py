@@ -8,29 +8,19 @@ dtypes or activations.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import moe as M
+from tests.kernels.conftest import count_calls
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
 
 
-def _count(monkeypatch, name="_native_moe_rows"):
-    calls = []
-    original = getattr(M, name)
-
-    @functools.wraps(original)
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(M, name, counted)
-    return calls
+def _count(monkeypatch):
+    return count_calls(monkeypatch, M, "_native_moe_rows")
 
 
 def _experts(num_experts, hidden, inter, tokens, top_k, seed=0, drop=0):

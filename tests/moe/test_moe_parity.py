@@ -26,6 +26,7 @@ from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import moe as moe_kernels
 from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
+from tests.kernels.conftest import count_calls
 
 FP32_LOGIT_ATOL = 1e-4
 BF16_LOGIT_RTOL = 3e-2
@@ -115,14 +116,7 @@ def test_bf16_decode_runs_the_native_expert_kernel(monkeypatch):
     """Batch-1 bf16 decode routes one row per expert: csrc/cpu_moe.c computes them (counted),
     and at every decode step each MoE layer's output matches HF's MoE block run on the same
     input (tokens whose HF routing is a near-tie are skipped: bf16 may legally flip them)."""
-    calls = []
-    original = moe_kernels._native_moe_rows
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(moe_kernels, "_native_moe_rows", counted)
+    calls = count_calls(monkeypatch, moe_kernels, "_native_moe_rows")
     ref = make_model("mixtral_8x2", dtype=torch.bfloat16)
     fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
     moes = get_report(fused).moe

@@ -208,6 +208,16 @@ static void pack_pairs(const uint16_t *x, int64_t n, int64_t K, uint32_t *xp) {
     }
 }
 
+/* Every expert's rows of x (row r of expert e at x + r * K, r in offsets[e]..offsets[e+1]) into
+   its panels, from panel panel_at[e] of xp on. */
+static void pack_experts(const uint16_t *x, const int64_t *offsets, int64_t E, int64_t K,
+                         const int64_t *panel_at, uint32_t *xp) {
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e])
+            pack_pairs(x + offsets[e] * K, offsets[e + 1] - offsets[e], K,
+                       xp + panel_at[e] * (K / 2) * 16);
+}
+
 /* out[i * ldo + r] = W[r] . x[i] for the 32 weight rows from w (row stride K), one 16-row panel
    of packed x; NB = 1 or 2 blocks of 32 rows (w, w2) into out, out2. */
 static inline void amx_block(const uint16_t *w, const uint16_t *w2, int64_t K,
@@ -304,11 +314,7 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
 
     /* phase 1: gate and up rows c*TASK.. of each expert, then a = bf16(bf16(silu(g)) * u) */
     int64_t tasks = list_tasks(offsets, E, I, te, tc);
-    if (amx)
-        for (int64_t e = 0; e < E; e++)
-            if (offsets[e + 1] > offsets[e])
-                pack_pairs(x + offsets[e] * H, offsets[e + 1] - offsets[e], H,
-                           xp + panel_at[e] * (H / 2) * 16);
+    if (amx) pack_experts(x, offsets, E, H, panel_at, xp);
 #pragma omp parallel num_threads(nt)
     {
         if (amx) amx_configure();
@@ -339,11 +345,7 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
 
     /* phase 2: down rows c*TASK.. of each expert: y = bf16(a @ Wd^T) */
     tasks = list_tasks(offsets, E, H, te, tc);
-    if (amx)
-        for (int64_t e = 0; e < E; e++)
-            if (offsets[e + 1] > offsets[e])
-                pack_pairs(a + (offsets[e] - offsets[0]) * I, offsets[e + 1] - offsets[e], I,
-                           xp + panel_at[e] * (I / 2) * 16);
+    if (amx) pack_experts(a - offsets[0] * I, offsets, E, I, panel_at, xp);
 #pragma omp parallel num_threads(nt)
     {
         if (amx) amx_configure();
