@@ -1,18 +1,26 @@
-/* bf16 expert MLPs for few rows per expert (MoE decode and small batches) on AVX-512 BF16 CPUs.
+/* bf16 expert MLPs for few rows per expert (MoE decode, small batches, short prompts) on x86.
  *
  * Built with cpu_quant.c into one library by hf_dsinfer/kernels/_native.py, called through
- * ctypes from kernels/moe.py. With a handful of routed rows per expert the expert MLPs are bound
- * by reading the expert weights once; torch's CPU grouped GEMM streams them at ~75% of the read
- * bandwidth there and oneDNN's per-expert GEMMs are slower still at 1-8 rows. This kernel reads
- * each weight row once, dots it with all of its expert's rows (vdpbf16ps: exact bf16 products,
- * fp32 sums), and keeps HF's rounding between the ops:
+ * ctypes from kernels/moe.py. With up to ~100 routed rows per expert the expert MLPs are bound by
+ * reading the expert weights (at a few rows) or by how well the tile units are fed; torch's CPU
+ * grouped GEMM and oneDNN's per-expert GEMMs leave 12-20% on the table there (numbers in
+ * kernels/moe.py). One call computes every routed expert, in two phases (gate/up, then down),
+ * each split into equal tasks of TASK weight rows of one expert:
+ *
+ *   AMX (AMX-BF16 CPUs, granted by Linux): TDPBF16PS with A tiles loaded straight from the
+ *       stored row-major weights and B tiles from the expert's rows packed once per call in
+ *       16-row panels of bf16 pairs; a task's weight block is read from memory once and from L2
+ *       for its further panels.
+ *   AVX-512 BF16 otherwise: vdpbf16ps dot products, WR weight rows x XR expert rows per
+ *       register tile.
+ *
+ * Products of bf16 are exact and sums are fp32 in both; the rounding between ops is HF's:
  *
  *   g = bf16(x @ Wg^T), u = bf16(x @ Wu^T), a = bf16(bf16(silu(g)) * u), y = bf16(a @ Wd^T)
  *
  * gate_up is transformers 5's fused expert tensor [E, 2I, H] (gate rows first, then up rows),
  * down is [E, H, I]; x holds the routed rows sorted by expert, rows offsets[e]:offsets[e+1]
- * belong to expert e, rows from offsets[E] on are left alone. Two parallel phases (gate/up, then
- * down), each split into equal tasks of TASK weight rows of one expert.
+ * belong to expert e, rows from offsets[E] on are left alone.
  */
 #include <cpuid.h>
 #include <immintrin.h>
@@ -31,22 +39,6 @@
 #define AMX_PREFETCH 0 /* none: the hardware prefetchers do better (see amx_block) */
 #endif
 #define PREFETCH 1024 /* bytes ahead of the current column that weight rows are prefetched */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bf16 conversion does. */
-static inline uint16_t f32_to_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -103,7 +95,8 @@ static void dots_rows(const uint16_t *w, int64_t ldw, int nw, const uint16_t *x,
 /* ---- vector epilogue (16 fp32 lanes) ---- */
 
 /* fp32 -> bf16 bits (round to nearest even, NaN kept quiet) in the low 16 bits of each lane:
-   the scalar f32_to_bf16, lane-wise (not vcvtneps2bf16, which flushes denormals). */
+   torch's float -> bfloat16 conversion, lane-wise (not vcvtneps2bf16, which flushes
+   denormals). */
 static inline __m512i bf16_bits(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -218,6 +211,9 @@ static void pack_experts(const uint16_t *x, const int64_t *offsets, int64_t E, i
                        xp + panel_at[e] * (K / 2) * 16);
 }
 
+/* Software prefetch is compiled out (AMX_PREFETCH 0): prefetching each tile row 1 KiB ahead took
+   the 8 experts at 1 row each from 6.87-7.02 ms to 8.07-8.15 ms (2 KiB: 7.21-7.33, 4 KiB: 7.28);
+   the 32 row streams of a task are left to the hardware prefetchers. */
 /* out[i * ldo + r] = W[r] . x[i] for the 32 weight rows from w (row stride K), one 16-row panel
    of packed x; NB = 1 or 2 blocks of 32 rows (w, w2) into out, out2. */
 static inline void amx_block(const uint16_t *w, const uint16_t *w2, int64_t K,
@@ -312,64 +308,50 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
         return -2;
     }
 
-    /* phase 1: gate and up rows c*TASK.. of each expert, then a = bf16(bf16(silu(g)) * u) */
-    int64_t tasks = list_tasks(offsets, E, I, te, tc);
-    if (amx) pack_experts(x, offsets, E, H, panel_at, xp);
+    /* phase 1: gate and up rows c*TASK.. of each expert, then a = bf16(bf16(silu(g)) * u);
+       phase 2: down rows c*TASK.. of each expert, y = bf16(a @ Wd^T) */
+    for (int down_phase = 0; down_phase < 2; down_phase++) {
+        const int64_t N = down_phase ? H : I, K = down_phase ? I : H;
+        /* row r (offsets[0] <= r < offsets[E]) of this phase's input is at src + r * K */
+        const uint16_t *src = down_phase ? a - offsets[0] * I : x;
+        int64_t tasks = list_tasks(offsets, E, N, te, tc);
+        if (amx) pack_experts(src, offsets, E, K, panel_at, xp);
 #pragma omp parallel num_threads(nt)
-    {
-        if (amx) amx_configure();
-        int tid = omp_get_thread_num();
+        {
+            if (amx) amx_configure();
+            float *f0 = scratch + (int64_t)omp_get_thread_num() * 2 * nround * TASK;
+            float *f1 = f0 + nround * TASK;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t e = te[t], j0 = (int64_t)tc[t] * TASK;
-            int64_t n = offsets[e + 1] - offsets[e], cols = I - j0 < TASK ? I - j0 : TASK;
-            const uint16_t *xe = x + offsets[e] * H;
-            const uint16_t *wg = gate_up + (e * 2 * I + j0) * H, *wu = wg + I * H;
-            float *g = scratch + (int64_t)tid * 2 * nround * TASK, *u = g + nround * TASK;
-            if (amx) {
-                for (int64_t p = 0; p * 16 < n; p++)
-                    amx_block(wg, wu, H, xp + (panel_at[e] + p) * (H / 2) * 16, g + p * 16 * TASK,
-                              u + p * 16 * TASK, TASK, n - p * 16 < 16 ? n - p * 16 : 16);
-            } else {
-                for (int64_t r = 0; r < cols; r += WR) {
-                    int nw = (int)(cols - r < WR ? cols - r : WR);
-                    dots_rows(wg + r * H, H, nw, xe, n, H, g + r, TASK);
-                    dots_rows(wu + r * H, H, nw, xe, n, H, u + r, TASK);
+            for (int64_t t = 0; t < tasks; t++) {
+                int64_t e = te[t], j0 = (int64_t)tc[t] * TASK;
+                int64_t n = offsets[e + 1] - offsets[e], cols = N - j0 < TASK ? N - j0 : TASK;
+                const uint16_t *xe = src + offsets[e] * K;
+                /* phase 1: w0 gate rows, w1 up rows; phase 2: w0 down rows, no w1 */
+                const uint16_t *w0 = down_phase ? down + (e * H + j0) * I
+                                                : gate_up + (e * 2 * I + j0) * H;
+                const uint16_t *w1 = down_phase ? NULL : w0 + I * H;
+                if (amx) {
+                    for (int64_t p = 0; p * 16 < n; p++)
+                        amx_block(w0, w1, K, xp + (panel_at[e] + p) * (K / 2) * 16,
+                                  f0 + p * 16 * TASK, f1 + p * 16 * TASK, TASK,
+                                  n - p * 16 < 16 ? n - p * 16 : 16);
+                } else {
+                    for (int64_t r = 0; r < cols; r += WR) {
+                        int nw = (int)(cols - r < WR ? cols - r : WR);
+                        dots_rows(w0 + r * K, K, nw, xe, n, K, f0 + r, TASK);
+                        if (w1) dots_rows(w1 + r * K, K, nw, xe, n, K, f1 + r, TASK);
+                    }
+                }
+                for (int64_t i = 0; i < n; i++) {
+                    if (down_phase)
+                        round_row(f0 + i * TASK, y + (offsets[e] + i) * H + j0, cols);
+                    else
+                        gated_silu_row(f0 + i * TASK, f1 + i * TASK,
+                                       a + (offsets[e] - offsets[0] + i) * I + j0, cols);
                 }
             }
-            for (int64_t i = 0; i < n; i++)
-                gated_silu_row(g + i * TASK, u + i * TASK, a + (offsets[e] - offsets[0] + i) * I + j0, cols);
+            if (amx) _tile_release();
         }
-        if (amx) _tile_release();
-    }
-
-    /* phase 2: down rows c*TASK.. of each expert: y = bf16(a @ Wd^T) */
-    tasks = list_tasks(offsets, E, H, te, tc);
-    if (amx) pack_experts(a - offsets[0] * I, offsets, E, I, panel_at, xp);
-#pragma omp parallel num_threads(nt)
-    {
-        if (amx) amx_configure();
-        int tid = omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t e = te[t], j0 = (int64_t)tc[t] * TASK;
-            int64_t n = offsets[e + 1] - offsets[e], cols = H - j0 < TASK ? H - j0 : TASK;
-            const uint16_t *ae = a + (offsets[e] - offsets[0]) * I;
-            const uint16_t *wd = down + (e * H + j0) * I;
-            float *o = scratch + (int64_t)tid * 2 * nround * TASK;
-            if (amx) {
-                for (int64_t p = 0; p * 16 < n; p++)
-                    amx_block(wd, NULL, I, xp + (panel_at[e] + p) * (I / 2) * 16,
-                              o + p * 16 * TASK, NULL, TASK, n - p * 16 < 16 ? n - p * 16 : 16);
-            } else {
-                for (int64_t r = 0; r < cols; r += WR) {
-                    int nw = (int)(cols - r < WR ? cols - r : WR);
-                    dots_rows(wd + r * I, I, nw, ae, n, I, o + r, TASK);
-                }
-            }
-            for (int64_t i = 0; i < n; i++) round_row(o + i * TASK, y + (offsets[e] + i) * H + j0, cols);
-        }
-        if (amx) _tile_release();
     }
     free(te);
     free(tc);
