@@ -12,8 +12,10 @@ the same order: groups are built once per (size, stride) for all ranks and cache
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,23 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Seen here and in CI (about 1 gloo launch in 20): a ProcessGroupGloo worker thread that finishes
+# a collective drops its work item, and with it the last reference to a tensor whose Python
+# object only the C++ side still holds; that decref needs the GIL. When the main thread leaves
+# the script within a GIL switch interval of the last collective, the worker thread asks for the
+# GIL during interpreter finalization, Python ends it with pthread_exit, the unwind meets a
+# noexcept frame and the process aborts ("terminate called without an active exception") after
+# all its work is done. Releasing the GIL once at exit lets such a thread finish first.
+_COLLECTIVES_USED = False
+_EXIT_GRACE_S = 0.05
+
+
+@atexit.register
+def _let_collective_threads_finish() -> None:
+    if _COLLECTIVES_USED:
+        time.sleep(_EXIT_GRACE_S)
+
+
 def ensure_world(what: str) -> int:
     """The world size, initialising torch.distributed from a torchrun environment if needed."""
     if not dist.is_available():
@@ -90,6 +109,8 @@ def ensure_world(what: str) -> int:
                 "torch.distributed.init_process_group() before loading the model."
             )
         _init_from_env()
+    global _COLLECTIVES_USED
+    _COLLECTIVES_USED = True
     return dist.get_world_size()
 
 
