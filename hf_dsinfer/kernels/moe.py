@@ -385,10 +385,13 @@ def _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act: str):
     return yt[:, :rows].t()  # [R, H] view
 
 
+def _active_experts(bounds: list[int]) -> int:
+    return sum(hi > lo for lo, hi in itertools.pairwise(bounds))
+
+
 def _many_rows(bounds: list[int]) -> bool:
     """No routed rows, or many rows per active expert (GEMM-bound, not weight-read-bound)."""
-    active = sum(hi > lo for lo, hi in itertools.pairwise(bounds))
-    return bounds[-1] == 0 or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * active
+    return bounds[-1] == 0 or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * _active_experts(bounds)
 
 
 def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
@@ -398,8 +401,9 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
 
 
 # Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) beats F.grouped_mm
-# (oneDNN's GEMM per expert) on CPU. Measured at hidden 1024, intermediate 3584, 8 experts,
-# weights cycled through 704 MB (past this VM's L3), ms native vs grouped_mm:
+# (oneDNN's GEMM per expert) on CPU. Measured by benchmarks/moe_experts.py (hidden 1024,
+# intermediate 3584, 8 experts, weights cycled through 704 MB, past this VM's L3), ms native vs
+# grouped_mm:
 #   AMX tiles:        1 row/expert 6.48 vs 7.37 (27.2 GB/s), 4: 6.60 vs 7.57, 8: 6.82 vs 7.79,
 #                     16: 7.15 vs 8.23, 32: 9.42 vs 9.78; against one oneDNN GEMM pair per expert
 #                     with fused epilogues (the path from _LOOP_MIN_ROWS_PER_EXPERT on): 32 rows
@@ -415,24 +419,24 @@ def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[in
     """The native library when its bf16 expert kernel (csrc/cpu_moe.c) takes these rows, else
     None: few rows per active expert (see above), silu, bf16 rows and weights, contiguous, on
     CPU, outside torch.compile."""
-    active = sum(hi > lo for lo, hi in itertools.pairwise(bounds))
     fits = (0 < bounds[-1] and act == "silu" and x_sorted.device.type == "cpu"
             and x_sorted.dtype == gate_up_proj.dtype == down_proj.dtype == torch.bfloat16
             and x_sorted.is_contiguous() and gate_up_proj.is_contiguous()
             and down_proj.is_contiguous() and not torch.compiler.is_compiling())
-    if not fits or _native.lib() is None:
+    lib = _native.lib() if fits else None
+    if lib is None:
         return None
     hidden, inter = x_sorted.shape[1], down_proj.shape[2]
     tiles = hidden % 32 == 0 and inter % 32 == 0 and _native.amx_available()
     most = _NATIVE_MAX_ROWS_PER_EXPERT["amx" if tiles else "avx512"]
-    return _native.lib() if bounds[-1] <= most * active else None
+    return lib if bounds[-1] <= most * _active_experts(bounds) else None
 
 
 def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int):
     """Expert outputs [R, H] of expert-sorted bf16 rows from the native kernel; rows past
     offsets[E] (dropped) are 0. Reads each expert weight row once (see csrc/cpu_moe.c)."""
     num_experts, two_inter, hidden = gate_up_proj.shape
-    offs = offsets.to(torch.int64).contiguous()
+    offs = offsets.contiguous()  # int64, from moe_align / the expert-parallel receive path
     a = x_sorted.new_empty(kept, two_inter // 2)  # act(gate) * up, the kernel's scratch
     y = torch.empty_like(x_sorted)
     y[kept:] = 0
@@ -482,10 +486,10 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     bounds = align.expert_offsets.tolist()  # one host sync
     act = resolve_activation(act)
     lib = _native_moe_lib(x, gate_up_proj, down_proj, act, bounds)
-    if lib is None and _per_expert_gemms(bounds, gate_up_proj, down_proj):
-        return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds, act)
     if lib is not None:  # [T*k, H]
         y = _native_moe_rows(lib, x, gate_up_proj, down_proj, align.expert_offsets, bounds[-1])
+    elif _per_expert_gemms(bounds, gate_up_proj, down_proj):
+        return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds, act)
     else:  # [T*k, H]; rows past bounds[-1] unset
         y = _grouped_rows_gmm(x, gate_up_proj, down_proj, align.expert_offsets, act)
     w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert

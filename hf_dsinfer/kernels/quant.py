@@ -47,9 +47,9 @@ from hf_dsinfer.kernels.linear import dot_in_fp32
 QUANT_PACK_MAX_ROWS = 32
 # Rows of x up to which the CPU int8 path uses the native kernel of csrc/cpu_quant.c
 # (_native.py). Measured per 5632 x 2048 weight, bf16 x, 6 weights cycled (69 MB, so partly
-# L3-resident on this VM; from DRAM both are slower, the native one ~1.4x faster): native 0.41 / 0.52 / 0.72 / 1.34 /
-# 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's _weight_int8pack_mm 0.63 / 0.66 / 0.88 / 1.84 /
-# 3.42 ms.
+# L3-resident on this VM; from DRAM both are slower, the native one ~1.4x faster): native
+# 0.41 / 0.52 / 0.72 / 1.34 / 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's _weight_int8pack_mm
+# 0.63 / 0.66 / 0.88 / 1.84 / 3.42 ms.
 NATIVE_MAX_ROWS = 16
 # Output rows dequantized at a time in the chunked path (512 x 8192 bf16 = 8 MB, cache-resident).
 DEQUANT_CHUNK_ROWS = 512

@@ -120,10 +120,11 @@ def attach_offload(model: nn.Module, policy: OffloadPolicy) -> OffloadEngine:
     _swap_packed(blocks, slots, policy.group_size)
     bind = functools.partial(_bind, blocks)
     store.build(source, folder, folder.name if folder else "", bind)
-    _return_freed_memory()
+    del source  # holds every in-memory block parameter until here
     _move_others(model, prefix, device)
     engine = OffloadEngine(list(blocks), store, policy, device, shape)
-    _install(model, blocks, engine)
+    _install(model, blocks, engine)  # drops the dense originals of the streamed weights
+    _return_freed_memory()
     model.hf_device_map = _device_map(model, prefix, blocks, slots, device)
     return engine
 

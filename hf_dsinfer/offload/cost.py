@@ -107,7 +107,10 @@ def _cached(key: str) -> Hardware | None:
         entry = json.loads(CACHE_FILE.read_text()).get(key)
     except (OSError, ValueError):
         return None
-    return Hardware(**entry) if entry else None
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    if not isinstance(entry, dict) or set(entry) != fields:
+        return None  # absent, or written before a constant was added / renamed: re-measure
+    return Hardware(**entry)
 
 
 def _store(key: str, hw: Hardware) -> None:

@@ -45,14 +45,12 @@ class PackedInt4Linear(QuantizedLinear):
     """y = x @ W.T + b with W bound as a PackedWeight (see the module docstring)."""
 
     def __init__(self, linear: nn.Linear, group_size: int):
-        nn.Module.__init__(self)  # QuantizedLinear's buffers are not used: codes come and go
-        self.bits = 4
-        self.backend = "cpu"
+        # QuantizedLinear's buffers and weight tuple are not used (codes come and go): only the
+        # type, which the fused blocks route to matmul, and the methods overridden below
+        nn.Module.__init__(self)
         self.group_size = group_size
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self._static = {"group_size": group_size}
-        self._fields = []
         self.weight_codes: PackedWeight | None = None
         self.dense: torch.Tensor | None = None  # [out, in] while a prefill runs
 

@@ -52,7 +52,7 @@ from hf_dsinfer.parallel.groups import (
     rank_group,
     tensor_parallel_group,
 )
-from hf_dsinfer.parallel.slicing import split_sizes
+from hf_dsinfer.parallel.slicing import shard_range, split_sizes
 
 
 class ExpertParallelError(DSInferError):
@@ -220,13 +220,11 @@ class ExpertParallel:
         Under tensor parallelism x is the same on every TP rank: each computes its share."""
         if self.tp is None:
             return self.dispatch(x, weights, ids, expert_rows)
-        sizes = split_sizes(x.shape[0], self.tp.size)
-        start = sum(sizes[: self.tp.rank])
-        share = slice(start, start + sizes[self.tp.rank])
+        share = slice(*shard_range(x.shape[0], self.tp.size, self.tp.rank))
         y = self.dispatch(x[share], weights[share], ids[share], expert_rows)  # [T_share, H]
         self.stats.gathers += 1
         self.stats.gather_bytes += y.nbytes * (self.tp.size - 1)
-        return all_gather_rows(y, sizes, self.tp)
+        return self.tp.all_gather_uneven(y, split_sizes(x.shape[0], self.tp.size), dim=0)
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  expert_rows: Any) -> torch.Tensor:
@@ -291,17 +289,6 @@ def route_pairs(placement: ExpertPlacement, ids: torch.Tensor, weights: torch.Te
     weight = weights.new_zeros(len(pair_key), k)
     weight[pair, slot % k] = weights.reshape(-1)[slot]
     return PairRoute(pair_key // placement.ep_size, pair_key % placement.ep_size, table, weight)
-
-
-def all_gather_rows(x: torch.Tensor, sizes: list[int], group: RankGroup) -> torch.Tensor:
-    """Concatenate every rank's rows x [sizes[r], ...] in rank order ([sum(sizes), ...]).
-    gloo's all_gather needs equal shapes, so shares are padded to the largest."""
-    width = max(sizes)
-    pad = x.new_zeros((width, *x.shape[1:]))
-    pad[: x.shape[0]] = x
-    parts = [torch.empty_like(pad) for _ in range(group.size)]
-    dist.all_gather(parts, pad, group=group.group)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
 def a2a_bytes_per_token(placement: ExpertPlacement, ids: torch.Tensor, hidden: int,

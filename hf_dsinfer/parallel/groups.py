@@ -54,17 +54,19 @@ class RankGroup:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Concatenate every rank's `x` [..., sizes[r]] along the last dim ([..., sum(sizes)]).
+    def all_gather_uneven(self, x: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` (of size sizes[r] along `dim`) along `dim`, in rank order.
 
         gloo's all_gather needs equal shapes, so uneven shards are padded to the largest."""
         if self.size == 1:
             return x
+        dim = dim % x.dim()
         width = max(sizes)
-        pad = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        pad = x.new_zeros((*x.shape[:dim], width, *x.shape[dim + 1:]))
+        pad.narrow(dim, 0, x.shape[dim]).copy_(x)
         parts = [torch.empty_like(pad) for _ in range(self.size)]
         dist.all_gather(parts, pad, group=self.group)
-        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Overwrite `x` on every rank with the group's first rank's `x` (in place)."""

@@ -166,7 +166,7 @@ class VocabParallelHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.module.weight, getattr(self.module, "bias", None))
-        return self.tp.all_gather_last_dim(local, self.sizes)
+        return self.tp.all_gather_uneven(local, self.sizes)
 
 
 class FullQKNorm:

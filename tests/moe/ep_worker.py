@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from launch import exit_skipping_teardown
 from tiny_models import MOE_CONFIGS, make_model, prompts
 from transformers import AutoModelForCausalLM
 
@@ -93,17 +94,6 @@ def worker_main(run: Callable[[str, int, int], dict]) -> None:
     dist.barrier()
     dist.destroy_process_group()
     exit_skipping_teardown()
-
-
-# Leave without the interpreter's teardown: about 1 launch in 30 here (and once in CI), a gloo
-# worker aborted *after* destroy_process_group and after its results were written, in
-# finalization ("terminate called without an active exception", main thread with no Python
-# frame: a C++ thread object destroyed while joinable). The results are on disk by then, so the
-# worker exits the way a finished process should and torchrun sees 0.
-def exit_skipping_teardown() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

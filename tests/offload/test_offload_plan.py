@@ -3,6 +3,8 @@ uses memory where it pays, runs, and `hf-dsinfer plan` prints it."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from tiny_models import prompts
 
@@ -77,6 +79,13 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=False)
     assert calls == [64, 64]
     assert first.disk_read == 2e9 and first.memory_bw == 1e10
+    # an entry written before a constant existed is re-measured, not filled with a default
+    data = json.loads(cost.CACHE_FILE.read_text())
+    for entry in data.values():
+        entry.pop("int4_mm")
+    cost.CACHE_FILE.write_text(json.dumps(data))
+    assert cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True) == first
+    assert calls == [64, 64, 64]
 
 
 def test_disk_probe_reads_like_the_store(tmp_path):
