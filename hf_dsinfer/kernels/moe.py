@@ -400,18 +400,14 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
     return not _grouped_mm_fits(gate_up_proj, down_proj) or _many_rows(bounds)
 
 
-# Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) beats F.grouped_mm
-# (oneDNN's GEMM per expert) on CPU. Measured by benchmarks/moe_experts.py (hidden 1024,
-# intermediate 3584, 8 experts, weights cycled through 704 MB, past this VM's L3), ms native vs
-# grouped_mm:
-#   AMX tiles:        1 row/expert 6.48 vs 7.37 (27.2 GB/s), 4: 6.60 vs 7.57, 8: 6.82 vs 7.79,
-#                     16: 7.15 vs 8.23, 32: 9.42 vs 9.78; against one oneDNN GEMM pair per expert
-#                     with fused epilogues (the path from _LOOP_MIN_ROWS_PER_EXPERT on): 32 rows
-#                     10.66 vs 14.07, 64: 15.25 vs 18.89, 96: 19.65 vs 21.20, 128: 24.82 vs 24.42
-#                     (each 16-row panel re-reads the weight block from L2 and AMX is not fed
-#                     at its peak, so oneDNN's blocking wins past ~100 rows)
-#   AVX-512 BF16 dot: 1 row/expert 6.82 vs 7.70, 2: 7.99 vs 7.68, 4: 9.73 vs 7.74 (the dot
-#                     products, not the reads, bound it from 2 rows on)
+# Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) is the fastest CPU
+# path. Measured by benchmarks/moe_experts.py (hidden 1024, intermediate 3584, 8 experts, weights
+# cycled through 705 MB, past this VM's L3), ms native AMX / F.grouped_mm / one oneDNN GEMM pair
+# per expert: 1 row 7.18 / 8.67 / 12.99, 4: 7.25 / 8.53 / 13.04, 16: 7.73 / 9.52 / 13.79,
+# 32: 11.49 / 13.51 / 16.34, 64: 16.44 / 19.87 / 22.15, 96: 19.37 / 26.14 / 24.71,
+# 128: 26.92 / 31.09 / 28.85 (each 16-row panel re-reads its weight block from L2, so oneDNN's
+# blocking closes the gap as rows grow; 96 keeps a margin). AVX-512 BF16 dot products without
+# AMX: 1 row 7.39, 2: 8.49, 4: 10.28 (the dot products, not the reads, bound it from 2 rows on).
 _NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 96.0, "avx512": 1.5}
 
 
