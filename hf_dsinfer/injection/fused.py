@@ -23,6 +23,8 @@ from torch import nn
 
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.linear import linear
@@ -143,6 +145,38 @@ class FusedBlock:
         if policy.qk_norm is not None:
             self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
             self._eps.update({id(n): _norm_eps(n) for n in (self._q_norm, self._k_norm)})
+        # the native batch-1 decode layer (kernels.decode), built on the first decode call
+        self._decode: native_decode.DecodeLayer | None = None
+        self._decode_key: tuple | None = None  # weights the last failed build looked at
+        self._decode_build_why: str | None = None
+        self._decode_layout_why: str | None = self._decode_policy_why()
+
+    @property
+    def decode_why(self) -> str | None:
+        """Why one-token steps of this block do not run the native decode layer (None: they
+        do, where the call allows: batch 1, bf16, CPU, no grad)."""
+        return self._decode_layout_why or self._decode_build_why or (
+            None if _native.lib() is not None else f"native kernels unavailable "
+                                                    f"({_native.why_unavailable()})")
+
+    def _decode_policy_why(self) -> str | None:
+        """Why this block's layout is not one kernels.decode computes (None: it is)."""
+        p, spec = self.policy, self.spec
+        checks = [
+            (p.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
+            (p.norm == "rms", "LayerNorm"),
+            (p.positions == P.ROPE and not p.rotary_interleaved, "positions are not rotate-half RoPE"),
+            (p.qkv_layout == P.SEPARATE and not self.is_moe and p.gated
+             and spec.activation == "silu", "not separate q/k/v with a SiLU-gated MLP"),
+            (p.qk_norm is None and spec.clip_qkv is None and not spec.scale_query,
+             "q/k norm, clipping or query scaling"),
+            (self._out.bias is None and all(getattr(m, "bias", None) is None
+                                            for m in (*self._mlp_in, self._mlp_out)),
+             "biases on o_proj or the MLP"),
+            (_dispatch.check_backend(self.backend or "auto") in ("auto", "cpu"),
+             f"kernels backend {self.backend!r}"),
+        ]
+        return next((why for ok, why in checks if not ok), None)
 
     def linear_slots(self) -> list[tuple[nn.Module, str, nn.Module]]:
         """(parent, attribute name, module) of every linear layer the block computes with."""
@@ -178,9 +212,13 @@ class FusedBlock:
         )
 
     # -- residual wirings (policy.layout) ------------------------------------------------------
-    def _sequential(self, x: torch.Tensor, named: dict) -> torch.Tensor:
-        h1 = self._norm(self._ln1, x)
-        attn_out, attn_bias = self._attention(h1, named)
+    def _sequential(self, x: torch.Tensor, named: dict, attn=None) -> torch.Tensor:
+        if attn is None and self._decode_layout_why is None:
+            out = self._decode_step(x, named)
+            if out is not None:
+                return out
+        h1 = self._norm(self._ln1, x) if attn is None else None
+        attn_out, attn_bias = self._attention(h1, named) if attn is None else attn
         residual = h1 if self.spec.residual_post_ln else x
         h2, hidden = self._norm_add(self._ln2, attn_out, residual, attn_bias)
         mlp_out, mlp_bias = self._mlp(h2)
@@ -208,6 +246,59 @@ class FusedBlock:
         mlp_out, mlp_bias = self._mlp(h)
         out, _ = self._norm_add(self._ln2, mlp_out, h, mlp_bias)
         return out
+
+    # -- native batch-1 decode (kernels.decode) ------------------------------------------------
+    def decode_layer(self) -> native_decode.DecodeLayer | None:
+        """The native layer for this block's current weights (built, or rebuilt after the
+        weights moved), or None with the reason in `decode_why`."""
+        if self._decode_layout_why is not None:
+            return None
+        layer = self._decode
+        if layer is not None and layer.current():
+            return layer
+        key = (self._ln1.weight.dtype, self._ln1.weight.data_ptr(),
+               *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
+        if self._decode_key == key:
+            return None  # this set of weights failed already
+        self._decode, self._decode_key, self._decode_build_why = None, None, None
+        try:
+            self._decode = native_decode.DecodeLayer.build(
+                self._ln1, self._ln2, (self._eps[id(self._ln1)], self._eps[id(self._ln2)]),
+                [*self._qkv, self._out, *self._mlp_in, self._mlp_out], self.spec.num_heads,
+                self.spec.num_kv_heads, self.spec.head_dim, self.spec.scale)
+        except native_decode.Unsupported as err:
+            self._decode_key, self._decode_build_why = key, str(err)
+        return self._decode
+
+    def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
+        """The whole layer in two native calls for one token of one sequence (None: this call
+        takes the torch path). The HF cache update runs between them, in Python."""
+        if (x.shape[0] != 1 or x.shape[1] != 1 or x.dtype != torch.bfloat16
+                or x.device.type != "cpu" or torch.is_grad_enabled()
+                or torch.compiler.is_compiling() or self.reduce is not None
+                or self.sharded_qk_norm is not None or _native.lib() is None):
+            return None
+        cache = named.get(self.policy.cache_arg)
+        cos_sin = named.get("position_embeddings")
+        mask = named.get("attention_mask")
+        d = self.spec.head_dim
+        if (cache is None or cos_sin is None or cos_sin[0].numel() != d
+                or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16
+                or (mask is not None and (mask.dim() != 4 or tuple(mask.shape[:3]) != (1, 1, 1)))):
+            return None
+        layer = self.decode_layer()
+        if layer is None:
+            return None
+        x = x.contiguous()
+        cos, sin = (t.reshape(d).contiguous() for t in cos_sin)
+        q, k, v = layer.attn_in(x, cos, sin)
+        k, v = cache.update(k, v, self.spec.layer_idx)
+        usable, keep = native_decode.keep_vector(mask, k.shape[2]) if isinstance(
+            k, torch.Tensor) else (False, None)
+        if usable and native_decode.cache_kv_usable(k, v, d):
+            return layer.attn_out(x, q, k, v, keep)
+        # a cache or mask the kernel does not read: the torch path from the attention on
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, 1, 1))
 
     # -- pieces --------------------------------------------------------------------------------
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -266,6 +357,11 @@ class FusedBlock:
         cache = named.get(self.policy.cache_arg)
         if cache is not None:
             k, v = cache.update(k, v, self.spec.layer_idx)
+        return self._attend(q, k, v, named, b, s)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict, b: int,
+                s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of rotated q over the (cache-updated) k, v, then the output projection."""
         scale = self.spec.scale
         if self.spec.scale_query:  # OPT scales q before QK^T; keep its rounding in half precision
             q, scale = q * scale, 1.0

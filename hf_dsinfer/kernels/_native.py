@@ -40,7 +40,9 @@ import torch
 
 ENV_VAR = "HF_DSINFER_NATIVE"
 AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_quant.c", "cpu_moe.c")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
+HEADERS = [CSRC / "hfd_simd.h"]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mf16c", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
@@ -67,7 +69,7 @@ def _cache_root() -> Path:
 
 
 def _build() -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*HEADERS, *SOURCES))
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -100,6 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_amx_available.argtypes = []
     lib.hfd_amx_available.restype = i32
     lib.hfd_advise_hugepages.restype = i32
+    lib.hfd_decode_attn_in.argtypes = [p, p, p, p, p, p, p, i32]
+    lib.hfd_decode_attn_in.restype = i32
+    lib.hfd_decode_attn_out.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, p, i32]
+    lib.hfd_decode_attn_out.restype = i32
 
 
 @functools.lru_cache(maxsize=1)

@@ -45,7 +45,7 @@ def test_quantized_blocks(quant, min_sqnr, max_ratio):
 
 def test_output_head_on_kernel_library():
     """An untied head runs kernels.linear (counted) with HF's logits in fp32; revert restores
-    it; a tied head is never quantized (that would copy the embedding table)."""
+    it; with quant, a tied head gets an int8 copy and the embedding table stays for lookups."""
     ref = make_model("llama")
     model = hf_dsinfer.init_inference(copy.deepcopy(ref))
     head = model.get_output_embeddings()
@@ -59,11 +59,15 @@ def test_output_head_on_kernel_library():
     assert "forward" not in head.__dict__
     tied = make_model("gpt2")  # GPT-2 ties lm_head to wte
     assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    table = tied.get_input_embeddings().weight.detach().clone()
     tied = hf_dsinfer.init_inference(tied, quant={"bits": 8})
-    assert not isinstance(tied.get_output_embeddings(), QuantizedLinear)
+    head = tied.get_output_embeddings()
+    assert isinstance(head, QuantizedLinear) and head.bits == 8
+    assert torch.equal(tied.get_input_embeddings().weight, table)  # lookups keep the table
     with torch.no_grad():
-        tied(ids, attention_mask=mask)
-    assert tied.get_output_embeddings().forward.calls == 1
+        logits = tied(ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+    assert "output head lm_head: int8 weight-only" in hf_dsinfer.explain(tied)
 
 
 def test_int8_quantized_hf_fallback_uses_same_weights():

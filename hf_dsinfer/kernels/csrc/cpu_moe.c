@@ -32,15 +32,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "hfd_simd.h"
+
 #define WR 4         /* weight rows dotted together */
 #define XR 4         /* expert rows dotted together (registers: WR * XR accumulators) */
 #define TASK 32      /* weight rows per task (a multiple of WR) */
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 0 /* none: the hardware prefetchers do better (see amx_block) */
 #endif
-#define PREFETCH 1024 /* bytes ahead of the current column that weight rows are prefetched */
-
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 /* out[i * ldo + r] = sum_k x[i, k] * w[r, k] for r < nw (<= WR), i < NX; rows of w are ldw
    apart, rows of x ldx apart; columns past K are masked. NX is a literal at every call site, so
@@ -89,66 +88,6 @@ static void dots_rows(const uint16_t *w, int64_t ldw, int nw, const uint16_t *x,
         case 2: dots(w, ldw, nw, x + i * K, K, 2, K, out + i * ldo, ldo); break;
         case 3: dots(w, ldw, nw, x + i * K, K, 3, K, out + i * ldo, ldo); break;
         default: break;
-    }
-}
-
-/* ---- vector epilogue (16 fp32 lanes) ---- */
-
-/* fp32 -> bf16 bits (round to nearest even, NaN kept quiet) in the low 16 bits of each lane:
-   torch's float -> bfloat16 conversion, lane-wise (not vcvtneps2bf16, which flushes
-   denormals). */
-static inline __m512i bf16_bits(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
-static inline __m512 bf16_round(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-
-/* e^x to about 1 ulp of fp32 (Cody-Waite reduction by ln 2, degree-6 polynomial on
-   [-ln2/2, ln2/2]); overflows to inf past 88.72 and underflows to 0 below -87.3 like expf. */
-static inline __m512 exp_ps(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.7228f), lo = _mm512_set1_ps(-103.9721f);
-    __m512 big = _mm512_set1_ps(INFINITY);
-    __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    /* p * 2^n, with scalef handling the exponent range (subnormal results included) */
-    __m512 y = _mm512_scalef_ps(p, n);
-    return _mm512_mask_mov_ps(y, over, big);
-}
-
-/* a[c] = bf16(bf16(silu(bf16(g[c]))) * bf16(u[c])) for c < cols, 16 lanes at a time. */
-static inline void gated_silu_row(const float *g, const float *u, uint16_t *a, int64_t cols) {
-    for (int64_t c = 0; c < cols; c += 16) {
-        __mmask16 mk = (__mmask16)(cols - c >= 16 ? 0xFFFF : (1u << (cols - c)) - 1);
-        __m512 gs = bf16_round(_mm512_maskz_loadu_ps(mk, g + c));
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
-        __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        __m512 us = bf16_round(_mm512_maskz_loadu_ps(mk, u + c));
-        _mm256_mask_storeu_epi16(a + c, mk, _mm512_cvtepi32_epi16(bf16_bits(_mm512_mul_ps(s, us))));
-    }
-}
-
-/* y[c] = bf16(o[c]) for c < cols. */
-static inline void round_row(const float *o, uint16_t *y, int64_t cols) {
-    for (int64_t c = 0; c < cols; c += 16) {
-        __mmask16 mk = (__mmask16)(cols - c >= 16 ? 0xFFFF : (1u << (cols - c)) - 1);
-        _mm256_mask_storeu_epi16(y + c, mk, _mm512_cvtepi32_epi16(bf16_bits(_mm512_maskz_loadu_ps(mk, o + c))));
     }
 }
 

@@ -1,0 +1,393 @@
+/* One Llama-family decoder layer for one token (batch-1 decode) in two calls, on x86 CPUs with
+ * AVX-512 BF16 / VNNI.
+ *
+ * A batch-1 decode step reads each weight once, so it is bound by memory bandwidth; what
+ * separates it from the bandwidth limit is the work between the weight reads. Computed with
+ * torch ops, one layer is ~60 dispatches (norms, three projections, ~20 rotary ops, the cache
+ * update, attention, residuals, the MLP): on the 2-core machine this was written on, ~0.7 ms of
+ * a SmolLM2-135M layer whose weights take 0.1 ms to read. Here a layer is two calls, with the
+ * HF cache update between them, so padding, beams and every Cache class keep working:
+ *
+ *   hfd_decode_attn_in:  h = rms_norm(x); q, k, v = h W_q^T, h W_k^T, h W_v^T (+ bias);
+ *                        q, k rotated (rotate-half RoPE with the model's own cos / sin)
+ *   hfd_decode_attn_out: a = softmax(q k^T * scale, keep) v over the cache's keys;
+ *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
+ *
+ * Weights are read where the model keeps them (no copy): bf16 [N, K] rows (vdpbf16ps), int8
+ * rows with per-row scales and input equalization (three byte planes of x, vpdpbusd: see
+ * cpu_quant.c), or 4-bit rows packed two per byte (low nibble first) with per-group scale and
+ * min, W = q * scale + min (nibbles become exact bf16 through vpermw, then vdpbf16ps; the mins
+ * come in through per-group sums of x). Products of bf16 are exact and sums are fp32.
+ *
+ * Rounding to bf16 happens where HF's bf16 modules round: after the norm's normalization and
+ * its weight, after each projection, after each rotary product and their sum, after the
+ * attention, each residual add, silu and the gate product. Attention follows torch's CPU flash
+ * kernel: fp32 scores and softmax, the unnormalized probabilities rounded to bf16 before they
+ * weight v, the sum divided out at the end.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "hfd_simd.h"
+
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+
+/* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
+   hf_dsinfer/kernels/decode.py). */
+typedef struct {
+    int64_t kind, n, k, group; /* group: int4 group size */
+    int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
+    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2] */
+    const void *scales;        /* int8: [n]; int4: [n, k / group] */
+    const void *mins;          /* int4: [n, k / group] */
+    const float *in_scale;     /* int8: [k] input equalization, or NULL */
+    const int32_t *rowsum;     /* int8: [n] sums of each row of q */
+    const void *bias;          /* [n] or NULL */
+} hfd_lin;
+
+enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps1, eps2, scale, unused;
+    const uint16_t *ln1, *ln2; /* bf16 [hidden] */
+    hfd_lin lin[L_COUNT];
+} hfd_layer;
+
+/* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
+typedef struct {
+    const uint16_t *x;
+    float *gsum;     /* [k / group] sums of x per int4 group */
+    uint8_t *planes; /* int8: 3 * kp bytes */
+    int64_t kp;
+    double unit;
+} lin_input;
+
+#define ROWS 4 /* weight rows per block (one thread streams them together) */
+#define MAX_GROUPS 1024 /* int4: groups per row (k / group) the kernel takes */
+
+static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
+    in->x = x;
+    if (L->kind == LIN_INT8) {
+        in->kp = (L->k + 63) / 64 * 64;
+        in->unit = int8_planes(x, DT_BF16, L->in_scale, L->k, in->kp, xf, in->planes);
+    } else if (L->kind == LIN_INT4) {
+        for (int64_t g = 0; g < L->k / L->group; g++) {
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t c = 0; c < L->group; c += 16)
+                s = _mm512_add_ps(s, load16(x, g * L->group + c, DT_BF16, 0xFFFF));
+            in->gsum[g] = _mm512_reduce_add_ps(s);
+        }
+    }
+}
+
+/* bf16 of 0..15 in words 0..15 (and again in 16..31) */
+static inline __m512i nibble_table(void) {
+    uint16_t tab[32];
+    for (int i = 0; i < 32; i++) {
+        float f = (float)(i & 15);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        tab[i] = (uint16_t)(u >> 16); /* 0..15 are exact in bf16 */
+    }
+    return _mm512_loadu_si512(tab);
+}
+
+/* 32 nibbles (16 bytes, low nibble first) as 16 lanes of bf16 pairs: lane j holds the values of
+   byte j's low nibble (first) and high nibble (second). */
+static inline __m512i nibbles_bf16(const uint8_t *p, __m512i table) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* word 0 of each lane = low nibble, word 1 = high nibble, as indices into the table */
+    __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
+                                            _mm512_set1_epi32(0x000F000F), 0xA8); /* (a|b)&c */
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
+/* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows (<= ROWS). */
+static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int rows, float *out) {
+    const int64_t K = L->k;
+    if (L->kind == LIN_INT8) {
+        const int8_t *wr[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            wr[r] = (const int8_t *)L->w + (n0 + (r < rows ? r : 0)) * K;
+        int64_t s[ROWS];
+        int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s);
+        for (int r = 0; r < rows; r++)
+            out[r] = (float)((double)s[r] * in->unit) * load_f32(L->scales, n0 + r, (int)L->s_dt);
+        return;
+    }
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    if (L->kind == LIN_BF16) {
+        const uint16_t *wr[ROWS];
+        for (int r = 0; r < ROWS; r++) wr[r] = (const uint16_t *)L->w + (n0 + (r < rows ? r : 0)) * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512i xv = _mm512_loadu_si512(in->x + k);
+            for (int r = 0; r < ROWS; r++) {
+                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
+                acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_loadu_si512(wr[r] + k)), as_bh(xv));
+            }
+        }
+        for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+        return;
+    }
+    /* int4: the rows' group scales in fp32 first (the loop broadcasts them from memory), the
+       mins through one dot product with the group sums of x per row */
+    const int64_t group = L->group, G = K / group;
+    const uint8_t *wr[ROWS];
+    float scale[ROWS][MAX_GROUPS], mins[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        int64_t row = n0 + (r < rows ? r : 0);
+        wr[r] = (const uint8_t *)L->w + row * (K / 2);
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 mk = mask16(G - g);
+            _mm512_mask_storeu_ps(scale[r] + g, mk, load16(L->scales, row * G + g, (int)L->s_dt, mk));
+            m = _mm512_fmadd_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk),
+                                _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
+        }
+        mins[r] = _mm512_reduce_add_ps(m);
+    }
+    const __m512i table = nibble_table();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a[ROWS];
+        for (int r = 0; r < ROWS; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+            __m512i xv = _mm512_loadu_si512(in->x + k);
+            for (int r = 0; r < ROWS; r++) {
+                if (!(k & 127)) _mm_prefetch((const char *)(wr[r] + k / 2) + PREFETCH / 2, _MM_HINT_T0);
+                a[r] = _mm512_dpbf16_ps(a[r], as_bh(nibbles_bf16(wr[r] + k / 2, table)), as_bh(xv));
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = _mm512_fmadd_ps(a[r], _mm512_set1_ps(scale[r][g]), acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r];
+}
+
+/* Rows of the linears lin[0..count) (all reading the same x), split in ROWS blocks over the
+   threads of the enclosing parallel region: y[j][n] = bf16 or fp32 of (W_j x + bias_j)[n]. */
+static void lin_rows(const hfd_lin *const *lin, const lin_input *in, int count, float *const *y) {
+    int64_t blocks = 0, first[8];
+    for (int j = 0; j < count; j++) {
+        first[j] = blocks;
+        blocks += (lin[j]->n + ROWS - 1) / ROWS;
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int j = 0;
+        while (j + 1 < count && b >= first[j + 1]) j++;
+        const hfd_lin *L = lin[j];
+        int64_t n0 = (b - first[j]) * ROWS;
+        int rows = (int)(L->n - n0 < ROWS ? L->n - n0 : ROWS);
+        float out[ROWS];
+        lin_block(L, &in[j], n0, rows, out);
+        for (int r = 0; r < rows; r++)
+            y[j][n0 + r] = out[r] + (L->bias ? load_f32(L->bias, n0 + r, (int)L->b_dt) : 0.f);
+    }
+}
+
+/* HF's LlamaRMSNorm in bf16: out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))). */
+static void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {
+        __m512 v = load16(x, c, DT_BF16, mask16(n - c));
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 h = bf16_round(_mm512_mul_ps(load16(x, c, DT_BF16, mk), _mm512_set1_ps(r)));
+        store16_bf16(out + c, mk, _mm512_mul_ps(h, load16(w, c, DT_BF16, mk)));
+    }
+}
+
+/* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding). */
+static void residual_bf16(const uint16_t *a, const float *b, int64_t n, uint16_t *out) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 v = bf16_round(_mm512_maskz_loadu_ps(mk, b + c));
+        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), v));
+    }
+}
+
+/* x (heads x d, bf16) rotated in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). */
+static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *cos,
+                        const uint16_t *sin) {
+    int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * d;
+        for (int64_t c = 0; c < half; c += 16) {
+            __mmask16 mk = mask16(half - c);
+            __m512 lo = load16(v, c, DT_BF16, mk), hi = load16(v, half + c, DT_BF16, mk);
+            __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+            __m512 a = _mm512_add_ps(bf16_round(_mm512_mul_ps(lo, load16(cos, c, DT_BF16, mk))),
+                                     bf16_round(_mm512_mul_ps(neg_hi, load16(sin, c, DT_BF16, mk))));
+            __m512 b = _mm512_add_ps(bf16_round(_mm512_mul_ps(hi, load16(cos, half + c, DT_BF16, mk))),
+                                     bf16_round(_mm512_mul_ps(lo, load16(sin, half + c, DT_BF16, mk))));
+            store16_bf16(v + c, mk, a);
+            store16_bf16(v + half + c, mk, b);
+        }
+    }
+}
+
+/* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes and group sums. */
+typedef struct {
+    void *mem;
+    float *xf;
+    uint8_t *planes;
+    float *gsum;
+    int64_t kp;
+} scratch;
+
+static int scratch_init(scratch *s, int64_t K) {
+    s->kp = (K + 63) / 64 * 64;
+    size_t bytes = (size_t)s->kp * 4 + 3 * (size_t)s->kp * 3 + 3 * (size_t)s->kp * 4;
+    s->mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!s->mem) return -2;
+    s->xf = (float *)s->mem;
+    s->planes = (uint8_t *)(s->xf + s->kp);
+    s->gsum = (float *)(s->planes + 9 * s->kp);
+    return 0;
+}
+
+static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, scratch *s,
+                       lin_input *in) {
+    for (int j = 0; j < count; j++) {
+        in[j].planes = s->planes + j * 3 * s->kp;
+        in[j].gsum = s->gsum + j * s->kp;
+        prepare_input(lin[j], x, &in[j], s->xf);
+    }
+}
+
+/* q [heads * d], k, v [kv_heads * d] (bf16) of one token from x [hidden]; cos, sin [d]. */
+int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
+                       const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads) {
+    const int64_t H = L->hidden, d = L->head_dim;
+    const int64_t nq = L->heads * d, nkv = L->kv_heads * d;
+    scratch s;
+    uint16_t *h = (uint16_t *)malloc((size_t)H * 2);
+    float *y = (float *)malloc((size_t)(nq + 2 * nkv) * sizeof(float));
+    if (!h || !y || scratch_init(&s, H)) {
+        free(h); free(y);
+        return -2;
+    }
+    rms_norm_bf16(x, L->ln1, H, L->eps1, h);
+    const hfd_lin *lin[3] = {&L->lin[L_Q], &L->lin[L_K], &L->lin[L_V]};
+    lin_input in[3];
+    inputs_for(lin, 3, h, &s, in);
+    float *ys[3] = {y, y + nq, y + nq + nkv};
+#pragma omp parallel num_threads(nthreads)
+    lin_rows(lin, in, 3, ys);
+    round_row(ys[0], q, nq);
+    round_row(ys[1], k, nkv);
+    round_row(ys[2], v, nkv);
+    rotate_bf16(q, L->heads, d, cos, sin);
+    rotate_bf16(k, L->kv_heads, d, cos, sin);
+    free(h);
+    free(y);
+    free(s.mem);
+    return 0;
+}
+
+/* One query head against sk cached keys: o = softmax(q . k * scale) v, torch's CPU flash
+   attention numerics (see the header). sc: sk floats of scratch. */
+static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uint16_t *vc,
+                   int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
+                   float *sc, uint16_t *o) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < sk; s++) {
+        if (keep && !keep[s]) {
+            sc[s] = -INFINITY;
+            continue;
+        }
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 32)
+            acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kc + s * kss + c)),
+                                   as_bh(_mm512_loadu_si512(q + c)));
+        sc[s] = _mm512_reduce_add_ps(acc) * scale;
+        if (sc[s] > mx) mx = sc[s];
+    }
+    if (mx == -INFINITY) { /* nothing to attend (a padding row): zeros, never NaN */
+        memset(o, 0, (size_t)d * 2);
+        return;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < sk; s += 16) {
+        __mmask16 mk = mask16(sk - s);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + s), _mm512_set1_ps(mx)));
+        e = _mm512_maskz_mov_ps(mk, e);
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(sc + s, mk, bf16_round(e));
+    }
+    __m512 acc[8]; /* d <= 128 */
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t vecs = d / 16;
+    for (int64_t s = 0; s < sk; s++) {
+        if (sc[s] == 0.f) continue;
+        __m512 p = _mm512_set1_ps(sc[s]);
+        for (int64_t i = 0; i < vecs; i++)
+            acc[i] = _mm512_fmadd_ps(p, load16(vc + s * vss, i * 16, DT_BF16, 0xFFFF), acc[i]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t i = 0; i < vecs; i++) store16_bf16(o + i * 16, 0xFFFF, _mm512_mul_ps(acc[i], inv));
+}
+
+/* The rest of the layer for one token: out [hidden] (bf16) from the layer input x, the rotated
+   q [heads * d] and the cache's keys / values: element (h, s, c) at kc[h * khs + s * kss + c]
+   (likewise vc) for s < sk; keep[s] == 0 masks key s (keep NULL: every key). */
+int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q,
+                        const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
+                        int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
+                        uint16_t *out, int nthreads) {
+    const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
+    const int64_t nq = L->heads * d;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    scratch s;
+    int64_t kmax = I > H ? I : (H > nq ? H : nq);
+    uint16_t *a = (uint16_t *)malloc((size_t)kmax * 2);  /* attention out, then the MLP act */
+    uint16_t *x1 = (uint16_t *)malloc((size_t)H * 2);    /* x + attention */
+    uint16_t *h = (uint16_t *)malloc((size_t)H * 2);     /* norm of x1 */
+    float *y = (float *)malloc((size_t)(2 * I + H) * sizeof(float));
+    float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
+    if (!a || !x1 || !h || !y || !sc || scratch_init(&s, kmax)) {
+        free(a); free(x1); free(h); free(y); free(sc);
+        return -2;
+    }
+    lin_input in[2];
+#pragma omp parallel num_threads(nt)
+    {
+        float *mine = sc + (int64_t)omp_get_thread_num() * sk;
+#pragma omp for schedule(static)
+        for (int64_t hq = 0; hq < L->heads; hq++)
+            attend(q + hq * d, kc + (hq / rep) * khs, kss, vc + (hq / rep) * vhs, vss, sk, d,
+                   keep, L->scale, mine, a + hq * d);
+        const hfd_lin *o_lin[1] = {&L->lin[L_O]};
+#pragma omp single
+        inputs_for(o_lin, 1, a, &s, in);
+        lin_rows(o_lin, in, 1, &y);
+#pragma omp single
+        {
+            residual_bf16(x, y, H, x1);
+            rms_norm_bf16(x1, L->ln2, H, L->eps2, h);
+            const hfd_lin *gu[2] = {&L->lin[L_GATE], &L->lin[L_UP]};
+            inputs_for(gu, 2, h, &s, in);
+        }
+        const hfd_lin *gu[2] = {&L->lin[L_GATE], &L->lin[L_UP]};
+        float *gy[2] = {y, y + I};
+        lin_rows(gu, in, 2, gy);
+#pragma omp single
+        {
+            gated_silu_row(y, y + I, a, I);
+            const hfd_lin *dn[1] = {&L->lin[L_DOWN]};
+            inputs_for(dn, 1, a, &s, in);
+        }
+        const hfd_lin *dn[1] = {&L->lin[L_DOWN]};
+        float *dy[1] = {y + 2 * I};
+        lin_rows(dn, in, 1, dy);
+    }
+    residual_bf16(x1, y + 2 * I, H, out);
+    free(a); free(x1); free(h); free(y); free(sc); free(s.mem);
+    return 0;
+}

@@ -1,0 +1,221 @@
+"""Native batch-1 decode of a Llama-family layer (csrc/cpu_decode.c): two calls per layer, with
+the model's own HF Cache update between them.
+
+A batch-1 decode step reads every weight once, so it is bound by memory bandwidth, and what
+keeps it from that bound on a CPU is the ~60 torch dispatches per layer around the weight reads
+(norms, projections, ~20 rotary ops, residuals, attention, the MLP). `DecodeLayer` computes the
+layer in two native calls instead:
+
+    attn_in(x, cos, sin)           -> q, k, v    (norm, q/k/v projections + bias, RoPE)
+    k, v = cache.update(k, v, layer_idx)         (HF's, in Python: any Cache class)
+    attn_out(x, q, k, v, keep)     -> out        (attention, o_proj, residual, norm, MLP, residual)
+
+It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear)
+and rounds to bf16 where HF's bf16 modules round (see the C file's header), so its tokens follow
+the torch path's. `DecodeLayer.build` returns None, with the reason, for a layer it does not
+compute; callers then use the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dsinfer.kernels import _native
+
+LIN_BF16, LIN_INT8, LIN_INT4 = 0, 1, 2
+MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
+MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("s_dt", ctypes.c_int64), ("b_dt", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("in_scale", ctypes.c_void_p), ("rowsum", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("inter", ctypes.c_int64), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("scale", ctypes.c_float), ("unused", ctypes.c_float),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("lin", _Lin * 7)]
+
+
+class Unsupported(Exception):
+    """Why a layer (or a weight of it) is not computed natively."""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _dtype_code(t: torch.Tensor, what: str) -> int:
+    code = _native.DTYPE_CODES.get(t.dtype)
+    if code is None or not t.is_contiguous() or t.device.type != "cpu":
+        raise Unsupported(f"{what}: {t.dtype} {t.device.type} tensor")
+    return code
+
+
+def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, list[torch.Tensor]]:
+    """The C description of one projection [n, k] and the tensors it points into."""
+    from hf_dsinfer.injection.quantize import QuantizedLinear
+
+    bias = getattr(module, "bias", None)
+    if isinstance(module, QuantizedLinear):
+        qw = module.quantized
+        if module.bits == 8:
+            if qw.rowsum is None:
+                raise Unsupported("int8 weight without row sums")
+            tensors = [qw.qweight, qw.scales, qw.rowsum] + ([qw.in_scale] if qw.in_scale is not None else [])
+            if qw.in_scale is not None and qw.in_scale.dtype != torch.float32:
+                raise Unsupported("int8 input scales not fp32")
+            lin = _Lin(LIN_INT8, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
+                       qw.qweight.data_ptr(), qw.scales.data_ptr(), None, _ptr(qw.in_scale),
+                       qw.rowsum.data_ptr(), None)
+        else:
+            if k % qw.group_size or qw.group_size % 32 or k // qw.group_size > MAX_INT4_GROUPS:
+                raise Unsupported(f"int4 group size {qw.group_size} for input size {k}")
+            tensors = [qw.packed, qw.scales, qw.mins]
+            s_dt = _dtype_code(qw.scales, "int4 scales")
+            if qw.mins.dtype != qw.scales.dtype:
+                raise Unsupported("int4 mins and scales of different dtypes")
+            lin = _Lin(LIN_INT4, n, k, qw.group_size, s_dt, 0, qw.packed.data_ptr(),
+                       qw.scales.data_ptr(), qw.mins.data_ptr(), None, None, None)
+        shape = tuple(tensors[0].shape)
+        if shape[0] != n or not tensors[0].is_contiguous():
+            raise Unsupported(f"quantized weight of shape {shape}")
+    elif type(module) is nn.Linear:
+        w = module.weight
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (n, k) or not w.is_contiguous():
+            raise Unsupported(f"linear weight {w.dtype} {tuple(w.shape)}")
+        if k % 32:
+            raise Unsupported(f"input size {k} not a multiple of 32")
+        tensors = [w]
+        lin = _Lin(LIN_BF16, n, k, 0, 0, 0, w.data_ptr(), None, None, None, None, None)
+    else:
+        raise Unsupported(f"{type(module).__name__} projection")
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise Unsupported("weight not a contiguous CPU tensor")
+    if bias is not None:
+        lin.b_dt = _dtype_code(bias, "bias")
+        lin.bias = bias.data_ptr()
+        tensors.append(bias)
+    return lin, tensors
+
+
+class DecodeLayer:
+    """The C description of one layer plus the tensors it points into (kept alive, and checked
+    before every call so that moved or replaced weights rebuild it)."""
+
+    def __init__(self, lib: ctypes.CDLL, struct: _Layer, tensors: list[torch.Tensor],
+                 owners: list[tuple[dict, str, torch.Tensor]]):
+        self.lib = lib
+        self.struct = struct
+        self._ref = ctypes.byref(struct)
+        self.tensors = tensors
+        self._ptrs = [(t, t.data_ptr()) for t in tensors]
+        self._owners = owners  # (module._parameters or _buffers, name, tensor)
+        self.heads, self.kv_heads = struct.heads, struct.kv_heads
+        self.head_dim, self.hidden = struct.head_dim, struct.hidden
+        self.calls = 0
+
+    @classmethod
+    def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
+              linears: list[nn.Module], heads: int, kv_heads: int, head_dim: int,
+              scale: float) -> DecodeLayer:
+        """Raises Unsupported (with the reason) for a layer the kernel does not compute."""
+        lib = _native.lib()
+        if lib is None:
+            raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
+        if head_dim % 32 or head_dim > MAX_HEAD_DIM:
+            raise Unsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
+        if heads % kv_heads:
+            raise Unsupported(f"{heads} query heads over {kv_heads} kv heads")
+        hidden = ln1.weight.shape[0]
+        for norm in (ln1, ln2):
+            w = norm.weight
+            if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.shape != (hidden,):
+                raise Unsupported(f"norm weight {w.dtype} {tuple(w.shape)}")
+        inter = _out_features(linears[4])
+        shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
+                  (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
+                  (inter, hidden), (inter, hidden), (hidden, inter)]
+        struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale, 0.0,
+                        ln1.weight.data_ptr(), ln2.weight.data_ptr())
+        tensors = [ln1.weight, ln2.weight]
+        owners = [(ln1._parameters, "weight", ln1.weight), (ln2._parameters, "weight", ln2.weight)]
+        for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
+            struct.lin[i], used = _linear(module, n, k)
+            tensors += used
+            store = module._parameters if "weight" in module._parameters else module._buffers
+            first = next(iter(store))
+            owners.append((store, first, store[first]))
+        return cls(lib, struct, tensors, owners)
+
+    def current(self) -> bool:
+        """The weights are still the tensors (and storage) this description points into."""
+        return (all(d.get(name) is t for d, name, t in self._owners)
+                and all(t.data_ptr() == p for t, p in self._ptrs))
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [1, 1, hidden] bf16 -> q [1, heads, 1, d], k, v [1, kv_heads, 1, d] (rotated)."""
+        d = self.head_dim
+        q = torch.empty(1, self.heads, 1, d, dtype=torch.bfloat16)
+        k = torch.empty(1, self.kv_heads, 1, d, dtype=torch.bfloat16)
+        v = torch.empty(1, self.kv_heads, 1, d, dtype=torch.bfloat16)
+        code = self.lib.hfd_decode_attn_in(self._ref, x.data_ptr(), cos.data_ptr(),
+                                           sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                           v.data_ptr(), torch.get_num_threads())
+        if code:
+            _native.check(code, "hfd_decode_attn_in")
+        return q, k, v
+
+    def attn_out(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keep: torch.Tensor | None) -> torch.Tensor:
+        """The rest of the layer: k, v [1, kv_heads, Sk, d] from the cache (last dim
+        contiguous), keep [Sk] uint8 or None."""
+        out = torch.empty_like(x)
+        sk = k.shape[2]
+        code = self.lib.hfd_decode_attn_out(
+            self._ref, x.data_ptr(), q.data_ptr(), k.data_ptr(), k.stride(1), k.stride(2),
+            v.data_ptr(), v.stride(1), v.stride(2), sk, None if keep is None else keep.data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
+        if code:
+            _native.check(code, "hfd_decode_attn_out")
+        self.calls += 1
+        return out
+
+
+def _out_features(module: nn.Module) -> int:
+    if hasattr(module, "out_features"):
+        return int(module.out_features)
+    return int(module.weight.shape[0])
+
+
+def keep_vector(mask: torch.Tensor | None, sk: int) -> tuple[bool, torch.Tensor | None]:
+    """(usable, keep) for a batch-1 single-query HF mask: keep [sk] uint8 (1 = may attend), or
+    None when every key may be attended. Not usable for per-head masks."""
+    if mask is None:
+        return True, None
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return False, None
+    row = mask[0, 0, 0, :sk]
+    if row.shape[0] != sk:
+        return False, None
+    keep = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
+    return True, keep.contiguous().view(torch.uint8)
+
+
+def cache_kv_usable(k: Any, v: Any, d: int) -> bool:
+    return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16
+            and k.device.type == "cpu" and v.device.type == "cpu"
+            and k.dim() == 4 and k.shape[0] == 1 and v.shape == k.shape and k.shape[3] == d
+            and k.stride(3) == 1 and v.stride(3) == 1)
