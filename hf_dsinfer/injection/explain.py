@@ -80,6 +80,9 @@ def explain(model: nn.Module) -> str:
         extras.append(report.head.describe())
     if report.decode is not None:
         extras.append(f"decode (generate): {report.decode.describe()}")
+    native = _native_decode_line(report, model)
+    if native:
+        extras.append(native)
     if getattr(model, "_dsinfer_offload", None) is not None:
         extras.append(model._dsinfer_offload.describe())
     if report.tp is not None:
@@ -95,6 +98,23 @@ def explain(model: nn.Module) -> str:
              _row("---", "---", "---", "---", "---")]
     return "\n".join(lines + _block_rows(report) + _moe_rows(report)
                      + _left_alone_rows(model, report))
+
+
+def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None:
+    """Which blocks compute one-token bf16 CPU steps in the native decode layer, or why not."""
+    fused = [f for f in report.blocks.values() if hasattr(f, "decode_why")]
+    if not fused or next(model.parameters()).device.type != "cpu":
+        return None
+    for f in fused:
+        f.decode_layer()  # built on first use: build now, so its verdict is known
+    whys = [f.decode_why for f in fused]
+    native = sum(w is None for w in whys)
+    if native == len(fused):
+        return ("batch-1 decode steps (bf16, CPU): native layer, kernels/csrc/cpu_decode.c, "
+                f"in all {native} blocks")
+    reasons = sorted({w for w in whys if w is not None})
+    return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
+            f"torch ops otherwise ({'; '.join(reasons)})")
 
 
 def _int8_cpu_kernel() -> str:

@@ -141,8 +141,10 @@ class DecodeLayer:
         hidden = ln1.weight.shape[0]
         for norm in (ln1, ln2):
             w = norm.weight
-            if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.shape != (hidden,):
-                raise Unsupported(f"norm weight {w.dtype} {tuple(w.shape)}")
+            if w.dtype != torch.bfloat16:
+                raise Unsupported(f"bf16 models only (weights are {w.dtype})")
+            if not w.is_contiguous() or w.shape != (hidden,):
+                raise Unsupported(f"norm weight of shape {tuple(w.shape)}")
         inter = _out_features(linears[4])
         shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
                   (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
@@ -201,7 +203,8 @@ def _out_features(module: nn.Module) -> int:
 
 def keep_vector(mask: torch.Tensor | None, sk: int) -> tuple[bool, torch.Tensor | None]:
     """(usable, keep) for a batch-1 single-query HF mask: keep [sk] uint8 (1 = may attend), or
-    None when every key may be attended. Not usable for per-head masks."""
+    None when every key may be attended. Not usable for per-head masks, nor for float masks
+    holding values other than 0 and "masked" (a bias the kernel does not add)."""
     if mask is None:
         return True, None
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != 1:
@@ -209,8 +212,12 @@ def keep_vector(mask: torch.Tensor | None, sk: int) -> tuple[bool, torch.Tensor 
     row = mask[0, 0, 0, :sk]
     if row.shape[0] != sk:
         return False, None
-    keep = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
-    return True, keep.contiguous().view(torch.uint8)
+    if row.dtype == torch.bool:
+        return True, row.contiguous().view(torch.uint8)
+    keep = row > torch.finfo(row.dtype).min  # HF's additive masks: 0 or the dtype's min
+    if bool((row[keep] != 0).any()):  # other values add to the scores: the torch path does it
+        return False, None
+    return True, keep.view(torch.uint8)
 
 
 def cache_kv_usable(k: Any, v: Any, d: int) -> bool:

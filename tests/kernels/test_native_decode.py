@@ -1,0 +1,221 @@
+"""The native batch-1 decode layer (kernels/decode.py, csrc/cpu_decode.c).
+
+It must compute what the torch path of the same fused block computes, in bf16 (its reference:
+the torch path is HF's numerics to the bit on these models, see test_family_parity), for every
+weight format, cache class and mask, and it must really run (call counters); anything it does
+not compute must take the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+import hf_dsinfer
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import decode as native_decode
+from hf_dsinfer.kernels.attention import attention_ref
+
+pytestmark = pytest.mark.skipif(not _native.available(),
+                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+
+VOCAB = 256
+_BASE = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_BASE),  # head_dim 32, GQA 2
+    "llama_d64": lambda: LlamaConfig(**{**_BASE, "num_attention_heads": 2,
+                                        "num_key_value_heads": 1}),  # head_dim 64, MQA
+    "qwen2": lambda: Qwen2Config(**_BASE),  # q/k/v biases
+    "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
+}
+QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
+
+
+def _model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.bfloat16).eval()
+    if name == "qwen2":  # HF initialises biases to zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+def _inject(model, quant=None):
+    return hf_dsinfer.init_inference(model, dtype=torch.bfloat16, quant=quant)
+
+
+def _native_calls(model) -> int:
+    return sum(layer.forward._decode.calls for layer in model.model.layers
+               if layer.forward._decode is not None)
+
+
+def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
+    """Prefill (torch path), then `steps` one-token steps on the same tokens; logits [steps, V]."""
+    with monkeypatch.context() as m:
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            if not native:
+                m.setenv(_native.ENV_VAR, "0")
+            out = []
+            for i in range(steps):
+                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+                tok = torch.tensor([[5 + 7 * i]])
+                logits = model(tok, attention_mask=mask, past_key_values=cache,
+                               use_cache=True).logits
+                out.append(logits[0, -1].float())
+    return torch.stack(out)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 layer outputs differ in the last bit where sums run in another order; the logits of
+    two layers stay within a few bf16 ulps of their scale."""
+    scale = b.abs().max()
+    assert (a - b).abs().max() <= 0.03 * scale, ((a - b).abs().max(), scale)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_steps_match_the_torch_path(name, quant, monkeypatch):
+    model = _inject(_model(name), QUANTS[quant])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=gen)
+    mask = torch.ones(1, 9, dtype=torch.long)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    assert _native_calls(model) == 0
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) == 4 * len(model.model.layers)  # every step, every layer
+    _close(native, torch_path)
+
+
+def test_left_padding_masks_the_padded_keys(monkeypatch):
+    """A batch-1 prompt with left padding: the native attention reads HF's mask."""
+    model = _inject(_model("llama"))
+    ids = torch.tensor([[0, 0, 0, 17, 33, 41, 9]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) > 0
+    _close(native, torch_path)
+    unpadded = _step_logits(model, ids[:, 3:], mask[:, 3:], True, monkeypatch)
+    assert (unpadded - native).abs().max() <= 0.03 * native.abs().max()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_generate_tokens_match_the_torch_path(cache, grad_mode, monkeypatch):
+    """generate() with a dynamic or a static cache (the kernel reads the static cache's valid
+    keys through the mask), under inference_mode and no_grad."""
+    model = _inject(_model("llama_d64", seed=1), {"bits": 8})
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = {"max_new_tokens": 10, "do_sample": False, "cache_implementation": cache,
+              "disable_compile": True, "pad_token_id": 0}
+    context = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    with context():
+        native = model.generate(ids, **kwargs)
+        calls = _native_calls(model)
+        monkeypatch.setenv(_native.ENV_VAR, "0")
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 9 * len(model.model.layers)  # 10 tokens: a prefill and 9 decode steps
+    assert torch.equal(native, torch_path)
+
+
+def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
+    """Batch > 1, grad enabled, and fp32 models run the torch path; explain says why."""
+    model = _inject(_model("llama"))
+    with torch.no_grad():
+        model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    assert _native_calls(model) == 0
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)  # grad enabled
+    model(torch.tensor([[6]]), past_key_values=cache, use_cache=True)
+    assert _native_calls(model) == 0
+    assert "native layer, kernels/csrc/cpu_decode.c, in all 2 blocks" in hf_dsinfer.explain(model)
+    fp32 = hf_dsinfer.init_inference(_model("llama").float())
+    assert "bf16 models only" in hf_dsinfer.explain(fp32)
+    gpt2 = hf_dsinfer.init_inference(AutoModelForCausalLM.from_config(
+        __import__("transformers").GPT2Config(n_embd=64, n_head=2, n_layer=1, vocab_size=VOCAB),
+        dtype=torch.bfloat16))
+    assert "torch ops otherwise (LayerNorm)" in hf_dsinfer.explain(gpt2)
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    assert "disabled by HF_DSINFER_NATIVE=0" in hf_dsinfer.explain(model)
+
+
+def test_replaced_weights_rebuild_the_layer(monkeypatch):
+    """The layer points into the model's tensors: new weights (a reload, .to(), an edited
+    parameter) are noticed before the next call, never read stale."""
+    model = _inject(_model("llama"))
+    block = model.model.layers[0].forward
+    ids, mask = torch.tensor([[7, 8, 9]]), torch.ones(1, 3, dtype=torch.long)
+    _step_logits(model, ids, mask, True, monkeypatch, steps=1)
+    first = block._decode
+    q = block.block.self_attn.q_proj
+    with torch.no_grad():
+        q.weight = torch.nn.Parameter(torch.randn_like(q.weight))
+    native = _step_logits(model, ids, mask, True, monkeypatch, steps=2)
+    assert block._decode is not first
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch, steps=2)
+    _close(native, torch_path)
+
+
+def _layer_rest_fp64(block, x, q, k, v, keep):
+    """The layer after the cache update in float64 with no rounding: attention over the kept
+    keys, o_proj, residual, RMSNorm, SiLU-gated MLP, residual."""
+    d = torch.float64
+    a = attention_ref(q.to(d), k.to(d), v.to(d), scale=block.spec.scale,
+                      mask=keep.view(1, 1, 1, -1))
+    x1 = x.to(d) + a.transpose(1, 2).reshape(1, 1, -1) @ block._out.weight.to(d).t()
+
+    def rms(t, norm):
+        return norm.weight.to(d) * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)
+                                                   + block._eps[id(norm)])
+
+    h = rms(x1, block._ln2)
+    gate, up = (h @ m.weight.to(d).t() for m in block._mlp_in)
+    return x1 + (torch.nn.functional.silu(gate) * up) @ block._mlp_out.weight.to(d).t()
+
+
+def test_native_layer_against_float64():
+    """The rest of the layer on a cache of 70 keys (more than a vector of scores) with a keep
+    mask: as close to float64 as the torch path is."""
+    model = _inject(_model("llama"))
+    block = model.model.layers[1].forward
+    layer = block.decode_layer()
+    torch.manual_seed(4)
+    x = torch.randn(1, 1, 128).bfloat16()
+    q = torch.randn(1, 4, 1, 32).bfloat16()
+    k = torch.randn(1, 2, 70, 32).bfloat16()
+    v = torch.randn(1, 2, 70, 32).bfloat16()
+    keep = torch.rand(70) > 0.3
+    with torch.inference_mode():
+        native = layer.attn_out(x, q, k, v, keep.view(torch.uint8))
+        attn = block._attend(q, k, v, {"attention_mask": keep.view(1, 1, 1, 70)}, 1, 1)
+        torch_path = block._sequential(x, {}, attn=attn)
+    ref = _layer_rest_fp64(block, x, q, k, v, keep)
+    err_native = (native.double() - ref).abs().max()
+    err_torch = (torch_path.double() - ref).abs().max()
+    assert err_native <= 2 * err_torch + 1e-3 * ref.abs().max(), (err_native, err_torch)
+    none_kept = layer.attn_out(x, q, k, v, torch.zeros(70, dtype=torch.uint8))
+    assert torch.isfinite(none_kept).all()  # a fully masked row attends nothing, never NaN
+
+
+def test_keep_vector_shapes():
+    assert native_decode.keep_vector(None, 5) == (True, None)
+    masked = torch.finfo(torch.float32).min
+    ok, keep = native_decode.keep_vector(torch.tensor([[[[0.0, masked, 0.0]]]]), 3)
+    assert ok and keep.tolist() == [1, 0, 1]
+    assert not native_decode.keep_vector(torch.tensor([[[[0.0, -1e30, 0.5]]]]), 3)[0]  # a bias
+    ok, keep = native_decode.keep_vector(torch.ones(1, 1, 1, 8, dtype=torch.bool), 5)  # static
+    assert ok and keep.shape == (5,)
+    assert not native_decode.keep_vector(torch.ones(1, 2, 1, 5, dtype=torch.bool), 5)[0]
