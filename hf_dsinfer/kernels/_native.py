@@ -13,6 +13,10 @@ call for all experts; 12-15% faster than torch's grouped GEMM at 1-16 rows per e
 kernels/moe.py). torch has neither path and no maintained library adds them to torch, so they
 are ours.
 
+cpu_decode.c, one Llama-family decoder layer for one token in two calls (kernels/decode.py):
+batch-1 decode is bound by the weight reads, and computed with torch ops each layer also pays
+~60 dispatches around them. On SmolLM2-135M int4 a decode step went from 19 ms to 12-13 ms.
+
 Build: gcc -O3 with AVX-512 (F, BW, VL, VNNI, BF16), AMX code (run only where cpuid and Linux's
 arch_prctl grant it; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512) and OpenMP, into
 ~/.cache/hf_dsinfer/native/<hash of sources and flags>/ (HF_DSINFER_CACHE moves the root), once

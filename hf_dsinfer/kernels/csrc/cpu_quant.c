@@ -13,10 +13,11 @@
  *   row sum. 24 bits keep every x element within 2^-16 of the row's absmax exactly (a bf16 x has
  *   8 significant bits), so the result is as accurate as an fp32 dot product.
  *
- * No int4 kernel lives here: a bf16-dot-product int4 kernel (nibbles turned into bf16 by vpermw,
- * vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at one row
- * (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above, so int4 stays on
- * torch's kernel (see kernels/quant.py).
+ * No standalone int4 kernel lives here: a bf16-dot-product int4 GEMV (nibbles turned into bf16 by
+ * vpermw, vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at
+ * one row (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above, so int4 linears
+ * stay on torch's kernel (see kernels/quant.py). The same int4 dot products run inside the native
+ * decode layer (cpu_decode.c), where they save the dispatches around them.
  */
 #include <stdint.h>
 #include <stdlib.h>
