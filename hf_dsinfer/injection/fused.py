@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
@@ -173,8 +173,7 @@ class FusedBlock:
             (self._out.bias is None and all(getattr(m, "bias", None) is None
                                             for m in (*self._mlp_in, self._mlp_out)),
              "biases on o_proj or the MLP"),
-            (_dispatch.check_backend(self.backend or "auto") in ("auto", "cpu"),
-             f"kernels backend {self.backend!r}"),
+            (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
         return next((why for ok, why in checks if not ok), None)
 
@@ -280,11 +279,9 @@ class FusedBlock:
             return None
         cache = named.get(self.policy.cache_arg)
         cos_sin = named.get("position_embeddings")
-        mask = named.get("attention_mask")
         d = self.spec.head_dim
         if (cache is None or cos_sin is None or cos_sin[0].numel() != d
-                or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16
-                or (mask is not None and (mask.dim() != 4 or tuple(mask.shape[:3]) != (1, 1, 1)))):
+                or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16):
             return None
         layer = self.decode_layer()
         if layer is None:
@@ -293,10 +290,10 @@ class FusedBlock:
         cos, sin = (t.reshape(d).contiguous() for t in cos_sin)
         q, k, v = layer.attn_in(x, cos, sin)
         k, v = cache.update(k, v, self.spec.layer_idx)
-        usable, keep = native_decode.keep_vector(mask, k.shape[2]) if isinstance(
-            k, torch.Tensor) else (False, None)
-        if usable and native_decode.cache_kv_usable(k, v, d):
-            return layer.attn_out(x, q, k, v, keep)
+        if native_decode.cache_kv_usable(k, v, d):
+            usable, keep = native_decode.keep_vector(named.get("attention_mask"), k.shape[2])
+            if usable:
+                return layer.attn_out(x, q, k, v, keep)
         # a cache or mask the kernel does not read: the torch path from the attention on
         return self._sequential(x, named, attn=self._attend(q, k, v, named, 1, 1))
 

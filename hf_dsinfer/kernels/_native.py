@@ -15,7 +15,8 @@ are ours.
 
 cpu_decode.c, one Llama-family decoder layer for one token in two calls (kernels/decode.py):
 batch-1 decode is bound by the weight reads, and computed with torch ops each layer also pays
-~60 dispatches around them. On SmolLM2-135M int4 a decode step went from 19 ms to 12-13 ms.
+~60 dispatches around them. On SmolLM2-135M int4 a decode step went from 19 ms to 14 ms (and
+to 12.6-12.9 ms with the output head in int8, injection/head.py).
 
 Build: gcc -O3 with AVX-512 (F, BW, VL, VNNI, BF16), AMX code (run only where cpuid and Linux's
 arch_prctl grant it; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512) and OpenMP, into

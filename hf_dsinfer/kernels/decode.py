@@ -51,79 +51,78 @@ class Unsupported(Exception):
     """Why a layer (or a weight of it) is not computed natively."""
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _dtype_code(t: torch.Tensor, what: str) -> int:
     code = _native.DTYPE_CODES.get(t.dtype)
-    if code is None or not t.is_contiguous() or t.device.type != "cpu":
-        raise Unsupported(f"{what}: {t.dtype} {t.device.type} tensor")
+    if code is None:
+        raise Unsupported(f"{what} of dtype {t.dtype}")
     return code
 
 
-def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, list[torch.Tensor]]:
-    """The C description of one projection [n, k] and the tensors it points into."""
+Watched = list[tuple[dict, str]]  # (a module's _parameters or _buffers, name) per tensor read
+
+
+def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
+    """The C description of one projection [n, k] and where the tensors it reads live."""
     from hf_dsinfer.injection.quantize import QuantizedLinear
 
-    bias = getattr(module, "bias", None)
+    buffers = module._buffers
     if isinstance(module, QuantizedLinear):
         qw = module.quantized
         if module.bits == 8:
-            if qw.rowsum is None:
-                raise Unsupported("int8 weight without row sums")
-            tensors = [qw.qweight, qw.scales, qw.rowsum] + ([qw.in_scale] if qw.in_scale is not None else [])
-            if qw.in_scale is not None and qw.in_scale.dtype != torch.float32:
-                raise Unsupported("int8 input scales not fp32")
+            if qw.rowsum is None or (qw.in_scale is not None
+                                     and qw.in_scale.dtype != torch.float32):
+                raise Unsupported("int8 weight without row sums or fp32 input scales")
+            names = ["qweight", "scales", "rowsum"] + (["in_scale"] if qw.in_scale is not None
+                                                      else [])
             lin = _Lin(LIN_INT8, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
-                       qw.qweight.data_ptr(), qw.scales.data_ptr(), None, _ptr(qw.in_scale),
+                       qw.qweight.data_ptr(), qw.scales.data_ptr(), None,
+                       None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        qw.rowsum.data_ptr(), None)
         else:
             if k % qw.group_size or qw.group_size % 32 or k // qw.group_size > MAX_INT4_GROUPS:
                 raise Unsupported(f"int4 group size {qw.group_size} for input size {k}")
-            tensors = [qw.packed, qw.scales, qw.mins]
-            s_dt = _dtype_code(qw.scales, "int4 scales")
             if qw.mins.dtype != qw.scales.dtype:
                 raise Unsupported("int4 mins and scales of different dtypes")
-            lin = _Lin(LIN_INT4, n, k, qw.group_size, s_dt, 0, qw.packed.data_ptr(),
-                       qw.scales.data_ptr(), qw.mins.data_ptr(), None, None, None)
-        shape = tuple(tensors[0].shape)
-        if shape[0] != n or not tensors[0].is_contiguous():
-            raise Unsupported(f"quantized weight of shape {shape}")
+            names = ["packed", "scales", "mins"]
+            lin = _Lin(LIN_INT4, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
+                       qw.packed.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), None,
+                       None, None)
+        if buffers[names[0]].shape[0] != n:
+            raise Unsupported(f"quantized weight of shape {tuple(buffers[names[0]].shape)}")
+        watched = [(buffers, name) for name in names]
     elif type(module) is nn.Linear:
         w = module.weight
-        if w.dtype != torch.bfloat16 or tuple(w.shape) != (n, k) or not w.is_contiguous():
-            raise Unsupported(f"linear weight {w.dtype} {tuple(w.shape)}")
-        if k % 32:
-            raise Unsupported(f"input size {k} not a multiple of 32")
-        tensors = [w]
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (n, k) or k % 32:
+            raise Unsupported(f"linear weight {w.dtype} {tuple(w.shape)} (bf16, input size a "
+                              "multiple of 32)")
         lin = _Lin(LIN_BF16, n, k, 0, 0, 0, w.data_ptr(), None, None, None, None, None)
+        watched = [(module._parameters, "weight")]
     else:
         raise Unsupported(f"{type(module).__name__} projection")
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise Unsupported("weight not a contiguous CPU tensor")
+    bias = getattr(module, "bias", None)
     if bias is not None:
         lin.b_dt = _dtype_code(bias, "bias")
         lin.bias = bias.data_ptr()
-        tensors.append(bias)
-    return lin, tensors
+        watched.append((module._parameters, "bias"))
+    return lin, watched
 
 
 class DecodeLayer:
-    """The C description of one layer plus the tensors it points into (kept alive, and checked
-    before every call so that moved or replaced weights rebuild it)."""
+    """The C description of one layer plus the tensors it points into: kept alive, and checked
+    before every call (same tensor objects in their modules, same storage), so that replaced or
+    moved weights rebuild it."""
 
-    def __init__(self, lib: ctypes.CDLL, struct: _Layer, tensors: list[torch.Tensor],
-                 owners: list[tuple[dict, str, torch.Tensor]]):
+    def __init__(self, lib: ctypes.CDLL, struct: _Layer, watched: Watched):
         self.lib = lib
         self.struct = struct
         self._ref = ctypes.byref(struct)
-        self.tensors = tensors
-        self._ptrs = [(t, t.data_ptr()) for t in tensors]
-        self._owners = owners  # (module._parameters or _buffers, name, tensor)
-        self.heads, self.kv_heads = struct.heads, struct.kv_heads
-        self.head_dim, self.hidden = struct.head_dim, struct.hidden
+        for owner, name in watched:
+            t = owner[name]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise Unsupported(f"{name} not a contiguous CPU tensor")
+        self._watch = [(owner, name, owner[name], owner[name].data_ptr())
+                       for owner, name in watched]
+        self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
         self.calls = 0
 
     @classmethod
@@ -143,28 +142,25 @@ class DecodeLayer:
             w = norm.weight
             if w.dtype != torch.bfloat16:
                 raise Unsupported(f"bf16 models only (weights are {w.dtype})")
-            if not w.is_contiguous() or w.shape != (hidden,):
+            if w.shape != (hidden,):
                 raise Unsupported(f"norm weight of shape {tuple(w.shape)}")
-        inter = _out_features(linears[4])
+        inter = getattr(linears[4], "out_features", None)
+        if inter is None:
+            raise Unsupported(f"{type(linears[4]).__name__} projection")
         shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
                   (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
                   (inter, hidden), (inter, hidden), (hidden, inter)]
         struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale, 0.0,
                         ln1.weight.data_ptr(), ln2.weight.data_ptr())
-        tensors = [ln1.weight, ln2.weight]
-        owners = [(ln1._parameters, "weight", ln1.weight), (ln2._parameters, "weight", ln2.weight)]
+        watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
         for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
             struct.lin[i], used = _linear(module, n, k)
-            tensors += used
-            store = module._parameters if "weight" in module._parameters else module._buffers
-            first = next(iter(store))
-            owners.append((store, first, store[first]))
-        return cls(lib, struct, tensors, owners)
+            watched += used
+        return cls(lib, struct, watched)
 
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
-        return (all(d.get(name) is t for d, name, t in self._owners)
-                and all(t.data_ptr() == p for t, p in self._ptrs))
+        return all(d.get(name) is t and t.data_ptr() == p for d, name, t, p in self._watch)
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [1, 1, hidden] bf16 -> q [1, heads, 1, d], k, v [1, kv_heads, 1, d] (rotated)."""
@@ -193,12 +189,6 @@ class DecodeLayer:
             _native.check(code, "hfd_decode_attn_out")
         self.calls += 1
         return out
-
-
-def _out_features(module: nn.Module) -> int:
-    if hasattr(module, "out_features"):
-        return int(module.out_features)
-    return int(module.weight.shape[0])
 
 
 def keep_vector(mask: torch.Tensor | None, sk: int) -> tuple[bool, torch.Tensor | None]:

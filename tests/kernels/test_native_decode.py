@@ -167,6 +167,16 @@ def test_replaced_weights_rebuild_the_layer(monkeypatch):
     assert block._decode is not first
     torch_path = _step_logits(model, ids, mask, False, monkeypatch, steps=2)
     _close(native, torch_path)
+    # a quantized linear's scales buffer replaced (not its codes): also noticed
+    model = _inject(_model("llama"), {"bits": 8})
+    block = model.model.layers[0].forward
+    _step_logits(model, ids, mask, True, monkeypatch, steps=1)
+    first = block._decode
+    down = block.block.mlp.down_proj
+    down.scales = down.scales * 3
+    native = _step_logits(model, ids, mask, True, monkeypatch, steps=2)
+    assert block._decode is not first
+    _close(native, _step_logits(model, ids, mask, False, monkeypatch, steps=2))
 
 
 def _layer_rest_fp64(block, x, q, k, v, keep):

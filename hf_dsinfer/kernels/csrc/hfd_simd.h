@@ -32,8 +32,6 @@ static inline float load_f32(const void *p, int64_t i, int dt) {
     return _cvtsh_ss(h);
 }
 
-static inline float bf16_f32(uint16_t h) { return load_f32(&h, 0, DT_BF16); }
-
 /* 16 elements of x from element i on (masked lanes read as 0), as fp32 */
 static inline __m512 load16(const void *p, int64_t i, int dt, __mmask16 mk) {
     if (dt == DT_F32) return _mm512_maskz_loadu_ps(mk, (const float *)p + i);
@@ -62,12 +60,6 @@ static inline void store_f32(void *p, int64_t i, int dt, float v) {
     } else {
         ((uint16_t *)p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
     }
-}
-
-static inline float round_bf16(float v) {
-    uint16_t h;
-    store_f32(&h, 0, DT_BF16, v);
-    return bf16_f32(h);
 }
 
 /* ---- 16 fp32 lanes ---- */
