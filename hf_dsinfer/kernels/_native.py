@@ -102,7 +102,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
     lib.hfd_int8_gemv.restype = i32
     lib.hfd_advise_hugepages.argtypes = [p, i64]
-    lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, i32, i32, i32]
+    lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i32, i32, i32]
     lib.hfd_moe_bf16.restype = i32
     lib.hfd_amx_available.argtypes = []
     lib.hfd_amx_available.restype = i32

@@ -401,14 +401,18 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
 
 
 # Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) is the fastest CPU
-# path. Measured by benchmarks/moe_experts.py (hidden 1024, intermediate 3584, 8 experts, weights
-# cycled through 705 MB, past this VM's L3), ms native AMX / F.grouped_mm / one oneDNN GEMM pair
-# per expert: 1 row 7.18 / 8.67 / 12.99, 4: 7.25 / 8.53 / 13.04, 16: 7.73 / 9.52 / 13.79,
-# 32: 11.49 / 13.51 / 16.34, 64: 16.44 / 19.87 / 22.15, 96: 19.37 / 26.14 / 24.71,
-# 128: 26.92 / 31.09 / 28.85 (each 16-row panel re-reads its weight block from L2, so oneDNN's
-# blocking closes the gap as rows grow; 96 keeps a margin). AVX-512 BF16 dot products without
-# AMX: 1 row 7.39, 2: 8.49, 4: 10.28 (the dot products, not the reads, bound it from 2 rows on).
-_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": 96.0, "avx512": 1.5}
+# path. With AMX it is always: measured by benchmarks/moe_experts.py (hidden 1024, intermediate
+# 3584, 8 experts, weights cycled through 705 MB, past this VM's L3), ms native AMX / one oneDNN
+# GEMM pair per expert: 1 row 7.3 / 13.0, 16: 7.4 / 13.8, 128: 15.6 / 27.8, 512: 46.9 / 64.2,
+# 1024: 87.9 / 124.0, 2048: 198.9 / 221.8. AVX-512 BF16 dot products without AMX: 1 row 7.39,
+# 2: 8.49, 4: 10.28 against F.grouped_mm's 8.67 / 8.67 / 8.53 (the dot products, not the reads,
+# bound it from 2 rows on).
+_NATIVE_MAX_ROWS_PER_EXPERT = {"amx": float("inf"), "avx512": 1.5}
+
+
+def _amx_tiles(hidden: int, inter: int) -> bool:
+    """The native kernel runs on AMX tiles for these sizes (else its AVX-512 path)."""
+    return hidden % 32 == 0 and inter % 32 == 0 and _native.amx_available()
 
 
 def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[int]):
@@ -422,23 +426,31 @@ def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[in
     lib = _native.lib() if fits else None
     if lib is None:
         return None
-    hidden, inter = x_sorted.shape[1], down_proj.shape[2]
-    tiles = hidden % 32 == 0 and inter % 32 == 0 and _native.amx_available()
-    most = _NATIVE_MAX_ROWS_PER_EXPERT["amx" if tiles else "avx512"]
+    most = _NATIVE_MAX_ROWS_PER_EXPERT[
+        "amx" if _amx_tiles(x_sorted.shape[1], down_proj.shape[2]) else "avx512"]
     return lib if bounds[-1] <= most * _active_experts(bounds) else None
 
 
-def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int):
+def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int,
+                     row_weights: torch.Tensor | None = None):
     """Expert outputs [R, H] of expert-sorted bf16 rows from the native kernel; rows past
-    offsets[E] (dropped) are 0. Reads each expert weight row once (see csrc/cpu_moe.c)."""
+    offsets[E] (dropped) are 0. Reads each expert weight row once (see csrc/cpu_moe.c). With
+    row_weights ([>= kept], sorted like the rows) each output row is bf16(bf16(y) * w), HF's
+    weighting of an expert's output by its routing weight (an fp32 weight promotes, a bf16 one
+    is exact in fp32), computed as the rows are written."""
     num_experts, two_inter, hidden = gate_up_proj.shape
     offs = offsets.contiguous()  # int64, from moe_align / the expert-parallel receive path
-    a = x_sorted.new_empty(kept, two_inter // 2)  # act(gate) * up, the kernel's scratch
+    amx = _amx_tiles(hidden, two_inter // 2)
+    # act(gate) * up: the AVX-512 path's scratch (the AMX path keeps its own, packed)
+    a = None if amx else x_sorted.new_empty(kept, two_inter // 2)
+    rw = None if row_weights is None else row_weights[:kept].float().contiguous()
     y = torch.empty_like(x_sorted)
     y[kept:] = 0
     code = lib.hfd_moe_bf16(x_sorted.data_ptr(), gate_up_proj.data_ptr(), down_proj.data_ptr(),
-                            offs.data_ptr(), num_experts, hidden, two_inter // 2, a.data_ptr(),
-                            y.data_ptr(), 0, int(_native.amx_allowed()), torch.get_num_threads())
+                            offs.data_ptr(), num_experts, hidden, two_inter // 2,
+                            None if a is None else a.data_ptr(), y.data_ptr(),
+                            None if rw is None else rw.data_ptr(), 0, int(amx),
+                            torch.get_num_threads())
     if code:
         _native.check(code, "hfd_moe_bf16")
     return y
@@ -482,16 +494,18 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     bounds = align.expert_offsets.tolist()  # one host sync
     act = resolve_activation(act)
     lib = _native_moe_lib(x, gate_up_proj, down_proj, act, bounds)
-    if lib is not None:  # [T*k, H]
-        y = _native_moe_rows(lib, x, gate_up_proj, down_proj, align.expert_offsets, bounds[-1])
+    w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert
+    kept = bounds[-1]  # dropped slots (capacity factor) sort last and are never computed
+    if lib is not None:  # [T*k, H], already weighted
+        y = _native_moe_rows(lib, x, gate_up_proj, down_proj, align.expert_offsets, kept,
+                             row_weights=w_sorted)
     elif _per_expert_gemms(bounds, gate_up_proj, down_proj):
         return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds, act)
     else:  # [T*k, H]; rows past bounds[-1] unset
         y = _grouped_rows_gmm(x, gate_up_proj, down_proj, align.expert_offsets, act)
-    w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert
-    kept = bounds[-1]  # dropped slots (capacity factor) sort last and are never computed
+        y[:kept].mul_(w_sorted[:kept, None])
     out = torch.zeros_like(hidden)  # [T, H], summed in expert order as HF's eager loop does
-    return out.index_add_(0, align.token_idx[:kept], y[:kept].mul_(w_sorted[:kept, None]))
+    return out.index_add_(0, align.token_idx[:kept], y[:kept])
 
 
 def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, weights, align, bounds, act):

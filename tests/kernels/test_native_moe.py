@@ -1,9 +1,9 @@
-"""The native bf16 expert-MLP kernel for about one row per expert (csrc/cpu_moe.c via kernels/moe.py).
+"""The native bf16 expert-MLP kernel (csrc/cpu_moe.c via kernels/moe.py).
 
-It must round where HF's expert ops round (each GEMM, silu, the product), so it lands within the
-bf16 reference's own distance of a float64 computation, and the CPU entry points must really
-call it for about one row per expert (decode; counted), and not for more rows per expert, other
-dtypes or activations.
+It must round where HF's expert ops round (each GEMM, silu, the product, the routing weight), so
+it lands within the bf16 reference's own distance of a float64 computation, and the CPU entry
+points must really call it (counted): for any number of rows per expert on AMX, for about one
+row per expert on AVX-512, and not for other dtypes or activations.
 """
 
 from __future__ import annotations
@@ -89,17 +89,60 @@ def test_native_runs_for_decode_routing(monkeypatch, tokens, top_k):
     assert torch.equal(rows, M.grouped_expert_rows_ref(xs, gate_up, down, align.expert_offsets))
 
 
-def test_native_not_used_for_many_rows_fp32_or_other_activations(monkeypatch):
+def test_native_not_used_for_fp32_or_other_activations(monkeypatch):
     calls = _count(monkeypatch)
-    many = int(M._NATIVE_MAX_ROWS_PER_EXPERT["amx"]) + 1
-    x, gate_up, down, _, weights = _one_row_per_expert(tokens=many)
-    ids = torch.tensor([[0, 1]] * many)  # rows per expert past the AMX range: oneDNN GEMMs
-    M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
     x, gate_up, down, ids, weights = _one_row_per_expert()
     M.grouped_expert_mlp(x.float(), gate_up.float(), down.float(), weights, ids, "silu",
                          backend="cpu")
     M.grouped_expert_mlp(x, gate_up, down, weights, ids, "gelu", backend="cpu")
     assert calls == []
+
+
+def _many_rows(num_experts, hidden, inter, rows_per_expert, seed=5):
+    """Every token routed to experts (t, t + 1) mod E: rows_per_expert * E / 2 tokens."""
+    tokens = rows_per_expert * num_experts // 2
+    x, gate_up, down, _, weights = _experts(num_experts, hidden, inter, tokens, 2, seed=seed)
+    t = torch.arange(tokens)
+    ids = torch.stack([t % num_experts, (t + 1) % num_experts], dim=1)
+    return x, gate_up, down, ids, weights
+
+
+@pytest.mark.skipif(not _native.amx_available(), reason="the CPU or kernel grants no AMX tiles")
+@pytest.mark.parametrize("weights_dtype", (torch.float32, torch.bfloat16),
+                         ids=("fp32 weights (Mixtral)", "bf16 weights (Qwen-MoE, OLMoE)"))
+def test_amx_kernel_takes_many_rows_and_weights_them(monkeypatch, weights_dtype):
+    """Prefill-sized routing (75 rows per expert, not a multiple of 16: an odd panel count and a
+    partial last panel) runs the AMX kernel, which also multiplies each row by its routing
+    weight as it writes it: the combined output equals HF's experts loop bit for bit on a shape
+    small enough that any fp32 summation order rounds to the same bf16."""
+    calls = _count(monkeypatch)
+    x, gate_up, down, ids, weights = _many_rows(4, 64, 96, 75)
+    weights = weights.to(weights_dtype)
+    out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    ref = M.grouped_expert_mlp_ref(x, gate_up, down, weights, ids, "silu")
+    assert calls == [1]
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not _native.amx_available(), reason="the CPU or kernel grants no AMX tiles")
+@pytest.mark.parametrize("threads", (1, 2))
+def test_amx_kernel_over_several_panel_groups(monkeypatch, threads):
+    """Phase 2's packed rows (37 panels x 1024 columns) exceed one L2 group (32 panels at this
+    K), so the kernel walks two groups, the second with an odd number of panels, and the next
+    task's prefetch crosses from one group to the next; one and two threads split the tasks
+    differently. Checked against float64 like the other shapes."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x, gate_up, down, ids, _ = _many_rows(2, 256, 1024, 590)
+    align = M.moe_align(ids, 2)
+    xs = x.index_select(0, align.token_idx)
+    kept = int(align.expert_offsets[-1])
+    out = M._native_moe_rows(_native.lib(), xs, gate_up, down, align.expert_offsets, kept)
+    ref = M.grouped_expert_rows_ref(xs, gate_up, down, align.expert_offsets)
+    exact = M.grouped_expert_rows_ref(xs.double(), gate_up.double(), down.double(),
+                                      align.expert_offsets)
+    err, ref_err = ((out.double() - exact).abs().max().item(),
+                    (ref.double() - exact).abs().max().item())
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
 
 
 def test_avx512_path_takes_only_about_one_row_per_expert(monkeypatch):
@@ -111,8 +154,10 @@ def test_avx512_path_takes_only_about_one_row_per_expert(monkeypatch):
                          backend="cpu")
     assert calls == []
     x, gate_up, down, ids, weights = _one_row_per_expert(tokens=4)
-    M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
+    out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")
     assert calls == [1]
+    # the routing weights are applied as the rows are written, as on AMX
+    assert torch.equal(out, M.grouped_expert_mlp_ref(x, gate_up, down, weights, ids, "silu"))
 
 
 def test_native_moe_can_be_switched_off(monkeypatch):

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,9 +38,6 @@
 #define WR 4         /* weight rows dotted together */
 #define XR 4         /* expert rows dotted together (registers: WR * XR accumulators) */
 #define TASK 32      /* weight rows per task (a multiple of WR) */
-#ifndef AMX_PREFETCH
-#define AMX_PREFETCH 0 /* none: the hardware prefetchers do better (see amx_block) */
-#endif
 
 /* out[i * ldo + r] = sum_k x[i, k] * w[r, k] for r < nw (<= WR), i < NX; rows of w are ldw
    apart, rows of x ldx apart; columns past K are masked. NX is a literal at every call site, so
@@ -129,78 +127,6 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Panels of 16 rows of x [n, K] (K even), each [K / 2][16] pairs: panels * K * 32 bytes. */
-static void pack_pairs(const uint16_t *x, int64_t n, int64_t K, uint32_t *xp) {
-    int64_t panels = (n + 15) / 16;
-    memset(xp, 0, (size_t)(panels * K * 32));
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t *panel = xp + (i / 16) * (K / 2) * 16 + i % 16;
-        const uint32_t *row = (const uint32_t *)(x + i * K);
-        for (int64_t k2 = 0; k2 < K / 2; k2++) panel[k2 * 16] = row[k2];
-    }
-}
-
-/* Every expert's rows of x (row r of expert e at x + r * K, r in offsets[e]..offsets[e+1]) into
-   its panels, from panel panel_at[e] of xp on. */
-static void pack_experts(const uint16_t *x, const int64_t *offsets, int64_t E, int64_t K,
-                         const int64_t *panel_at, uint32_t *xp) {
-    for (int64_t e = 0; e < E; e++)
-        if (offsets[e + 1] > offsets[e])
-            pack_pairs(x + offsets[e] * K, offsets[e + 1] - offsets[e], K,
-                       xp + panel_at[e] * (K / 2) * 16);
-}
-
-/* Software prefetch is compiled out (AMX_PREFETCH 0): prefetching each tile row 1 KiB ahead took
-   the 8 experts at 1 row each from 6.87-7.02 ms to 8.07-8.15 ms (2 KiB: 7.21-7.33, 4 KiB: 7.28);
-   the 32 row streams of a task are left to the hardware prefetchers. */
-/* out[i * ldo + r] = W[r] . x[i] for the 32 weight rows from w (row stride K), one 16-row panel
-   of packed x; NB = 1 or 2 blocks of 32 rows (w, w2) into out, out2. */
-static inline void amx_block(const uint16_t *w, const uint16_t *w2, int64_t K,
-                             const uint32_t *panel, float *out, float *out2, int64_t ldo,
-                             int64_t n) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const int64_t stride = K * 2;
-    for (int64_t k = 0; k < K; k += 32) {
-#if AMX_PREFETCH > 0
-        for (int r = 0; r < 16; r++) {
-            _mm_prefetch((const char *)(w + r * K + k) + AMX_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + (r + 16) * K + k) + AMX_PREFETCH, _MM_HINT_T0);
-        }
-#endif
-        _tile_loadd(6, panel + (k / 2) * 16, 64);
-        _tile_loadd(4, w + k, stride);
-        _tile_loadd(5, w + 16 * K + k, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        if (w2) {
-#if AMX_PREFETCH > 0
-            for (int r = 0; r < 16; r++) {
-                _mm_prefetch((const char *)(w2 + r * K + k) + AMX_PREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)(w2 + (r + 16) * K + k) + AMX_PREFETCH, _MM_HINT_T0);
-            }
-#endif
-            _tile_loadd(4, w2 + k, stride);
-            _tile_loadd(5, w2 + 16 * K + k, stride);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_dpbf16ps(3, 5, 6);
-        }
-    }
-    float c[32][16];
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[16], 64);
-    for (int64_t i = 0; i < n; i++)
-        for (int r = 0; r < 32; r++) out[i * ldo + r] = c[r][i];
-    if (w2) {
-        _tile_stored(2, c[0], 64);
-        _tile_stored(3, c[16], 64);
-        for (int64_t i = 0; i < n; i++)
-            for (int r = 0; r < 32; r++) out2[i * ldo + r] = c[r][i];
-    }
-}
-
 /* Tasks of one phase: for each expert with rows, ceil(N / TASK) tasks. task -> (expert, row0). */
 static int64_t list_tasks(const int64_t *offsets, int64_t E, int64_t N, int32_t *task_expert,
                           int32_t *task_chunk) {
@@ -216,34 +142,337 @@ static int64_t list_tasks(const int64_t *offsets, int64_t E, int64_t N, int32_t 
     return t;
 }
 
+/* ---- AMX, 2 x 2 tiles ------------------------------------------------------------------------
+ * Phase 1, task (expert e, intermediate columns j0..j0+16): A tiles are the 16 gate rows and the
+ * 16 up rows j0.. of the stored weight (row stride H * 2 bytes), B tiles two 16-row panels of the
+ * expert's packed rows, and four C tiles (gate, up) x (panel p, p + 1) accumulate over all of H.
+ * Gate and up of the same columns meet in one task, so a = bf16(bf16(silu(g)) * u) is computed
+ * from the C tiles as they come out and written straight into phase 2's packed B tiles (rows j,
+ * j + 1 of a C tile become one row of bf16 pairs): no [rows, I] intermediate, no packing pass.
+ * Phase 2, task (expert e, output columns h0..h0+32): A tiles are down rows h0.. and h0+16..
+ * (stride I * 2), B tiles the packed a; the C tiles [16 columns][16 rows] are transposed into y's
+ * rows with the bf16 rounding.
+ *
+ * Each loaded tile feeds two TDPBF16PS. What bounds it is feeding the tiles from L2, so:
+ *   - an expert's rows are processed in groups of panels whose packed K fits in about 1 MiB of
+ *     L2 (all 512 rows of an expert at H = 1024, 128 rows at I = 3584), every task of the thread
+ *     running over one group before the next: the B tiles are re-read from L2, the A rows of a
+ *     task (32 x K) once per group;
+ *   - the next task's 32 weight rows are prefetched into L2 a few lines per k step;
+ *   - the epilogue of a pair of panels (vector code: the gated SiLU or the transposition) runs a
+ *     unit per k step of the next pair's TDPBF16PS, which the tile unit executes meanwhile, so
+ *     it costs no tile time (run after the tiles it measured 47 ms of a 118 ms single-thread
+ *     call at 512 rows per expert). */
+
+#define GROUP_BYTES (1 << 20) /* packed B bytes of one group of panels (L2: 2 MiB per core) */
+
+/* 16 lanes of a = bf16(bf16(silu(bf16(g))) * bf16(u)), as fp32 */
+static inline __m512 gated_silu16(__m512 g, __m512 u) {
+    __m512 gs = bf16_round(g);
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
+    __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return _mm512_mul_ps(s, bf16_round(u));
+}
+
+/* The epilogue of one pair of panels, C tiles stored in c: tile q (panel p + q) of A0 at c[q], of
+   A1 at c[2 + q]. Phase 1 units: 16 per panel, one row of gate/up each; phase 2 units: one y
+   row each, rows[0] of panel p then rows[1] of panel p + 1. */
+typedef struct {
+    float (*c)[256];
+    int phase, units, next;
+    uint32_t *a_dst[2]; /* phase 1: panel's 8 rows of 16 pairs, 64 bytes apart */
+    uint16_t *y_dst[2]; /* phase 2: panel's first row of y (ldy apart) at column h0 */
+    const float *rw[2]; /* phase 2: the panel's routing weights (NULL: none) */
+    int64_t ldy;
+    int rows[2];
+    __m512i held; /* phase 1: the even row's bf16 bits */
+} epilogue;
+
+static inline void epilogue_unit(epilogue *ep) {
+    int u = ep->next++;
+    if (ep->phase == 0) {
+        /* units 2r, 2r + 1 of panel q: rows r, r + 1 of the gate and up tiles, one per unit (the
+           first is held until the second makes a row of pairs) */
+        int q = u >> 4, r = u & 15;
+        __m512i bits = bf16_bits(gated_silu16(_mm512_load_ps(ep->c[q] + r * 16),
+                                              _mm512_load_ps(ep->c[2 + q] + r * 16)));
+        if (r & 1)
+            _mm512_store_si512(ep->a_dst[q] + (r - 1) * 8,
+                               _mm512_or_si512(ep->held, _mm512_slli_epi32(bits, 16)));
+        else
+            ep->held = bits;
+    } else {
+        int q = u >= ep->rows[0], i = q ? u - ep->rows[0] : u;
+        const __m512i idx = _mm512_add_epi32(
+            _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0),
+            _mm512_set1_epi32(i));
+        __m512 v0 = _mm512_i32gather_ps(idx, ep->c[q], 4);
+        __m512 v1 = _mm512_i32gather_ps(idx, ep->c[2 + q], 4);
+        if (ep->rw[q]) { /* y = bf16(bf16(a @ Wd^T) * w) */
+            __m512 w = _mm512_set1_ps(ep->rw[q][i]);
+            v0 = _mm512_mul_ps(bf16_round(v0), w);
+            v1 = _mm512_mul_ps(bf16_round(v1), w);
+        }
+        __m256i lo = _mm512_cvtepi32_epi16(bf16_bits(v0));
+        __m256i hi = _mm512_cvtepi32_epi16(bf16_bits(v1));
+        uint16_t *dst = ep->y_dst[q] + i * ep->ldy;
+        _mm256_storeu_si256((__m256i *)dst, lo);
+        _mm256_storeu_si256((__m256i *)(dst + 16), hi);
+    }
+}
+
+static inline void epilogue_finish(epilogue *ep) {
+    while (ep->next < ep->units) epilogue_unit(ep);
+}
+
+/* L2 prefetch of the 32 weight rows the next task reads (rows 0..15 from a, 16..31 from b, ld
+   elements apart, K each), `per` lines per k step in the order they will be read. */
+typedef struct {
+    const uint16_t *a, *b;
+    int64_t ld, lines, next, per;
+} prefetcher;
+
+static inline void prefetch_step(prefetcher *pf) {
+    for (int64_t s = 0; s < pf->per && pf->next < pf->lines; s++, pf->next++) {
+        int64_t row = pf->next & 31, col = (pf->next >> 5) * 32; /* 32 bf16 = one line */
+        const uint16_t *base = row < 16 ? pf->a + row * pf->ld : pf->b + (row - 16) * pf->ld;
+        _mm_prefetch((const char *)(base + col), _MM_HINT_T1);
+    }
+}
+
+/* C tiles 0..3 = (A0, A1) x (B0, B1) over K: tile 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1;
+   with nb = 1 only tiles 0 and 2. B tiles of k step s at b + s * bstep (uint32). One unit of the
+   pending epilogue and some prefetches per k step. */
+static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                           const uint32_t *b0, const uint32_t *b1, int64_t bstep, int64_t K,
+                           int nb, prefetcher *pf, epilogue *ep) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (nb == 2) {
+        _tile_zero(1);
+        _tile_zero(3);
+        for (int64_t k = 0, s = 0; k < K; k += 32, s++) {
+            _tile_loadd(4, a0 + k, lda * 2);
+            _tile_loadd(6, b0 + s * bstep, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b1 + s * bstep, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + k, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            if (ep->next < ep->units) epilogue_unit(ep);
+            prefetch_step(pf);
+        }
+    } else {
+        for (int64_t k = 0, s = 0; k < K; k += 32, s++) {
+            _tile_loadd(4, a0 + k, lda * 2);
+            _tile_loadd(6, b0 + s * bstep, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a1 + k, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (ep->next < ep->units) epilogue_unit(ep);
+            prefetch_step(pf);
+        }
+    }
+    epilogue_finish(ep); /* short K: whatever the k steps did not cover */
+}
+
+/* Panels p0..p1 of 16 rows of x [n, K] (K even) as [K / 2][16] bf16 pairs, rows past n zero,
+   panel p at xp + p * K * 8. */
+static void pack_panels(const uint16_t *x, int64_t n, int64_t K, int64_t p0, int64_t p1,
+                        uint32_t *xp) {
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)(K / 2)));
+    for (int64_t p = p0; p < p1; p++) {
+        uint32_t *panel = xp + p * K * 8;
+        const uint32_t *src = (const uint32_t *)(x + p * 16 * K);
+        __mmask16 mk = mask16(n - p * 16);
+        for (int64_t k2 = 0; k2 < K / 2; k2++)
+            _mm512_store_si512(panel + k2 * 16, _mm512_mask_i32gather_epi32(
+                _mm512_setzero_si512(), mk, _mm512_add_epi32(rows, _mm512_set1_epi32((int)k2)),
+                src, 4));
+    }
+}
+
+/* Scratch of the AMX path (packed x and packed a: 32 * (H + I) bytes per panel), kept between
+   calls: at 512 rows per expert it is ~37 MB, and a fresh allocation is page-faulted in on every
+   call (measured ~10 ms). One call at a time uses it; a concurrent call allocates its own. */
+static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *arena;
+static size_t arena_bytes;
+
+/* Both phases on AMX for the routed rows; returns 0 or -2 (out of memory). */
+static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
+                   const int64_t *offsets, int64_t E, int64_t H, int64_t I, uint16_t *y,
+                   const float *rw, int nt) {
+    int64_t *panel_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
+    if (!panel_at) return -2;
+    panel_at[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        panel_at[e + 1] = panel_at[e] + (offsets[e + 1] - offsets[e] + 15) / 16;
+    size_t need = (size_t)(panel_at[E] * (H + I) * 32);
+    void *mem = NULL;
+    int owned = 0;
+    if (pthread_mutex_trylock(&arena_lock) == 0) {
+        if (arena_bytes < need) {
+            free(arena);
+            arena = aligned_alloc(64, need);
+            arena_bytes = arena ? need : 0;
+        }
+        mem = arena;
+    } else {
+        mem = aligned_alloc(64, need);
+        owned = 1;
+    }
+    if (!mem) {
+        if (!owned) pthread_mutex_unlock(&arena_lock);
+        free(panel_at);
+        return -2;
+    }
+    uint32_t *xp = (uint32_t *)mem, *ap = xp + panel_at[E] * H * 8;
+#pragma omp parallel num_threads(nt)
+    {
+        int me = omp_get_thread_num(), nth = omp_get_num_threads();
+        float cbuf[2][4][256] __attribute__((aligned(64)));
+        int flip = 0;
+        epilogue ep = {0};
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panel_at[E]; p++) {
+            int64_t e = 0;
+            while (panel_at[e + 1] <= p) e++;
+            pack_panels(x + offsets[e] * H, offsets[e + 1] - offsets[e], H, p - panel_at[e],
+                        p - panel_at[e] + 1, xp + panel_at[e] * H * 8);
+        }
+        amx_configure();
+        for (int phase = 0; phase < 2; phase++) {
+            const int64_t K = phase ? I : H, blocks = phase ? H / 32 : I / 16;
+            /* this thread's share: tasks (e, block) in expert order, cut at equal cost (panels) */
+            int64_t total = panel_at[E] * blocks;
+            int64_t lo = total * me / nth, hi = total * (me + 1) / nth;
+            for (int64_t e = 0; e < E; e++) {
+                int64_t P = panel_at[e + 1] - panel_at[e], n = offsets[e + 1] - offsets[e];
+                if (P == 0) continue;
+                int64_t first = panel_at[e] * blocks; /* cost before this expert */
+                /* blocks b with first + b * P in [lo, hi), rounded to whole tasks */
+                int64_t b0 = lo > first ? (lo - first + P - 1) / P : 0;
+                int64_t b1 = hi > first ? (hi - first + P - 1) / P : 0;
+                if (b1 > blocks) b1 = blocks;
+                if (b0 >= b1) continue;
+                int64_t group = GROUP_BYTES / (K * 32);
+                group = group < 2 ? 2 : group & ~(int64_t)1;
+                const uint32_t *bx = phase ? ap + panel_at[e] * I * 8 : xp + panel_at[e] * H * 8;
+                const int64_t bstep = phase ? P * 256 : 256, bpanel = phase ? 256 : H * 8;
+                for (int64_t g0 = 0; g0 < P; g0 += group) {
+                    int64_t g1 = g0 + group < P ? g0 + group : P;
+                    for (int64_t b = b0; b < b1; b++) {
+                        const uint16_t *w0, *w1;
+                        int64_t lda;
+                        if (phase == 0) {
+                            w0 = gate_up + (e * 2 * I + b * 16) * H;
+                            w1 = w0 + I * H;
+                            lda = H;
+                        } else {
+                            w0 = down + (e * H + b * 32) * I;
+                            w1 = w0 + 16 * I;
+                            lda = I;
+                        }
+                        /* prefetch the rows of the next block (or this group's first again) */
+                        prefetcher pf = {0};
+                        int64_t bn = b + 1 < b1 ? b + 1 : (g1 < P ? b0 : -1);
+                        if (bn >= 0) {
+                            pf.a = phase ? down + (e * H + bn * 32) * I
+                                         : gate_up + (e * 2 * I + bn * 16) * H;
+                            pf.b = phase ? pf.a + 16 * I : pf.a + I * H;
+                            pf.ld = lda;
+                            pf.lines = K; /* 32 rows of K / 32 lines */
+                            int64_t steps = (g1 - g0 + 1) / 2 * (K / 32);
+                            pf.per = (pf.lines + steps - 1) / steps;
+                        }
+                        for (int64_t p = g0; p < g1; p += 2) {
+                            int nb = g1 - p >= 2 ? 2 : 1;
+                            amx_2x2(w0, w1, lda, bx + p * bpanel, bx + (p + 1) * bpanel, bstep, K,
+                                    nb, &pf, &ep);
+                            /* the tiles of this pair go to the other buffer; the epilogue of
+                               the previous pair has finished inside amx_2x2 */
+                            float (*c)[256] = cbuf[flip];
+                            flip ^= 1;
+                            _tile_stored(0, c[0], 64);
+                            _tile_stored(2, c[2], 64);
+                            if (nb == 2) {
+                                _tile_stored(1, c[1], 64);
+                                _tile_stored(3, c[3], 64);
+                            }
+                            ep.c = c;
+                            ep.phase = phase;
+                            ep.next = 0;
+                            if (phase == 0) {
+                                /* a's B tile (k step b / 2, panel p) rows (b & 1) * 8.. */
+                                uint32_t *dst = ap + panel_at[e] * I * 8 + (b >> 1) * P * 256
+                                                + (b & 1) * 128;
+                                ep.a_dst[0] = dst + p * 256;
+                                ep.a_dst[1] = dst + (p + 1) * 256;
+                                ep.units = 16 * nb;
+                            } else {
+                                int64_t r0 = n - p * 16, r1 = n - (p + 1) * 16;
+                                ep.rows[0] = (int)(r0 < 16 ? r0 : 16);
+                                ep.rows[1] = nb == 2 ? (int)(r1 < 16 ? r1 : 16) : 0;
+                                ep.y_dst[0] = y + (offsets[e] + p * 16) * H + b * 32;
+                                ep.y_dst[1] = ep.y_dst[0] + 16 * H;
+                                ep.rw[0] = rw ? rw + offsets[e] - offsets[0] + p * 16 : NULL;
+                                ep.rw[1] = rw ? ep.rw[0] + 16 : NULL;
+                                ep.ldy = H;
+                                ep.units = ep.rows[0] + ep.rows[1];
+                            }
+                        }
+                    }
+                }
+            }
+            epilogue_finish(&ep);
+#pragma omp barrier
+        }
+        _tile_release();
+    }
+    if (owned)
+        free(mem);
+    else
+        pthread_mutex_unlock(&arena_lock);
+    free(panel_at);
+    return 0;
+}
+
+/* y[c] = bf16(o[c]), or bf16(bf16(o[c]) * w) when scaled, for c < cols. */
+static inline void round_row_scaled(const float *o, float w, int scaled, uint16_t *y,
+                                    int64_t cols) {
+    for (int64_t c = 0; c < cols; c += 16) {
+        __mmask16 mk = mask16(cols - c);
+        __m512 v = _mm512_maskz_loadu_ps(mk, o + c);
+        if (scaled) v = _mm512_mul_ps(bf16_round(v), _mm512_set1_ps(w));
+        store16_bf16(y + c, mk, v);
+    }
+}
+
 /* act: 0 = silu (the only gated activation of the MoE families we inject); allow_amx: 0 keeps
-   the AVX-512 dot products even where AMX runs. a: [offsets[E] - offsets[0], I] scratch.
+   the AVX-512 dot products even where AMX runs. a: [offsets[E] - offsets[0], I] scratch of the
+   AVX-512 path (unused, may be NULL, on AMX). rw: NULL, or one routing weight per row (row r at
+   rw[r - offsets[0]]), each y row then bf16(bf16(y) * w) as HF weights an expert's output.
    Returns 0, -1 for an unknown act, -2 when out of memory. */
 int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
                  const int64_t *offsets, int64_t E, int64_t H, int64_t I, uint16_t *a,
-                 uint16_t *y, int act, int allow_amx, int nthreads) {
+                 uint16_t *y, const float *rw, int act, int allow_amx, int nthreads) {
     if (act != 0) return -1;
-    int64_t rows = offsets[E] - offsets[0];
-    if (rows <= 0) return 0;
-    const int amx = allow_amx && H % 32 == 0 && I % 32 == 0 && amx_usable();
-    int64_t most = ((I > H ? I : H) + TASK - 1) / TASK;
+    if (offsets[E] - offsets[0] <= 0) return 0;
+    int nt = nthreads > 0 ? nthreads : 1;
+    if (allow_amx && H % 32 == 0 && I % 32 == 0 && amx_usable())
+        return moe_amx(x, gate_up, down, offsets, E, H, I, y, rw, nt);
+    int64_t most = ((I > H ? I : H) + TASK - 1) / TASK, nmax = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] - offsets[e] > nmax) nmax = offsets[e + 1] - offsets[e];
     int32_t *te = (int32_t *)malloc((size_t)(E * most) * sizeof(int32_t));
     int32_t *tc = (int32_t *)malloc((size_t)(E * most) * sizeof(int32_t));
-    int64_t *panel_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)); /* in panels */
-    int64_t nmax = 0;
-    panel_at[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        int64_t n = offsets[e + 1] - offsets[e];
-        if (n > nmax) nmax = n;
-        panel_at[e + 1] = panel_at[e] + (n + 15) / 16;
-    }
-    int64_t kmax = I > H ? I : H;
-    uint32_t *xp = amx ? (uint32_t *)aligned_alloc(64, (size_t)(panel_at[E] * kmax * 32)) : NULL;
-    int nt = nthreads > 0 ? nthreads : 1;
-    int64_t nround = (nmax + 15) / 16 * 16;
-    float *scratch = (float *)malloc((size_t)(nt * 2 * nround * TASK) * sizeof(float));
-    if (!te || !tc || !panel_at || !scratch || (amx && !xp)) {
-        free(te); free(tc); free(panel_at); free(scratch); free(xp);
+    float *scratch = (float *)malloc((size_t)(nt * 2 * nmax * TASK) * sizeof(float));
+    if (!te || !tc || !scratch) {
+        free(te); free(tc); free(scratch);
         return -2;
     }
 
@@ -254,12 +483,10 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
         /* row r (offsets[0] <= r < offsets[E]) of this phase's input is at src + r * K */
         const uint16_t *src = down_phase ? a - offsets[0] * I : x;
         int64_t tasks = list_tasks(offsets, E, N, te, tc);
-        if (amx) pack_experts(src, offsets, E, K, panel_at, xp);
 #pragma omp parallel num_threads(nt)
         {
-            if (amx) amx_configure();
-            float *f0 = scratch + (int64_t)omp_get_thread_num() * 2 * nround * TASK;
-            float *f1 = f0 + nround * TASK;
+            float *f0 = scratch + (int64_t)omp_get_thread_num() * 2 * nmax * TASK;
+            float *f1 = f0 + nmax * TASK;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
                 int64_t e = te[t], j0 = (int64_t)tc[t] * TASK;
@@ -269,34 +496,25 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
                 const uint16_t *w0 = down_phase ? down + (e * H + j0) * I
                                                 : gate_up + (e * 2 * I + j0) * H;
                 const uint16_t *w1 = down_phase ? NULL : w0 + I * H;
-                if (amx) {
-                    for (int64_t p = 0; p * 16 < n; p++)
-                        amx_block(w0, w1, K, xp + (panel_at[e] + p) * (K / 2) * 16,
-                                  f0 + p * 16 * TASK, f1 + p * 16 * TASK, TASK,
-                                  n - p * 16 < 16 ? n - p * 16 : 16);
-                } else {
-                    for (int64_t r = 0; r < cols; r += WR) {
-                        int nw = (int)(cols - r < WR ? cols - r : WR);
-                        dots_rows(w0 + r * K, K, nw, xe, n, K, f0 + r, TASK);
-                        if (w1) dots_rows(w1 + r * K, K, nw, xe, n, K, f1 + r, TASK);
-                    }
+                for (int64_t r = 0; r < cols; r += WR) {
+                    int nw = (int)(cols - r < WR ? cols - r : WR);
+                    dots_rows(w0 + r * K, K, nw, xe, n, K, f0 + r, TASK);
+                    if (w1) dots_rows(w1 + r * K, K, nw, xe, n, K, f1 + r, TASK);
                 }
                 for (int64_t i = 0; i < n; i++) {
                     if (down_phase)
-                        round_row(f0 + i * TASK, y + (offsets[e] + i) * H + j0, cols);
+                        round_row_scaled(f0 + i * TASK, rw ? rw[offsets[e] - offsets[0] + i] : 0.f,
+                                         rw != NULL, y + (offsets[e] + i) * H + j0, cols);
                     else
                         gated_silu_row(f0 + i * TASK, f1 + i * TASK,
                                        a + (offsets[e] - offsets[0] + i) * I + j0, cols);
                 }
             }
-            if (amx) _tile_release();
         }
     }
     free(te);
     free(tc);
-    free(panel_at);
     free(scratch);
-    free(xp);
     return 0;
 }
 
