@@ -35,7 +35,10 @@ grouped_expert_mlp(hidden [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], 
     ascending expert order, as HF does (the CPU path sums each token's k contributions in one
     reduction instead: identical for k <= 2, one rounding fewer for k > 2).
 
-CPU fast path: two grouped GEMMs with the expert weights as the *left* operand,
+CPU fast path: in bf16 with AMX, the native kernel of csrc/cpu_moe.c for any number of rows
+(all experts in one call, the routing weights applied as it writes the rows); otherwise (fp32,
+other activations, no AMX past ~1 row per expert) two grouped GEMMs with the expert weights as
+the *left* operand,
 F.grouped_mm(W [E, N, K], X^T [K, R], offs) -> [N, R], one call per projection and no Python
 loop over experts: each expert's weight is read as stored (contiguous rows), empty experts cost
 nothing, and small row counts avoid oneDNN's slow skinny x @ W^T shapes (measured here: at 1-16
@@ -401,12 +404,14 @@ def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
 
 
 # Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) is the fastest CPU
-# path. With AMX it is always: measured by benchmarks/moe_experts.py (hidden 1024, intermediate
-# 3584, 8 experts, weights cycled through 705 MB, past this VM's L3), ms native AMX / one oneDNN
-# GEMM pair per expert: 1 row 7.3 / 13.0, 16: 7.4 / 13.8, 128: 15.6 / 27.8, 512: 46.9 / 64.2,
-# 1024: 87.9 / 124.0, 2048: 198.9 / 221.8. AVX-512 BF16 dot products without AMX: 1 row 7.39,
-# 2: 8.49, 4: 10.28 against F.grouped_mm's 8.67 / 8.67 / 8.53 (the dot products, not the reads,
-# bound it from 2 rows on).
+# path; with AMX, any. Measured by `benchmarks/moe_experts.py --rows 1 4 16 64 128 256 512`
+# (hidden 1024, intermediate 3584, 8 experts, weights cycled through 705 MB, past this VM's L3),
+# ms native AMX / native AVX-512 / F.grouped_mm / one oneDNN GEMM pair per expert:
+#   1: 7.74 / 7.76 / 9.00 / 13.39      4: 7.80 / 11.25 / 9.40 / 14.53
+#  16: 7.74 / 21.35 / 11.69 / 15.04   64: 9.26 / 66.50 / 21.90 / 23.94
+# 128: 14.66 / 125.45 / 36.36 / 30.40  256: 24.93 / 246.15 / 58.67 / 39.40
+# 512: 46.11 / 499.99 / 114.10 / 67.67
+# Without AMX the dot products, not the weight reads, bound the AVX-512 path from 2 rows on.
 _NATIVE_MAX_ROWS_PER_EXPERT = {"amx": float("inf"), "avx512": 1.5}
 
 
