@@ -1,4 +1,5 @@
-/* bf16 expert MLPs of a MoE layer on x86: all routed experts in one call, any number of rows.
+/* bf16 expert MLPs of a MoE layer on x86: all routed experts in one call, any number of rows;
+ * and, on the same AMX machinery, the dense bf16 linear of batched decode (hfd_linear_bf16).
  *
  * Built with the other csrc/ files into one library by hf_dsinfer/kernels/_native.py, called
  * through ctypes from kernels/moe.py. One call computes every routed expert in two phases
@@ -199,6 +200,7 @@ typedef struct {
     uint32_t *a_dst[2]; /* phase 1: panel's 8 rows of 16 pairs, 64 bytes apart */
     uint16_t *y_dst[2]; /* phase 2: panel's first row of y (ldy apart) at column h0 */
     const float *rw[2]; /* phase 2: the panel's routing weights (NULL: none) */
+    const uint16_t *bias; /* phase 2: bf16 bias of the 32 columns (NULL: none) */
     int64_t ldy;
     int rows[2];
     __m512i held; /* phase 1: the even row's bf16 bits */
@@ -224,6 +226,10 @@ static inline void epilogue_unit(epilogue *ep) {
             _mm512_set1_epi32(i));
         __m512 v0 = _mm512_i32gather_ps(idx, ep->c[q], 4);
         __m512 v1 = _mm512_i32gather_ps(idx, ep->c[2 + q], 4);
+        if (ep->bias) { /* y = bf16(x @ W^T + bias), one rounding as torch's linear */
+            v0 = _mm512_add_ps(v0, load16(ep->bias, 0, DT_BF16, 0xFFFF));
+            v1 = _mm512_add_ps(v1, load16(ep->bias, 16, DT_BF16, 0xFFFF));
+        }
         if (ep->rw[q]) { /* y = bf16(bf16(a @ Wd^T) * w) */
             __m512 w = _mm512_set1_ps(ep->rw[q][i]);
             v0 = _mm512_mul_ps(bf16_round_q(v0), w);
@@ -311,13 +317,37 @@ static void pack_panels(const uint16_t *x, int64_t n, int64_t K, int64_t p0, int
     }
 }
 
-/* Scratch of the AMX path (packed x and packed a: 32 * (H + I) bytes per panel), kept between
-   calls and grown as needed: at 512 rows per expert it is ~37 MB, and a fresh allocation is
-   page-faulted in on every call (71.8 ms instead of 35.3 ms in the measurement above, epilogues
-   skipped). One call at a time uses it; a concurrent call allocates its own. */
+/* Scratch of the AMX paths (packed rows), kept between calls and grown as needed: at 512 rows
+   per expert the MoE kernel packs ~37 MB, and a fresh allocation is page-faulted in on every
+   call (71.8 ms instead of 35.3 ms in the measurement above, epilogues skipped). One call at a
+   time uses it; a concurrent call allocates its own. */
 static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *arena;
 static size_t arena_bytes;
+
+/* need bytes of 64-byte aligned scratch (NULL when out of memory); *owned says whether it must
+   be freed (a concurrent call's own) or the arena released by scratch_put. */
+static void *scratch_get(size_t need, int *owned) {
+    if (pthread_mutex_trylock(&arena_lock) == 0) {
+        *owned = 0;
+        if (arena_bytes < need) {
+            free(arena);
+            arena = aligned_alloc(64, (need + 63) / 64 * 64);
+            arena_bytes = arena ? need : 0;
+        }
+        if (!arena) pthread_mutex_unlock(&arena_lock);
+        return arena;
+    }
+    *owned = 1;
+    return aligned_alloc(64, (need + 63) / 64 * 64);
+}
+
+static void scratch_put(void *mem, int owned) {
+    if (owned)
+        free(mem);
+    else if (mem)
+        pthread_mutex_unlock(&arena_lock);
+}
 
 /* Both phases on AMX for the routed rows; returns 0 or -2 (out of memory). */
 static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
@@ -328,22 +358,9 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
     panel_at[0] = 0;
     for (int64_t e = 0; e < E; e++)
         panel_at[e + 1] = panel_at[e] + (offsets[e + 1] - offsets[e] + 15) / 16;
-    size_t need = (size_t)(panel_at[E] * (H + I) * 32);
-    void *mem = NULL;
-    int owned = 0;
-    if (pthread_mutex_trylock(&arena_lock) == 0) {
-        if (arena_bytes < need) {
-            free(arena);
-            arena = aligned_alloc(64, need);
-            arena_bytes = arena ? need : 0;
-        }
-        mem = arena;
-    } else {
-        mem = aligned_alloc(64, need);
-        owned = 1;
-    }
+    int owned;
+    void *mem = scratch_get((size_t)(panel_at[E] * (H + I) * 32), &owned);
     if (!mem) {
-        if (!owned) pthread_mutex_unlock(&arena_lock);
         free(panel_at);
         return -2;
     }
@@ -450,10 +467,7 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
         }
         _tile_release();
     }
-    if (owned)
-        free(mem);
-    else
-        pthread_mutex_unlock(&arena_lock);
+    scratch_put(mem, owned);
     free(panel_at);
     return 0;
 }
@@ -532,6 +546,82 @@ int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *dow
     free(te);
     free(tc);
     free(scratch);
+    return 0;
+}
+
+/* y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) in bf16 on AMX tiles, rounded once as torch's
+ * bf16 linear rounds: the dense linear of batched decode. A tiles are 16 weight rows read
+ * straight from the row-major weight, B tiles x packed in 16-row panels, 2 x 2 tile blocks, the
+ * next task's 32 weight rows prefetched into L2, the transposition into y's rows interleaved
+ * with the next pair's tiles: the moe_amx machinery with one "expert" and no activation. Tasks
+ * are 32 output columns, split evenly over the threads. Returns 0, -2 (out of memory) or -3
+ * (no AMX here, or N or K not a multiple of 32: use another kernel). */
+int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % 32 || K % 32 || K <= 0 || !amx_usable()) return -3;
+    const int64_t P = (M + 15) / 16, blocks = N / 32;
+    int owned;
+    uint32_t *xp = (uint32_t *)scratch_get((size_t)(P * K * 32), &owned);
+    if (!xp) return -2;
+    int64_t group = GROUP_BYTES / (K * 32);
+    group = group < 2 ? 2 : group & ~(int64_t)1;
+    int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        int me = omp_get_thread_num(), nth = omp_get_num_threads();
+        float cbuf[2][4][256] __attribute__((aligned(64)));
+        int flip = 0;
+        epilogue ep = {0};
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) pack_panels(x, M, K, p, p + 1, xp);
+        amx_configure();
+        int64_t b0 = blocks * me / nth, b1 = blocks * (me + 1) / nth;
+        for (int64_t g0 = 0; g0 < P && b0 < b1; g0 += group) {
+            int64_t g1 = g0 + group < P ? g0 + group : P;
+            for (int64_t b = b0; b < b1; b++) {
+                const uint16_t *w0 = w + b * 32 * K;
+                prefetcher pf = {0};
+                int64_t bn = b + 1 < b1 ? b + 1 : (g1 < P ? b0 : -1);
+                if (bn >= 0) {
+                    pf.a = w + bn * 32 * K;
+                    pf.b = pf.a + 16 * K;
+                    pf.ld = K;
+                    pf.lines = K;
+                    int64_t steps = (g1 - g0 + 1) / 2 * (K / 32);
+                    pf.per = (pf.lines + steps - 1) / steps;
+                }
+                for (int64_t p = g0; p < g1; p += 2) {
+                    int nb = g1 - p >= 2 ? 2 : 1;
+                    amx_2x2(w0, w0 + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K, nb,
+                            &pf, &ep);
+                    float (*c)[256] = cbuf[flip];
+                    flip ^= 1;
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(2, c[2], 64);
+                    if (nb == 2) {
+                        _tile_stored(1, c[1], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    int64_t r0 = M - p * 16, r1 = M - (p + 1) * 16;
+                    ep.c = c;
+                    ep.phase = 1;
+                    ep.next = 0;
+                    ep.rows[0] = (int)(r0 < 16 ? r0 : 16);
+                    ep.rows[1] = nb == 2 ? (int)(r1 < 16 ? r1 : 16) : 0;
+                    ep.y_dst[0] = y + p * 16 * N + b * 32;
+                    ep.y_dst[1] = ep.y_dst[0] + 16 * N;
+                    ep.rw[0] = ep.rw[1] = NULL;
+                    ep.bias = bias ? bias + b * 32 : NULL;
+                    ep.ldy = N;
+                    ep.units = ep.rows[0] + ep.rows[1];
+                }
+            }
+        }
+        epilogue_finish(&ep);
+        _tile_release();
+    }
+    scratch_put(xp, owned);
     return 0;
 }
 

@@ -1,0 +1,135 @@
+"""The native AMX linear of batched decode (kernels/linear.py -> csrc/cpu_moe.c hfd_linear_bf16).
+
+From 2 to CPU_AMX_MAX_ROWS bf16 rows on a CPU with AMX, `kernels.linear` on CPU must run it
+(counted) and give what F.linear gives: fp32 sums of exact bf16 products rounded once, the bias
+added before the rounding. Everything else must keep the torch kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_dsinfer
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import linear as L
+from tests.kernels.conftest import count_calls
+
+pytestmark = pytest.mark.skipif(not _native.amx_available(),
+                                reason="needs the native library and a CPU that grants AMX tiles")
+
+
+def _count(monkeypatch):
+    return count_calls(monkeypatch, L, "_native_linear")
+
+
+def _operands(rows, out, inp, bias, seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, rows, inp, generator=g).bfloat16()
+    w = (torch.randn(out, inp, generator=g) * inp ** -0.5).bfloat16()
+    b = torch.randn(out, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+# rows: 2 (smallest), 16 (one full panel), 17 and 40 (a partial last panel, an odd number of
+# panels), 256 (the limit); out and in cover one and several 32-column tasks, and K up to a
+# Llama MLP's 5632
+SHAPES = [(2, 64, 64), (16, 256, 2048), (17, 96, 128), (40, 128, 96), (256, 64, 160),
+          (3, 32, 5632)]
+
+
+@pytest.mark.parametrize("bias", (False, True), ids=("no bias", "bias"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_native_linear_equals_f_linear(monkeypatch, shape, bias):
+    calls = _count(monkeypatch)
+    x, w, b = _operands(*shape, bias)
+    with torch.inference_mode():
+        y = L.linear(x, w, b, backend="cpu")
+    assert calls == [1]
+    ref = F.linear(x, w, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # same accuracy class always; on these shapes also the same bits
+    err, ref_err = (y.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+    assert torch.equal(y, ref)
+
+
+def test_leading_dims_and_non_contiguous_input(monkeypatch):
+    """x [2, 3, K] (6 rows) and a transposed view of x: reshaped / copied, never misread. With
+    a bias and a non-contiguous 3-D x, F.linear itself rounds twice (matmul, then add_), so that
+    call keeps F.linear; without a bias the view takes the kernel."""
+    calls = _count(monkeypatch)
+    x, w, b = _operands(3, 64, 96, True, lead=(2,))
+    xt = x.transpose(0, 1)  # [3, 2, K], not contiguous
+    with torch.no_grad():
+        y = L.linear(x, w, b, backend="cpu")
+        yt = L.linear(xt, w, None, backend="cpu")
+        assert calls == [1, 1]
+        ytb = L.linear(xt, w, b, backend="cpu")
+    assert calls == [1, 1]
+    assert y.shape == (2, 3, 64) and torch.equal(y, F.linear(x, w, b))
+    assert torch.equal(yt, F.linear(xt, w)) and torch.equal(ytb, F.linear(xt, w, b))
+
+
+@pytest.mark.parametrize("case", ["one row", "fp32", "grad", "out not /32", "in not /32",
+                                  "too many rows", "transposed weight"])
+def test_cases_it_does_not_take_keep_torch_kernels(monkeypatch, case):
+    calls = _count(monkeypatch)
+    rows, out, inp = {"one row": (1, 64, 64), "out not /32": (4, 48, 64),
+                      "in not /32": (4, 64, 40),
+                      "too many rows": (L.CPU_AMX_MAX_ROWS + 1, 64, 64)}.get(case, (4, 64, 64))
+    x, w, b = _operands(rows, out, inp, bias=True)
+    if case == "fp32":
+        x, w, b = x.float(), w.float(), b.float()
+    if case == "transposed weight":
+        w = w.t().contiguous().t()
+    if case == "grad":
+        w.requires_grad_(True)
+        y = L.linear(x, w, b, backend="cpu")
+        assert y.requires_grad
+    else:
+        with torch.no_grad():
+            y = L.linear(x, w, b, backend="cpu")
+    assert calls == []
+    assert torch.allclose(y.float(), F.linear(x, w, b).float())
+
+
+def test_switched_off_with_the_native_kernels(monkeypatch):
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    calls = _count(monkeypatch)
+    x, w, b = _operands(4, 64, 64, True)
+    with torch.no_grad():
+        L.linear(x, w, b, backend="cpu")
+    assert calls == []
+
+
+def test_batched_generate_runs_it_and_keeps_the_tokens(monkeypatch):
+    """A bf16 tiny Llama, batch 3 with left padding: the decoder blocks' linears and the output
+    head run the native kernel at prefill (3 x 7 rows) and in every decode step (3 rows), and
+    greedy tokens equal the torch kernels' (HF_DSINFER_NATIVE=0)."""
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = hf_dsinfer.init_inference(
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval(),
+        dtype=torch.bfloat16)
+    ids = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False,
+              "pad_token_id": 0}
+    calls = _count(monkeypatch)
+    with torch.inference_mode():
+        native = model.generate(ids, **kwargs)
+        n = len(calls)
+        monkeypatch.setenv(_native.ENV_VAR, "0")
+        torch_path = model.generate(ids, **kwargs)
+    # q, k, v, o, gate, up, down per layer, and the output head (3 rows: the last positions)
+    per_forward = 7 * len(model.model.layers) + 1
+    assert n == 6 * per_forward  # prefill and 5 decode steps
+    assert len(calls) == n
+    assert torch.equal(native, torch_path)
