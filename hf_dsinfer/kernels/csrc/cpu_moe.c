@@ -169,6 +169,12 @@ static int64_t list_tasks(const int64_t *offsets, int64_t E, int64_t N, int32_t 
 
 #define GROUP_BYTES (1 << 20) /* packed B bytes of one group of panels (L2: 2 MiB per core) */
 
+/* Panels per group at K columns: an even number, at least 2. */
+static inline int64_t panel_group(int64_t K) {
+    int64_t group = GROUP_BYTES / (K * 32);
+    return group < 2 ? 2 : group & ~(int64_t)1;
+}
+
 /* bf16_bits / bf16_round for values computed here (tile sums, quotients, products): the same
    round to nearest even, without bf16_bits' quieting of signalling NaNs, which arithmetic never
    produces (a quiet NaN rounds to the same 0x7fc0 / 0xffc0 either way); 5 ops instead of 8, and
@@ -247,6 +253,47 @@ static inline void epilogue_finish(epilogue *ep) {
     while (ep->next < ep->units) epilogue_unit(ep);
 }
 
+/* One thread's tile outputs: two buffers of four stored C tiles (one being written while the
+   pending epilogue reads the other) and that epilogue. */
+typedef struct {
+    float cbuf[2][4][256] __attribute__((aligned(64)));
+    int flip;
+    epilogue ep;
+} tile_state;
+
+/* Stores the C tiles of a pair of panels into the buffer the pending epilogue does not read (the
+   epilogue of the previous pair has finished inside amx_2x2) and returns it. */
+static inline float (*store_tiles(tile_state *ts, int nb))[256] {
+    float (*c)[256] = ts->cbuf[ts->flip];
+    ts->flip ^= 1;
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (nb == 2) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    return c;
+}
+
+/* The row epilogue of tiles c (32 columns x nb panels) into y rows from y0 (ldy apart): left
+   rows remain from the pair's first row on; rw: routing weights of those rows or NULL; bias:
+   the 32 columns' bias or NULL. */
+static inline void epilogue_rows(epilogue *ep, float (*c)[256], uint16_t *y0, int64_t ldy,
+                                 int64_t left, int nb, const float *rw, const uint16_t *bias) {
+    ep->c = c;
+    ep->phase = 1;
+    ep->next = 0;
+    ep->rows[0] = (int)(left < 16 ? left : 16);
+    ep->rows[1] = nb == 2 ? (int)(left - 16 < 16 ? left - 16 : 16) : 0;
+    ep->y_dst[0] = y0;
+    ep->y_dst[1] = y0 + 16 * ldy;
+    ep->rw[0] = rw;
+    ep->rw[1] = rw ? rw + 16 : NULL;
+    ep->bias = bias;
+    ep->ldy = ldy;
+    ep->units = ep->rows[0] + ep->rows[1];
+}
+
 /* L2 prefetch of the 32 weight rows the next task reads (rows 0..15 from a, 16..31 from b, ld
    elements apart, K each), `per` lines per k step in the order they will be read. */
 typedef struct {
@@ -260,6 +307,23 @@ static inline void prefetch_step(prefetcher *pf) {
         const uint16_t *base = row < 16 ? pf->a + row * pf->ld : pf->b + (row - 16) * pf->ld;
         _mm_prefetch((const char *)(base + col), _MM_HINT_T1);
     }
+}
+
+/* Plans the prefetch of the next task's rows (rows 0..15 from a, rows 16..31 from a + b_off;
+   ld apart, K each) over the k steps of this task's panels (pairs of panels times K / 32);
+   a NULL: none. */
+static inline prefetcher prefetch_plan(const uint16_t *a, int64_t b_off, int64_t ld, int64_t K,
+                                       int64_t panels) {
+    prefetcher pf = {0};
+    if (a) {
+        int64_t steps = (panels + 1) / 2 * (K / 32);
+        pf.a = a;
+        pf.b = a + b_off;
+        pf.ld = ld;
+        pf.lines = K; /* 32 rows of K / 32 lines */
+        pf.per = (pf.lines + steps - 1) / steps;
+    }
+    return pf;
 }
 
 /* C tiles 0..3 = (A0, A1) x (B0, B1) over K: tile 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1;
@@ -368,9 +432,8 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
 #pragma omp parallel num_threads(nt)
     {
         int me = omp_get_thread_num(), nth = omp_get_num_threads();
-        float cbuf[2][4][256] __attribute__((aligned(64)));
-        int flip = 0;
-        epilogue ep = {0};
+        tile_state ts = {0};
+        epilogue *ep = &ts.ep;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panel_at[E]; p++) {
             int64_t e = 0;
@@ -393,8 +456,7 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
                 int64_t b1 = hi > first ? (hi - first + P - 1) / P : 0;
                 if (b1 > blocks) b1 = blocks;
                 if (b0 >= b1) continue;
-                int64_t group = GROUP_BYTES / (K * 32);
-                group = group < 2 ? 2 : group & ~(int64_t)1;
+                const int64_t group = panel_group(K);
                 const uint32_t *bx = phase ? ap + panel_at[e] * I * 8 : xp + panel_at[e] * H * 8;
                 const int64_t bstep = phase ? P * 256 : 256, bpanel = phase ? 256 : H * 8;
                 for (int64_t g0 = 0; g0 < P; g0 += group) {
@@ -412,57 +474,38 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
                             lda = I;
                         }
                         /* prefetch the rows of the next block (or this group's first again) */
-                        prefetcher pf = {0};
                         int64_t bn = b + 1 < b1 ? b + 1 : (g1 < P ? b0 : -1);
-                        if (bn >= 0) {
-                            pf.a = phase ? down + (e * H + bn * 32) * I
-                                         : gate_up + (e * 2 * I + bn * 16) * H;
-                            pf.b = phase ? pf.a + 16 * I : pf.a + I * H;
-                            pf.ld = lda;
-                            pf.lines = K; /* 32 rows of K / 32 lines */
-                            int64_t steps = (g1 - g0 + 1) / 2 * (K / 32);
-                            pf.per = (pf.lines + steps - 1) / steps;
-                        }
+                        const uint16_t *na = bn < 0 ? NULL
+                                             : phase ? down + (e * H + bn * 32) * I
+                                                     : gate_up + (e * 2 * I + bn * 16) * H;
+                        prefetcher pf = prefetch_plan(na, phase ? 16 * I : I * H, lda, K,
+                                                      g1 - g0);
                         for (int64_t p = g0; p < g1; p += 2) {
                             int nb = g1 - p >= 2 ? 2 : 1;
                             amx_2x2(w0, w1, lda, bx + p * bpanel, bx + (p + 1) * bpanel, bstep, K,
-                                    nb, &pf, &ep);
-                            /* the tiles of this pair go to the other buffer; the epilogue of
-                               the previous pair has finished inside amx_2x2 */
-                            float (*c)[256] = cbuf[flip];
-                            flip ^= 1;
-                            _tile_stored(0, c[0], 64);
-                            _tile_stored(2, c[2], 64);
-                            if (nb == 2) {
-                                _tile_stored(1, c[1], 64);
-                                _tile_stored(3, c[3], 64);
-                            }
-                            ep.c = c;
-                            ep.phase = phase;
-                            ep.next = 0;
+                                    nb, &pf, ep);
+                            float (*c)[256] = store_tiles(&ts, nb);
                             if (phase == 0) {
                                 /* a's B tile (k step b / 2, panel p) rows (b & 1) * 8.. */
                                 uint32_t *dst = ap + panel_at[e] * I * 8 + (b >> 1) * P * 256
                                                 + (b & 1) * 128;
-                                ep.a_dst[0] = dst + p * 256;
-                                ep.a_dst[1] = dst + (p + 1) * 256;
-                                ep.units = 16 * nb;
+                                ep->c = c;
+                                ep->phase = 0;
+                                ep->next = 0;
+                                ep->a_dst[0] = dst + p * 256;
+                                ep->a_dst[1] = dst + (p + 1) * 256;
+                                ep->units = 16 * nb;
                             } else {
-                                int64_t r0 = n - p * 16, r1 = n - (p + 1) * 16;
-                                ep.rows[0] = (int)(r0 < 16 ? r0 : 16);
-                                ep.rows[1] = nb == 2 ? (int)(r1 < 16 ? r1 : 16) : 0;
-                                ep.y_dst[0] = y + (offsets[e] + p * 16) * H + b * 32;
-                                ep.y_dst[1] = ep.y_dst[0] + 16 * H;
-                                ep.rw[0] = rw ? rw + offsets[e] - offsets[0] + p * 16 : NULL;
-                                ep.rw[1] = rw ? ep.rw[0] + 16 : NULL;
-                                ep.ldy = H;
-                                ep.units = ep.rows[0] + ep.rows[1];
+                                epilogue_rows(ep, c, y + (offsets[e] + p * 16) * H + b * 32, H,
+                                              n - p * 16, nb,
+                                              rw ? rw + offsets[e] - offsets[0] + p * 16 : NULL,
+                                              NULL);
                             }
                         }
                     }
                 }
             }
-            epilogue_finish(&ep);
+            epilogue_finish(ep);
 #pragma omp barrier
         }
         _tile_release();
@@ -564,15 +607,13 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     int owned;
     uint32_t *xp = (uint32_t *)scratch_get((size_t)(P * K * 32), &owned);
     if (!xp) return -2;
-    int64_t group = GROUP_BYTES / (K * 32);
-    group = group < 2 ? 2 : group & ~(int64_t)1;
+    const int64_t group = panel_group(K);
     int nt = nthreads > 0 ? nthreads : 1;
 #pragma omp parallel num_threads(nt)
     {
         int me = omp_get_thread_num(), nth = omp_get_num_threads();
-        float cbuf[2][4][256] __attribute__((aligned(64)));
-        int flip = 0;
-        epilogue ep = {0};
+        tile_state ts = {0};
+        epilogue *ep = &ts.ep;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) pack_panels(x, M, K, p, p + 1, xp);
         amx_configure();
@@ -581,44 +622,19 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
             int64_t g1 = g0 + group < P ? g0 + group : P;
             for (int64_t b = b0; b < b1; b++) {
                 const uint16_t *w0 = w + b * 32 * K;
-                prefetcher pf = {0};
                 int64_t bn = b + 1 < b1 ? b + 1 : (g1 < P ? b0 : -1);
-                if (bn >= 0) {
-                    pf.a = w + bn * 32 * K;
-                    pf.b = pf.a + 16 * K;
-                    pf.ld = K;
-                    pf.lines = K;
-                    int64_t steps = (g1 - g0 + 1) / 2 * (K / 32);
-                    pf.per = (pf.lines + steps - 1) / steps;
-                }
+                const uint16_t *na = bn < 0 ? NULL : w + bn * 32 * K;
+                prefetcher pf = prefetch_plan(na, 16 * K, K, K, g1 - g0);
                 for (int64_t p = g0; p < g1; p += 2) {
                     int nb = g1 - p >= 2 ? 2 : 1;
                     amx_2x2(w0, w0 + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K, nb,
-                            &pf, &ep);
-                    float (*c)[256] = cbuf[flip];
-                    flip ^= 1;
-                    _tile_stored(0, c[0], 64);
-                    _tile_stored(2, c[2], 64);
-                    if (nb == 2) {
-                        _tile_stored(1, c[1], 64);
-                        _tile_stored(3, c[3], 64);
-                    }
-                    int64_t r0 = M - p * 16, r1 = M - (p + 1) * 16;
-                    ep.c = c;
-                    ep.phase = 1;
-                    ep.next = 0;
-                    ep.rows[0] = (int)(r0 < 16 ? r0 : 16);
-                    ep.rows[1] = nb == 2 ? (int)(r1 < 16 ? r1 : 16) : 0;
-                    ep.y_dst[0] = y + p * 16 * N + b * 32;
-                    ep.y_dst[1] = ep.y_dst[0] + 16 * N;
-                    ep.rw[0] = ep.rw[1] = NULL;
-                    ep.bias = bias ? bias + b * 32 : NULL;
-                    ep.ldy = N;
-                    ep.units = ep.rows[0] + ep.rows[1];
+                            &pf, ep);
+                    epilogue_rows(ep, store_tiles(&ts, nb), y + p * 16 * N + b * 32, N,
+                                  M - p * 16, nb, NULL, bias ? bias + b * 32 : NULL);
                 }
             }
         }
-        epilogue_finish(&ep);
+        epilogue_finish(ep);
         _tile_release();
     }
     scratch_put(xp, owned);
