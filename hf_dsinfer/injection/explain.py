@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
+import torch
 from torch import nn
 
 from hf_dsinfer.injection.walker import InjectionReport, get_report
@@ -83,6 +84,9 @@ def explain(model: nn.Module) -> str:
     native = _native_decode_line(report, model)
     if native:
         extras.append(native)
+    batched = _batched_linear_line(report, model)
+    if batched:
+        extras.append(batched)
     if getattr(model, "_dsinfer_offload", None) is not None:
         extras.append(model._dsinfer_offload.describe())
     if report.tp is not None:
@@ -115,6 +119,25 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")
+
+
+def _batched_linear_line(report: InjectionReport, model: nn.Module) -> str | None:
+    """Which kernel the bf16 block linears of 2..CPU_AMX_MAX_ROWS rows run on CPU (batched
+    decode, short prompts); None for other dtypes, devices and backends."""
+    from hf_dsinfer.kernels import _native
+    from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS
+
+    blocks = list(report.blocks.values())
+    param = next(model.parameters())
+    if (not blocks or param.dtype != torch.bfloat16 or param.device.type != "cpu"
+            or blocks[0].backend != "cpu"):
+        return None
+    what = f"bf16 linears of 2-{CPU_AMX_MAX_ROWS} rows (batched decode, short prompts):"
+    if _native.amx_available():
+        return (f"{what} native AMX kernel, kernels/csrc/cpu_moe.c (sizes multiples of 32; "
+                "others F.linear)")
+    why = _native.why_unavailable() or "the CPU or kernel grants no AMX tiles"
+    return f"{what} F.linear (native AMX kernel unavailable: {why})"
 
 
 def _int8_cpu_kernel() -> str:

@@ -133,3 +133,19 @@ def test_batched_generate_runs_it_and_keeps_the_tokens(monkeypatch):
     assert n == 6 * per_forward  # prefill and 5 decode steps
     assert len(calls) == n
     assert torch.equal(native, torch_path)
+
+
+def test_explain_names_the_kernel(monkeypatch):
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    bf16 = hf_dsinfer.init_inference(
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval(),
+        dtype=torch.bfloat16)
+    fp32 = hf_dsinfer.init_inference(AutoModelForCausalLM.from_config(config).eval(),
+                                     dtype=torch.float32)
+    line = "bf16 linears of 2-256 rows (batched decode, short prompts): native AMX kernel"
+    assert line in hf_dsinfer.explain(bf16)
+    assert "bf16 linears of" not in hf_dsinfer.explain(fp32)
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    assert ("F.linear (native AMX kernel unavailable: disabled by HF_DSINFER_NATIVE=0)"
+            in hf_dsinfer.explain(bf16))
