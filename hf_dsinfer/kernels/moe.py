@@ -422,8 +422,8 @@ def _amx_tiles(hidden: int, inter: int) -> bool:
 
 def _native_moe_lib(x_sorted, gate_up_proj, down_proj, act: str, bounds: list[int]):
     """The native library when its bf16 expert kernel (csrc/cpu_moe.c) takes these rows, else
-    None: few rows per active expert (see above), silu, bf16 rows and weights, contiguous, on
-    CPU, outside torch.compile."""
+    None: any number of rows per active expert on AMX, about one without (see above); silu, bf16
+    rows and weights, contiguous, on CPU, outside torch.compile."""
     fits = (0 < bounds[-1] and act == "silu" and x_sorted.device.type == "cpu"
             and x_sorted.dtype == gate_up_proj.dtype == down_proj.dtype == torch.bfloat16
             and x_sorted.is_contiguous() and gate_up_proj.is_contiguous()
@@ -492,8 +492,10 @@ def combine_expert_rows(rows: torch.Tensor, weights: torch.Tensor, align: MoeAli
 
 
 def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):
-    """Align, one gather into expert-sorted rows, two grouped GEMMs, combine; or, with many
-    rows per expert, one GEMM pair per active expert, each combined while its rows are hot."""
+    """Align, one gather into expert-sorted rows, then the native kernel (bf16 on AMX: every
+    expert in one call, rows weighted as written) or two grouped GEMMs, and combine; or, with
+    many rows per expert off the native path, one GEMM pair per active expert, each combined
+    while its rows are hot."""
     align = moe_align(ids, gate_up_proj.shape[0])
     x = hidden.index_select(0, align.token_idx)  # [T*k, H], contiguous per expert
     bounds = align.expert_offsets.tolist()  # one host sync
@@ -505,7 +507,8 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
         y = _native_moe_rows(lib, x, gate_up_proj, down_proj, align.expert_offsets, kept,
                              row_weights=w_sorted)
     elif _per_expert_gemms(bounds, gate_up_proj, down_proj):
-        return _loop_and_combine(hidden, x, gate_up_proj, down_proj, weights, align, bounds, act)
+        return _loop_and_combine(hidden, x, gate_up_proj, down_proj, w_sorted, align, bounds,
+                                 act)
     else:  # [T*k, H]; rows past bounds[-1] unset
         y = _grouped_rows_gmm(x, gate_up_proj, down_proj, align.expert_offsets, act)
         y[:kept].mul_(w_sorted[:kept, None])
@@ -513,11 +516,11 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     return out.index_add_(0, align.token_idx[:kept], y[:kept])
 
 
-def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, weights, align, bounds, act):
-    """Per active expert: its rows' MLP, times their routing weights (in the promoted dtype,
-    rounded to the rows' dtype), index-added into the output. Expert by expert, in expert
-    order: the accumulation order of HF's eager experts loop, with no [T*k, H] intermediate."""
-    w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k], sorted by expert
+def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, w_sorted, align, bounds, act):
+    """Per active expert: its rows' MLP, times their routing weights (w_sorted [T*k], sorted by
+    expert; in the promoted dtype, rounded to the rows' dtype), index-added into the output.
+    Expert by expert, in expert order: the accumulation order of HF's eager experts loop, with
+    no [T*k, H] intermediate."""
     out = torch.zeros_like(hidden)  # [T, H]
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]

@@ -175,20 +175,6 @@ static inline int64_t panel_group(int64_t K) {
     return group < 2 ? 2 : group & ~(int64_t)1;
 }
 
-/* bf16_bits / bf16_round for values computed here (tile sums, quotients, products): the same
-   round to nearest even, without bf16_bits' quieting of signalling NaNs, which arithmetic never
-   produces (a quiet NaN rounds to the same 0x7fc0 / 0xffc0 either way); 5 ops instead of 8, and
-   the epilogue is bound by its op count. */
-static inline __m512i bf16_bits_q(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-}
-
-static inline __m512 bf16_round_q(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_q(v), 16));
-}
-
 /* 16 lanes of a = bf16(bf16(silu(bf16(g))) * bf16(u)), as fp32 */
 static inline __m512 gated_silu16(__m512 g, __m512 u) {
     __m512 gs = bf16_round_q(g);
@@ -198,23 +184,26 @@ static inline __m512 gated_silu16(__m512 g, __m512 u) {
 }
 
 /* The epilogue of one pair of panels, C tiles stored in c: tile q (panel p + q) of A0 at c[q], of
-   A1 at c[2 + q]. Phase 1 units: 16 per panel, one row of gate/up each; phase 2 units: one y
-   row each, rows[0] of panel p then rows[1] of panel p + 1. */
+   A1 at c[2 + q]. EPI_GATED (MoE phase 1) units: 16 per panel, one row of gate/up each; EPI_ROWS
+   (MoE phase 2, the dense linear) units: one y row each, rows[0] of panel p then rows[1] of
+   panel p + 1. */
+enum { EPI_GATED = 0, EPI_ROWS = 1 };
+
 typedef struct {
     float (*c)[256];
-    int phase, units, next;
-    uint32_t *a_dst[2]; /* phase 1: panel's 8 rows of 16 pairs, 64 bytes apart */
-    uint16_t *y_dst[2]; /* phase 2: panel's first row of y (ldy apart) at column h0 */
-    const float *rw[2]; /* phase 2: the panel's routing weights (NULL: none) */
-    const uint16_t *bias; /* phase 2: bf16 bias of the 32 columns (NULL: none) */
+    int kind, units, next;
+    uint32_t *a_dst[2]; /* EPI_GATED: panel's 8 rows of 16 pairs, 64 bytes apart */
+    uint16_t *y_dst[2]; /* EPI_ROWS: panel's first row of y (ldy apart) at column h0 */
+    const float *rw[2]; /* EPI_ROWS: the panel's routing weights (NULL: none) */
+    const uint16_t *bias; /* EPI_ROWS: bf16 bias of the 32 columns (NULL: none) */
     int64_t ldy;
     int rows[2];
-    __m512i held; /* phase 1: the even row's bf16 bits */
+    __m512i held; /* EPI_GATED: the even row's bf16 bits */
 } epilogue;
 
 static inline void epilogue_unit(epilogue *ep) {
     int u = ep->next++;
-    if (ep->phase == 0) {
+    if (ep->kind == EPI_GATED) {
         /* units 2r, 2r + 1 of panel q: rows r, r + 1 of the gate and up tiles, one per unit (the
            first is held until the second makes a row of pairs) */
         int q = u >> 4, r = u & 15;
@@ -281,7 +270,7 @@ static inline float (*store_tiles(tile_state *ts, int nb))[256] {
 static inline void epilogue_rows(epilogue *ep, float (*c)[256], uint16_t *y0, int64_t ldy,
                                  int64_t left, int nb, const float *rw, const uint16_t *bias) {
     ep->c = c;
-    ep->phase = 1;
+    ep->kind = EPI_ROWS;
     ep->next = 0;
     ep->rows[0] = (int)(left < 16 ? left : 16);
     ep->rows[1] = nb == 2 ? (int)(left - 16 < 16 ? left - 16 : 16) : 0;
@@ -490,7 +479,7 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
                                 uint32_t *dst = ap + panel_at[e] * I * 8 + (b >> 1) * P * 256
                                                 + (b & 1) * 128;
                                 ep->c = c;
-                                ep->phase = 0;
+                                ep->kind = EPI_GATED;
                                 ep->next = 0;
                                 ep->a_dst[0] = dst + p * 256;
                                 ep->a_dst[1] = dst + (p + 1) * 256;
