@@ -35,6 +35,9 @@ CONFIGS = {
                                         "num_key_value_heads": 1}),  # head_dim 64, MQA
     "qwen2": lambda: Qwen2Config(**_BASE),  # q/k/v biases
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
+    # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
+    "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
+                                        "num_attention_heads": 5, "num_key_value_heads": 1}),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -95,6 +98,25 @@ def test_decode_steps_match_the_torch_path(name, quant, monkeypatch):
     assert _native_calls(model) == 0
     native = _step_logits(model, ids, mask, True, monkeypatch)
     assert _native_calls(model) == 4 * len(model.model.layers)  # every step, every layer
+    _close(native, torch_path)
+
+
+@pytest.mark.parametrize(("group", "hidden", "inter"), [(64, 192, 320), (128, 128, 256),
+                                                       (256, 256, 512)])
+def test_int4_group_sizes(group, hidden, inter, monkeypatch):
+    """Every int4 group size: the kernel maps each 8-column lane of a 128-column chunk to its
+    group (4 or 2 groups per chunk, or a group over 1 or 2 chunks)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**_BASE, "hidden_size": hidden, "intermediate_size": inter,
+                            "num_attention_heads": hidden // 32, "num_key_value_heads": 2})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = _inject(model, {"bits": 4, "group_size": group})
+    assert model.model.layers[0].mlp.down_proj.quantized.group_size == group
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(1, 9, dtype=torch.long)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) == 4 * len(model.model.layers)
     _close(native, torch_path)
 
 

@@ -17,8 +17,9 @@
  * Weights are read where the model keeps them (no copy): bf16 [N, K] rows (vdpbf16ps), int8
  * rows with per-row scales and input equalization (three byte planes of x, vpdpbusd: see
  * cpu_quant.c), or 4-bit rows packed two per byte (low nibble first) with per-group scale and
- * min, W = q * scale + min (nibbles become exact bf16 through vpermw, then vdpbf16ps; the mins
- * come in through per-group sums of x). Products of bf16 are exact and sums are fp32.
+ * min, W = q * scale + min (see lin_block: each nibble q becomes the exact bf16 1 + q / 16 with
+ * two bit operations, the 16 * scale multiplies it, and the mins less 16 * scale come in through
+ * per-group sums of x). Products of bf16 are exact and sums are fp32.
  *
  * Rounding to bf16 happens where HF's bf16 modules round: after the norm's normalization and
  * its weight, after each projection, after each rotary product and their sum, after the
@@ -60,6 +61,7 @@ typedef struct {
 typedef struct {
     const uint16_t *x;
     float *gsum;     /* [k / group] sums of x per int4 group */
+    uint16_t *xp;    /* int4: x in the column order of the nibble planes (see lin_block) */
     uint8_t *planes; /* int8: 3 * kp bytes */
     int64_t kp;
     double unit;
@@ -80,29 +82,18 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
                 s = _mm512_add_ps(s, load16(x, g * L->group + c, DT_BF16, 0xFFFF));
             in->gsum[g] = _mm512_reduce_add_ps(s);
         }
+        /* 128 columns per chunk: plane p (0..3) of chunk c pairs columns 8j + p and 8j + 4 + p
+           in lane j, as lin_block decodes a 64-byte load of codes; columns past K are 0 */
+        const int64_t K = L->k;
+        for (int64_t c = 0; c < (K + 127) / 128; c++)
+            for (int p = 0; p < 4; p++)
+                for (int j = 0; j < 16; j++) {
+                    int64_t k0 = c * 128 + 8 * j + p;
+                    uint16_t *o = in->xp + c * 128 + p * 32 + 2 * j;
+                    o[0] = k0 < K ? x[k0] : 0;
+                    o[1] = k0 + 4 < K ? x[k0 + 4] : 0;
+                }
     }
-}
-
-/* bf16 of 0..15 in words 0..15 (and again in 16..31) */
-static inline __m512i nibble_table(void) {
-    uint16_t tab[32];
-    for (int i = 0; i < 32; i++) {
-        float f = (float)(i & 15);
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        tab[i] = (uint16_t)(u >> 16); /* 0..15 are exact in bf16 */
-    }
-    return _mm512_loadu_si512(tab);
-}
-
-/* 32 nibbles (16 bytes, low nibble first) as 16 lanes of bf16 pairs: lane j holds the values of
-   byte j's low nibble (first) and high nibble (second). */
-static inline __m512i nibbles_bf16(const uint8_t *p, __m512i table) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    /* word 0 of each lane = low nibble, word 1 = high nibble, as indices into the table */
-    __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
-                                            _mm512_set1_epi32(0x000F000F), 0xA8); /* (a|b)&c */
-    return _mm512_permutexvar_epi16(idx, table);
 }
 
 /* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows (<= ROWS). */
@@ -113,7 +104,8 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         for (int r = 0; r < ROWS; r++)
             wr[r] = (const int8_t *)L->w + (n0 + (r < rows ? r : 0)) * K;
         int64_t s[ROWS];
-        int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s);
+        int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s,
+                  n0 + ROWS < L->n ? wr[0] + ROWS * K : NULL, (const int8_t *)L->w + L->n * K);
         for (int r = 0; r < rows; r++)
             out[r] = (float)((double)s[r] * in->unit) * load_f32(L->scales, n0 + r, (int)L->s_dt);
         return;
@@ -133,36 +125,65 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
         return;
     }
-    /* int4: the rows' group scales in fp32 first (the loop broadcasts them from memory), the
-       mins through one dot product with the group sums of x per row */
+    /* int4. A 64-byte load of a row's codes holds 128 columns; its dword j holds the nibbles of
+       columns 8j .. 8j + 7 (low nibble first). Nibble plane p (0..3) puts the nibbles of columns
+       8j + p and 8j + 4 + p at bits 3..6 of dword j's two words, under the bits of bf16 1.0:
+       each word is then exactly 1 + q / 16, and x comes pre-ordered to match (prepare_input).
+       So W = q * scale + min = (1 + q / 16) * 16 scale + (min - 16 scale), the second term
+       through the group sums of x. Two bit operations per 32 columns, all on full vectors; the
+       fp32 sums carry the offset 1 (at most 16x the magnitude of q / 16 each), which costs
+       about 4 bits of fp32's 24, far below the bf16 rounding of the output. The group of
+       dword j is (128 c + 8 j) / group, so one permute of the fp32 scales per chunk and row
+       applies them. */
     const int64_t group = L->group, G = K / group;
     const uint8_t *wr[ROWS];
-    float scale[ROWS][MAX_GROUPS], mins[ROWS];
+    float scale[ROWS][MAX_GROUPS + 16], mins[ROWS];
     for (int r = 0; r < ROWS; r++) {
         int64_t row = n0 + (r < rows ? r : 0);
         wr[r] = (const uint8_t *)L->w + row * (K / 2);
         __m512 m = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g += 16) {
             __mmask16 mk = mask16(G - g);
-            _mm512_mask_storeu_ps(scale[r] + g, mk, load16(L->scales, row * G + g, (int)L->s_dt, mk));
-            m = _mm512_fmadd_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk),
+            __m512 s16 = _mm512_mul_ps(load16(L->scales, row * G + g, (int)L->s_dt, mk), _mm512_set1_ps(16.f));
+            _mm512_mask_storeu_ps(scale[r] + g, mk, s16);
+            m = _mm512_fmadd_ps(_mm512_sub_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk), s16),
                                 _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
         }
         mins[r] = _mm512_reduce_add_ps(m);
+        /* a partial last chunk's lanes past K hold 0 (x is 0 there), times these */
+        _mm512_storeu_ps(scale[r] + G, _mm512_setzero_ps());
     }
-    const __m512i table = nibble_table();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 a[ROWS];
-        for (int r = 0; r < ROWS; r++) a[r] = _mm512_setzero_ps();
-        for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
-            __m512i xv = _mm512_loadu_si512(in->x + k);
-            for (int r = 0; r < ROWS; r++) {
-                if (!(k & 127)) _mm_prefetch((const char *)(wr[r] + k / 2) + PREFETCH / 2, _MM_HINT_T0);
-                a[r] = _mm512_dpbf16_ps(a[r], as_bh(nibbles_bf16(wr[r] + k / 2, table)), as_bh(xv));
-            }
-        }
+    /* The block's rows are contiguous, and the threads take consecutive blocks: the next
+       block's codes are prefetched one line per 64 bytes read here, its scales and mins now. */
+    const char *next = (const char *)L->w + (n0 + ROWS) * (K / 2);
+    const char *end = (const char *)L->w + L->n * (K / 2);
+    const int sz = L->s_dt == DT_F32 ? 4 : 2;
+    for (int64_t c = 0; n0 + ROWS < L->n && c < ROWS * G * sz; c += 64) {
+        _mm_prefetch((const char *)L->scales + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
+        _mm_prefetch((const char *)L->mins + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
+    }
+    const __m512i bits = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+    /* dword j's group within its chunk; group is a multiple of 32 (decode.py checks) */
+    const __m512i gidx = _mm512_srli_epi32(
+        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
+        __builtin_ctzll(group < 128 ? group : 128));
+    for (int64_t c = 0; c < (K + 127) / 128; c++) {
+        const uint16_t *xc = in->xp + c * 128;
+        const __m512i x0 = _mm512_loadu_si512(xc), x1 = _mm512_loadu_si512(xc + 32);
+        const __m512i x2 = _mm512_loadu_si512(xc + 64), x3 = _mm512_loadu_si512(xc + 96);
+        const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
         for (int r = 0; r < ROWS; r++)
-            acc[r] = _mm512_fmadd_ps(a[r], _mm512_set1_ps(scale[r][g]), acc[r]);
+            if (next + 64 * (ROWS * c + r) < end) _mm_prefetch(next + 64 * (ROWS * c + r), _MM_HINT_T0);
+        const int64_t g0 = c * 128 / group;
+        for (int r = 0; r < ROWS; r++) {
+            /* (a & b) | c: the nibble's bits into the mantissa of 1.0 */
+            __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64);
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 3), bits, one, 0xEA)), as_bh(x0));
+            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 1), bits, one, 0xEA)), as_bh(x1));
+            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 5), bits, one, 0xEA)), as_bh(x2));
+            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 9), bits, one, 0xEA)), as_bh(x3));
+            acc[r] = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(scale[r] + g0)), acc[r]);
+        }
     }
     for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r];
 }
@@ -233,23 +254,25 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c
     }
 }
 
-/* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes and group sums. */
+/* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, group sums and int4 x. */
 typedef struct {
     void *mem;
     float *xf;
     uint8_t *planes;
     float *gsum;
+    uint16_t *xp;
     int64_t kp;
 } scratch;
 
 static int scratch_init(scratch *s, int64_t K) {
-    s->kp = (K + 63) / 64 * 64;
-    size_t bytes = (size_t)s->kp * 4 + 3 * (size_t)s->kp * 3 + 3 * (size_t)s->kp * 4;
+    s->kp = (K + 127) / 128 * 128;
+    size_t bytes = (size_t)s->kp * (4 + 3 * 3 + 3 * 4 + 3 * 2);
     s->mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!s->mem) return -2;
     s->xf = (float *)s->mem;
     s->planes = (uint8_t *)(s->xf + s->kp);
     s->gsum = (float *)(s->planes + 9 * s->kp);
+    s->xp = (uint16_t *)(s->gsum + 3 * s->kp);
     return 0;
 }
 
@@ -258,6 +281,7 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
     for (int j = 0; j < count; j++) {
         in[j].planes = s->planes + j * 3 * s->kp;
         in[j].gsum = s->gsum + j * s->kp;
+        in[j].xp = s->xp + j * s->kp;
         prepare_input(lin[j], x, &in[j], s->xf);
     }
 }

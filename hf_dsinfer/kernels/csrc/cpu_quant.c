@@ -16,8 +16,9 @@
  * No standalone int4 kernel lives here: a bf16-dot-product int4 GEMV (nibbles turned into bf16 by
  * vpermw, vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at
  * one row (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above, so int4 linears
- * stay on torch's kernel (see kernels/quant.py). The same int4 dot products run inside the native
- * decode layer (cpu_decode.c), where they save the dispatches around them.
+ * stay on torch's kernel (see kernels/quant.py). int4 dot products run inside the native decode
+ * layer (cpu_decode.c), now without vpermw (two bit operations per 32 nibbles) and with the next
+ * block prefetched: 38.7 -> ~21.5 ms for 22 Llama-1.1B MLPs there.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,7 +50,8 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
         for (int r = 0; r < INT8_ROWS; r++) wr[r] = q + (n0 + (r < rows ? r : 0)) * K;
         for (int64_t m = 0; m < M; m++) {
             int64_t s[INT8_ROWS];
-            int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s);
+            int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s,
+                      m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K);
             for (int r = 0; r < rows; r++) {
                 float v = (float)((double)s[r] * unit[m]) * load_f32(scales, n0 + r, s_dt);
                 if (bias) v += load_f32(bias, n0 + r, b_dt);

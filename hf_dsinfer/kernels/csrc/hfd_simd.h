@@ -179,9 +179,14 @@ static inline double int8_planes(const void *x, int dt, const float *in_scale, i
 
 /* s[r] = sum_k xq[k] * q[r, k] exactly, for the INT8_ROWS weight rows wr (K int8 each) and the
    fixed-point x in planes p0 (kp bytes apart), where xq = plane value - 2^23 (rowsum: the rows'
-   sums of q). Multiply by the unit of int8_planes and the row scale to get the dot product. */
+   sums of q). Multiply by the unit of int8_planes and the row scale to get the dot product.
+   next (or NULL): the INT8_ROWS * K contiguous bytes the caller reads next, prefetched below
+   end at the pace these rows are read. Rows of 1-3 KiB are too short for a prefetch ahead
+   within each row, and their blocks are contiguous: ahead by one block, a 5632 x 2048 stream
+   went 24.2 -> 24.9-25.0 GB/s here. */
 static inline void int8_dots(const int8_t *const *wr, const int32_t *rowsum, int rows,
-                             const uint8_t *p0, int64_t kp, int64_t K, int64_t *s) {
+                             const uint8_t *p0, int64_t kp, int64_t K, int64_t *s,
+                             const int8_t *next, const int8_t *end) {
     const uint8_t *p1 = p0 + kp, *p2 = p1 + kp;
     int64_t tail = K % 64;
     __mmask64 tail_mask = tail ? (((__mmask64)1 << tail) - 1) : 0;
@@ -192,7 +197,8 @@ static inline void int8_dots(const int8_t *const *wr, const int32_t *rowsum, int
         __m512i x0 = _mm512_load_si512(p0 + k), x1 = _mm512_load_si512(p1 + k);
         __m512i x2 = _mm512_load_si512(p2 + k);
         for (int r = 0; r < INT8_ROWS; r++) {
-            _mm_prefetch((const char *)(wr[r] + k + PREFETCH), _MM_HINT_T0);
+            const int8_t *ahead = next + INT8_ROWS * k + 64 * r;
+            if (next && ahead < end) _mm_prefetch((const char *)ahead, _MM_HINT_T0);
             __m512i w = _mm512_loadu_si512(wr[r] + k);
             a0[r] = _mm512_dpbusd_epi32(a0[r], x0, w);
             a1[r] = _mm512_dpbusd_epi32(a1[r], x1, w);
