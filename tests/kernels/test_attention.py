@@ -170,3 +170,31 @@ def test_bad_head_counts_raise():
     k = torch.zeros(BATCH, 4, TOKENS, HEAD_DIM)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attn.attention(q, k, k, scale=SCALE)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("mask_kind", ("batch", "per_head", "none"))
+def test_cpu_decode_groups_query_heads_per_kv_head(dtype, mask_kind, monkeypatch):
+    """A decode step with GQA runs sdpa once per kv head on its `rep` query heads as query rows
+    (q [B, Hkv, rep, D]); q strided as the transpose of a [B, 1, Hq, D] projection, masks per
+    batch row or per head, and a batch row with no attendable key (zeros, not NaN)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(BATCH, 1, Q_HEADS, HEAD_DIM, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(BATCH, KV_HEADS, CACHE, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(BATCH, KV_HEADS, CACHE, HEAD_DIM, generator=g).to(dtype)
+    kw = {"scale": SCALE, "causal": True}
+    if mask_kind != "none":
+        heads = 1 if mask_kind == "batch" else Q_HEADS
+        keep = torch.rand(BATCH, heads, 1, CACHE, generator=g) > 0.3
+        keep[1] = False  # batch row 1 sees no key
+        kw["mask"] = keep
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attn.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: seen.append(tuple(q.shape)) or sdpa(q, *a, **k))
+    out = attn.attention(q, k, v, backend="cpu", **kw)
+    assert seen == [(BATCH, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)]
+    assert out.shape == (BATCH, Q_HEADS, 1, HEAD_DIM) and not out.isnan().any()
+    assert_close_tol(out, attn.attention_ref(q, k, v, **kw), table=REDUCTION_TOL)
+    if mask_kind != "none":
+        assert (out[1] == 0).all()
