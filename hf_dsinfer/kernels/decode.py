@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
 
 LIN_BF16, LIN_INT8, LIN_INT4 = 0, 1, 2
 MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
@@ -79,7 +80,8 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        qw.rowsum.data_ptr(), None)
         else:
-            if k % qw.group_size or qw.group_size % 32 or k // qw.group_size > MAX_INT4_GROUPS:
+            if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES
+                    or k // qw.group_size > MAX_INT4_GROUPS):
                 raise Unsupported(f"int4 group size {qw.group_size} for input size {k}")
             if qw.mins.dtype != qw.scales.dtype:
                 raise Unsupported("int4 mins and scales of different dtypes")

@@ -153,9 +153,9 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         /* a partial last chunk's lanes past K hold 0 (x is 0 there), times these */
         _mm512_storeu_ps(scale[r] + G, _mm512_setzero_ps());
     }
-    /* The block's rows are contiguous, and the threads take consecutive blocks: the next
-       block's codes are prefetched one line per 64 bytes read here, its scales and mins now. */
-    const char *next = (const char *)L->w + (n0 + ROWS) * (K / 2);
+    /* The threads take consecutive blocks: the next block's codes are prefetched one line per
+       64 bytes read here, its scales and mins now. */
+    const char *next = n0 + ROWS < L->n ? (const char *)L->w + (n0 + ROWS) * (K / 2) : NULL;
     const char *end = (const char *)L->w + L->n * (K / 2);
     const int sz = L->s_dt == DT_F32 ? 4 : 2;
     for (int64_t c = 0; n0 + ROWS < L->n && c < ROWS * G * sz; c += 64) {
@@ -163,18 +163,19 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         _mm_prefetch((const char *)L->mins + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
     }
     const __m512i bits = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
-    /* dword j's group within its chunk; group is a multiple of 32 (decode.py checks) */
+    /* dword j's group within its chunk; group is 32, 64, 128 or 256 (decode.py checks), so
+       divisions by it are shifts (an idiv per chunk was ~25 cycles of ~80) */
+    const int gshift = __builtin_ctzll(group);
     const __m512i gidx = _mm512_srli_epi32(
         _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
-        __builtin_ctzll(group < 128 ? group : 128));
+        gshift < 7 ? gshift : 7);
     for (int64_t c = 0; c < (K + 127) / 128; c++) {
         const uint16_t *xc = in->xp + c * 128;
         const __m512i x0 = _mm512_loadu_si512(xc), x1 = _mm512_loadu_si512(xc + 32);
         const __m512i x2 = _mm512_loadu_si512(xc + 64), x3 = _mm512_loadu_si512(xc + 96);
         const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
-        for (int r = 0; r < ROWS; r++)
-            if (next + 64 * (ROWS * c + r) < end) _mm_prefetch(next + 64 * (ROWS * c + r), _MM_HINT_T0);
-        const int64_t g0 = c * 128 / group;
+        prefetch_next_block(next, end, ROWS * c, ROWS);
+        const int64_t g0 = (c * 128) >> gshift;
         for (int r = 0; r < ROWS; r++) {
             /* (a & b) | c: the nibble's bits into the mantissa of 1.0 */
             __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64);
@@ -282,7 +283,13 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
         in[j].planes = s->planes + j * 3 * s->kp;
         in[j].gsum = s->gsum + j * s->kp;
         in[j].xp = s->xp + j * s->kp;
-        prepare_input(lin[j], x, &in[j], s->xf);
+        int shared = -1; /* int4 inputs depend on x and the group only: q|k|v and gate|up share */
+        for (int i = 0; i < j && lin[j]->kind == LIN_INT4; i++)
+            if (lin[i]->kind == LIN_INT4 && lin[i]->group == lin[j]->group) shared = i;
+        if (shared >= 0)
+            in[j] = in[shared];
+        else
+            prepare_input(lin[j], x, &in[j], s->xf);
     }
 }
 

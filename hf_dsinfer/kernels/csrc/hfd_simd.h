@@ -13,10 +13,26 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-/* Bytes ahead of the current column that streamed weight rows are prefetched: from DRAM
-   (weights cycled past the L3) a 5632 x 2048 int8 matrix streamed at 14.6 GB/s without, 17.3
-   GB/s with 1024 (512: 16.0, 2048: 15.5), 19.1 GB/s with 1024 and transparent huge pages. */
+/* Bytes ahead of the current column that streamed bf16 weight rows (4 KiB and up) are
+   prefetched. Measured when the int8 rows used it: from DRAM (weights cycled past the L3) a
+   5632 x 2048 int8 matrix streamed at 14.6 GB/s without, 17.3 GB/s with 1024 (512: 16.0, 2048:
+   15.5), 19.1 GB/s with 1024 and transparent huge pages. Shorter rows (int8, int4) prefetch
+   the next block instead: prefetch_next_block. */
 #define PREFETCH 1024
+
+/* Rows of 1-3 KiB are too short for a prefetch ahead within each row; a kernel streaming a
+   block of contiguous rows prefetches the block it reads next (from next, NULL: none, up to
+   end) instead, `lines` cache lines from line `first` on, at the pace it reads its own.
+   always_inline: gcc counts a prefetch as no side effect, so where it kept this out of line
+   (in cpu_decode.c's lin_block) it deleted the calls, and the int4 / int8 rows ran unfetched. */
+static inline __attribute__((always_inline)) void prefetch_next_block(const void *next, const void *end, int64_t first,
+                                       int lines) {
+    if (!next) return;
+    for (int i = 0; i < lines; i++) {
+        const char *p = (const char *)next + 64 * (first + i);
+        if (p < (const char *)end) _mm_prefetch(p, _MM_HINT_T0);
+    }
+}
 
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -180,10 +196,8 @@ static inline double int8_planes(const void *x, int dt, const float *in_scale, i
 /* s[r] = sum_k xq[k] * q[r, k] exactly, for the INT8_ROWS weight rows wr (K int8 each) and the
    fixed-point x in planes p0 (kp bytes apart), where xq = plane value - 2^23 (rowsum: the rows'
    sums of q). Multiply by the unit of int8_planes and the row scale to get the dot product.
-   next (or NULL): the INT8_ROWS * K contiguous bytes the caller reads next, prefetched below
-   end at the pace these rows are read. Rows of 1-3 KiB are too short for a prefetch ahead
-   within each row, and their blocks are contiguous: ahead by one block, a 5632 x 2048 stream
-   went 24.2 -> 24.9-25.0 GB/s here. */
+   next (or NULL), end: the INT8_ROWS * K contiguous bytes the caller reads next, see
+   prefetch_next_block (a 5632 x 2048 stream: 23.6-24.2 GB/s before, 24.2-25.0 with it). */
 static inline void int8_dots(const int8_t *const *wr, const int32_t *rowsum, int rows,
                              const uint8_t *p0, int64_t kp, int64_t K, int64_t *s,
                              const int8_t *next, const int8_t *end) {
@@ -196,9 +210,8 @@ static inline void int8_dots(const int8_t *const *wr, const int32_t *rowsum, int
     for (; k + 64 <= K; k += 64) {
         __m512i x0 = _mm512_load_si512(p0 + k), x1 = _mm512_load_si512(p1 + k);
         __m512i x2 = _mm512_load_si512(p2 + k);
+        prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS);
         for (int r = 0; r < INT8_ROWS; r++) {
-            const int8_t *ahead = next + INT8_ROWS * k + 64 * r;
-            if (next && ahead < end) _mm_prefetch((const char *)ahead, _MM_HINT_T0);
             __m512i w = _mm512_loadu_si512(wr[r] + k);
             a0[r] = _mm512_dpbusd_epi32(a0[r], x0, w);
             a1[r] = _mm512_dpbusd_epi32(a1[r], x1, w);
