@@ -120,6 +120,33 @@ def test_int4_group_sizes(group, hidden, inter, monkeypatch):
     _close(native, torch_path)
 
 
+@pytest.mark.parametrize("name,group", [("llama", 32), ("llama", 128), ("llama_odd", 32)])
+def test_int4_projections_against_float64(name, group):
+    """q, k, v of the native int4 kernel (x as 16-bit fixed point per group, integer dots)
+    against the dequantized weights in float64, on an x whose groups span 1e-3..1e2: within the
+    bf16 rounding of the output (half an ulp, at most 2^-8 of it) plus 1e-4 of the largest output."""
+    from hf_dsinfer.kernels.quant import dequantize_int4
+
+    model = _inject(_model(name), {"bits": 4, "group_size": group})
+    block = model.model.layers[0].forward
+    layer = block.decode_layer()
+    assert layer is not None and layer.struct.lin[0].kind == native_decode.LIN_INT4
+    hidden, d = block._ln1.weight.shape[0], block.spec.head_dim
+    torch.manual_seed(5)
+    x = torch.randn(1, 1, hidden) * torch.logspace(-3, 2, hidden)[torch.randperm(hidden)]
+    x = x.bfloat16()
+    with torch.inference_mode():
+        block._ln1.weight.fill_(1.0)  # h = x / rms(x): the norm keeps the spread of x
+        q, k, v = layer.attn_in(x, torch.ones(d, dtype=torch.bfloat16),
+                                torch.zeros(d, dtype=torch.bfloat16))  # rotation: identity
+        h = block._norm(block._ln1, x).double().reshape(-1)
+    for proj, out in zip(block._qkv, (q, k, v)):
+        ref = dequantize_int4(proj.quantized, torch.float32).double() @ h
+        got = out.double().reshape(-1)
+        bound = ref.abs() * 2.0**-8 + 1e-4 * ref.abs().max()  # half a bf16 ulp: <= 2^-8 |ref|
+        assert ((got - ref).abs() <= bound).all(), ((got - ref).abs().max(), ref.abs().max())
+
+
 def test_left_padding_masks_the_padded_keys(monkeypatch):
     """A batch-1 prompt with left padding: the native attention reads HF's mask."""
     model = _inject(_model("llama"))

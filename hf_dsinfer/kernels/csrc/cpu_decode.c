@@ -17,9 +17,9 @@
  * Weights are read where the model keeps them (no copy): bf16 [N, K] rows (vdpbf16ps), int8
  * rows with per-row scales and input equalization (three byte planes of x, vpdpbusd: see
  * cpu_quant.c), or 4-bit rows packed two per byte (low nibble first) with per-group scale and
- * min, W = q * scale + min (see lin_block: each nibble q becomes the exact bf16 1 + q / 16 with
- * two bit operations, the 16 * scale multiplies it, and the mins less 16 * scale come in through
- * per-group sums of x). Products of bf16 are exact and sums are fp32.
+ * min, W = q * scale + min (see lin_block: the codes meet x as 24-bit fixed point per group in
+ * byte planes, vpdpbusd, integer sums; the mins come in through per-group sums of x).
+ * Products of bf16 are exact and sums are fp32.
  *
  * Rounding to bf16 happens where HF's bf16 modules round: after the norm's normalization and
  * its weight, after each projection, after each rotary product and their sum, after the
@@ -60,9 +60,9 @@ typedef struct {
 /* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
 typedef struct {
     const uint16_t *x;
-    float *gsum;     /* [k / group] sums of x per int4 group */
-    uint16_t *xp;    /* int4: x in the column order of the nibble planes (see lin_block) */
-    uint8_t *planes; /* int8: 3 * kp bytes */
+    float *gsum;     /* int4: [k / group] sums of x per group */
+    float *gunit;    /* int4: [k / group] value of one fixed-point step of x per group */
+    uint8_t *planes; /* 3 * kp bytes: int8 and int4 x as fixed point (see prepare_input) */
     int64_t kp;
     double unit;
 } lin_input;
@@ -76,23 +76,50 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
         in->kp = (L->k + 63) / 64 * 64;
         in->unit = int8_planes(x, DT_BF16, L->in_scale, L->k, in->kp, xf, in->planes);
     } else if (L->kind == LIN_INT4) {
-        for (int64_t g = 0; g < L->k / L->group; g++) {
-            __m512 s = _mm512_setzero_ps();
-            for (int64_t c = 0; c < L->group; c += 16)
-                s = _mm512_add_ps(s, load16(x, g * L->group + c, DT_BF16, 0xFFFF));
-            in->gsum[g] = _mm512_reduce_add_ps(s);
+        /* x per group g as 24-bit fixed point v = round(x / gunit[g]), |v| < 2^23 (gunit[g] =
+           absmax / (2^23 - 1): the int8 kernel's precision), split v = 65536 hi + 256 mid + lo
+           into two unsigned bytes and a signed one, each as a plane of the even and a plane of
+           the odd columns: E_lo | O_lo | E_mid | O_mid | E_hi | O_hi, kp / 2 bytes each (kp:
+           K rounded up to 128; columns past K are 0 in every plane). Byte b of a row's codes
+           holds columns 2b (low nibble) and 2b + 1, so byte b of the planes meets it in
+           lin_block. */
+        const int64_t K = L->k, group = L->group, G = K / group;
+        in->kp = (K + 127) / 128 * 128;
+        int32_t *v32 = (int32_t *)xf; /* K int32 in the kp floats of scratch */
+        const __m512i lim = _mm512_set1_epi32(8388607), nlim = _mm512_set1_epi32(-8388607);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 sum = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
+            for (int64_t c = 0; c < group; c += 16) {
+                __m512 v = load16(x, g * group + c, DT_BF16, 0xFFFF);
+                sum = _mm512_add_ps(sum, v);
+                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            }
+            in->gsum[g] = _mm512_reduce_add_ps(sum);
+            float amax = _mm512_reduce_max_ps(mx);
+            in->gunit[g] = amax > 0.f ? amax / 8388607.f : 0.f;
+            const __m512 inv = _mm512_set1_ps(amax > 0.f ? 8388607.f / amax : 0.f);
+            for (int64_t c = 0; c < group; c += 16) {
+                __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, g * group + c, DT_BF16, 0xFFFF), inv));
+                /* fp32 rounding may reach 2^23 */
+                _mm512_storeu_si512(v32 + g * group + c, _mm512_max_epi32(_mm512_min_epi32(i, lim), nlim));
+            }
         }
-        /* 128 columns per chunk: plane p (0..3) of chunk c pairs columns 8j + p and 8j + 4 + p
-           in lane j, as lin_block decodes a 64-byte load of codes; columns past K are 0 */
-        const int64_t K = L->k;
-        for (int64_t c = 0; c < (K + 127) / 128; c++)
-            for (int p = 0; p < 4; p++)
-                for (int j = 0; j < 16; j++) {
-                    int64_t k0 = c * 128 + 8 * j + p;
-                    uint16_t *o = in->xp + c * 128 + p * 32 + 2 * j;
-                    o[0] = k0 < K ? x[k0] : 0;
-                    o[1] = k0 + 4 < K ? x[k0 + 4] : 0;
-                }
+        const int64_t half = in->kp / 2;
+        uint8_t *plane = in->planes;
+        const __m512i byte = _mm512_set1_epi32(255);
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int64_t k = 0; k < in->kp; k += 32) {
+            __m512i a = _mm512_maskz_loadu_epi32(mask16(K - k), v32 + k);
+            __m512i b = _mm512_maskz_loadu_epi32(mask16(K - k - 16), v32 + k + 16);
+            __m512i eo[2] = {_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b)};
+            for (int p = 0; p < 2; p++) { /* columns k + 2j + p, j < 16 */
+                uint8_t *o = plane + p * half + k / 2;
+                _mm_storeu_si128((__m128i *)o, _mm512_cvtepi32_epi8(_mm512_and_si512(eo[p], byte)));
+                _mm_storeu_si128((__m128i *)(o + 2 * half), _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(eo[p], 8), byte)));
+                _mm_storeu_si128((__m128i *)(o + 4 * half), _mm512_cvtepi32_epi8(_mm512_srai_epi32(eo[p], 16)));
+            }
+        }
     }
 }
 
@@ -125,17 +152,19 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
         return;
     }
-    /* int4. A 64-byte load of a row's codes holds 128 columns; its dword j holds the nibbles of
-       columns 8j .. 8j + 7 (low nibble first). Nibble plane p (0..3) puts the nibbles of columns
-       8j + p and 8j + 4 + p at bits 3..6 of dword j's two words, under the bits of bf16 1.0:
-       each word is then exactly 1 + q / 16, and x comes pre-ordered to match (prepare_input).
-       So W = q * scale + min = (1 + q / 16) * 16 scale + (min - 16 scale), the second term
-       through the group sums of x. Two bit operations per 32 columns, all on full vectors; the
-       fp32 sums carry the offset 1 (at most 16x the magnitude of q / 16 each), which costs
-       about 4 bits of fp32's 24, far below the bf16 rounding of the output. The group of
-       dword j is (128 c + 8 j) / group, so one permute of the fp32 scales per chunk and row
-       applies them. */
-    const int64_t group = L->group, G = K / group;
+    /* int4. A 64-byte load of a row's codes holds 128 columns: its low nibbles the even ones,
+       its high nibbles the odd ones, dword j columns 8j .. 8j + 7. Each meets the byte planes
+       of x (prepare_input) in vpdpbusd: codes (0..15) times the unsigned low and middle bytes,
+       and times the signed high bytes, integer sums (a lane: 8 codes times a byte per chunk),
+       combined as lo + 256 mid + 65536 hi (|sum| < 2^31) and converted to fp32. Dword j's 8
+       columns lie in one group, (128 c + 8 j) / group, so one permute of the row's fp32
+       scale * gunit per chunk applies them; the mins come in through the group sums of x.
+       Against decoding nibbles to bf16 for vdpbf16ps (~18 vector-port slots per 128 columns
+       and row, vdpbf16ps taking two): 16 single-slot ops; 22 Llama-1.1B MLPs from DRAM
+       21.1-22.6 -> 18.8-21.0 ms (interleaved runs), the model's 22 layers 30.4-31.7 -> 28.7 ms.
+       A 16-bit x (two planes) was no faster and flipped the bf16 rounding of up to 16% of
+       outputs on inputs spanning 5 decades within a group. */
+    const int64_t group = L->group, G = K / group, half = in->kp / 2;
     const uint8_t *wr[ROWS];
     float scale[ROWS][MAX_GROUPS + 16], mins[ROWS];
     for (int r = 0; r < ROWS; r++) {
@@ -144,9 +173,10 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         __m512 m = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g += 16) {
             __mmask16 mk = mask16(G - g);
-            __m512 s16 = _mm512_mul_ps(load16(L->scales, row * G + g, (int)L->s_dt, mk), _mm512_set1_ps(16.f));
-            _mm512_mask_storeu_ps(scale[r] + g, mk, s16);
-            m = _mm512_fmadd_ps(_mm512_sub_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk), s16),
+            __m512 su = _mm512_mul_ps(load16(L->scales, row * G + g, (int)L->s_dt, mk),
+                                      _mm512_maskz_loadu_ps(mk, in->gunit + g));
+            _mm512_mask_storeu_ps(scale[r] + g, mk, su);
+            m = _mm512_fmadd_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk),
                                 _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
         }
         mins[r] = _mm512_reduce_add_ps(m);
@@ -162,28 +192,36 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         _mm_prefetch((const char *)L->scales + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
         _mm_prefetch((const char *)L->mins + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
     }
-    const __m512i bits = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     /* dword j's group within its chunk; group is 32, 64, 128 or 256 (decode.py checks), so
        divisions by it are shifts (an idiv per chunk was ~25 cycles of ~80) */
     const int gshift = __builtin_ctzll(group);
     const __m512i gidx = _mm512_srli_epi32(
         _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
         gshift < 7 ? gshift : 7);
+    const uint8_t *xe = in->planes, *xo = xe + half; /* lo, mid, hi planes 2 * half apart */
     for (int64_t c = 0; c < (K + 127) / 128; c++) {
-        const uint16_t *xc = in->xp + c * 128;
-        const __m512i x0 = _mm512_loadu_si512(xc), x1 = _mm512_loadu_si512(xc + 32);
-        const __m512i x2 = _mm512_loadu_si512(xc + 64), x3 = _mm512_loadu_si512(xc + 96);
+        const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
+        const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
+        const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
+        const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
+        const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
         const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
         prefetch_next_block(next, end, ROWS * c, ROWS);
         const int64_t g0 = (c * 128) >> gshift;
         for (int r = 0; r < ROWS; r++) {
-            /* (a & b) | c: the nibble's bits into the mantissa of 1.0 */
             __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64);
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 3), bits, one, 0xEA)), as_bh(x0));
-            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 1), bits, one, 0xEA)), as_bh(x1));
-            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 5), bits, one, 0xEA)), as_bh(x2));
-            a = _mm512_dpbf16_ps(a, as_bh(_mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 9), bits, one, 0xEA)), as_bh(x3));
-            acc[r] = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(scale[r] + g0)), acc[r]);
+            __m512i even = _mm512_and_si512(v, nibble);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xel, even); /* u8 x s8 */
+            lo = _mm512_dpbusd_epi32(lo, xol, odd);
+            __m512i mid = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xem, even);
+            mid = _mm512_dpbusd_epi32(mid, xom, odd);
+            __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, xeh); /* s8 x */
+            hi = _mm512_dpbusd_epi32(hi, odd, xoh);
+            __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(mid, 8), _mm512_slli_epi32(hi, 16));
+            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, sum));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(scale[r] + g0)), acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r];
@@ -255,25 +293,26 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c
     }
 }
 
-/* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, group sums and int4 x. */
+/* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, int4 group sums and
+   units. */
 typedef struct {
     void *mem;
     float *xf;
     uint8_t *planes;
     float *gsum;
-    uint16_t *xp;
+    float *gunit;
     int64_t kp;
 } scratch;
 
 static int scratch_init(scratch *s, int64_t K) {
     s->kp = (K + 127) / 128 * 128;
-    size_t bytes = (size_t)s->kp * (4 + 3 * 3 + 3 * 4 + 3 * 2);
+    size_t bytes = (size_t)s->kp * (4 + 3 * 3 + 3 * 4 + 3 * 4);
     s->mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!s->mem) return -2;
     s->xf = (float *)s->mem;
     s->planes = (uint8_t *)(s->xf + s->kp);
     s->gsum = (float *)(s->planes + 9 * s->kp);
-    s->xp = (uint16_t *)(s->gsum + 3 * s->kp);
+    s->gunit = s->gsum + 3 * s->kp;
     return 0;
 }
 
@@ -282,7 +321,7 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
     for (int j = 0; j < count; j++) {
         in[j].planes = s->planes + j * 3 * s->kp;
         in[j].gsum = s->gsum + j * s->kp;
-        in[j].xp = s->xp + j * s->kp;
+        in[j].gunit = s->gunit + j * s->kp;
         int shared = -1; /* int4 inputs depend on x and the group only: q|k|v and gate|up share */
         for (int i = 0; i < j && lin[j]->kind == LIN_INT4; i++)
             if (lin[i]->kind == LIN_INT4 && lin[i]->group == lin[j]->group) shared = i;
