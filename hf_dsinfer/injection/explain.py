@@ -114,8 +114,13 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
     whys = [f.decode_why for f in fused]
     native = sum(w is None for w in whys)
     if native == len(fused):
-        return ("batch-1 decode steps (bf16, CPU): native layer, kernels/csrc/cpu_decode.c, "
+        line = ("batch-1 decode steps (bf16, CPU): native layer, kernels/csrc/cpu_decode.c, "
                 f"in all {native} blocks")
+        step = report.step
+        if step is not None and step.reason() is None:
+            return line + f"; one loop over them per step ({type(step.inner).__name__}.forward)"
+        why = "not installed" if step is None else step.reason()
+        return line + f"; each called by HF's layer loop ({why})"
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")

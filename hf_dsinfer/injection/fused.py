@@ -269,6 +269,24 @@ class FusedBlock:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
 
+    def decode_ready(self) -> native_decode.DecodeLayer | None:
+        """The native layer, when this block computes with it at all (fused, in eval, not
+        sharded); the caller checks the call itself (one bf16 token of one sequence, no grad)."""
+        if (not self.enabled or self.block.training or self.reduce is not None
+                or self.sharded_qk_norm is not None or _native.lib() is None):
+            return None  # (a build without the library would be remembered as failed)
+        return self.decode_layer()
+
+    def native_cache_usable(self, k: Any, v: Any) -> bool:
+        return native_decode.cache_kv_usable(k, v, self.spec.head_dim)
+
+    def finish_decode(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      keep: torch.Tensor | None) -> torch.Tensor:
+        """The layer after the cache update on the torch path (keys the kernel does not read):
+        q attends to every key of k / v where keep (uint8 [sk] or None) allows."""
+        named = {"attention_mask": None if keep is None else keep.bool().view(1, 1, 1, -1)}
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, 1, 1))
+
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
         """The whole layer in two native calls for one token of one sequence (None: this call
         takes the torch path). The HF cache update runs between them, in Python."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import DSInferError, ParityError, UnsupportedModelError
+from hf_dsinfer.injection.decode_step import install_decode_step, uninstall_decode_step
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
 from hf_dsinfer.injection.head import HeadReport, install_head, uninstall_head
 from hf_dsinfer.injection.latency import (
@@ -63,6 +64,7 @@ class InjectionReport:
     moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
+    step: Any = None  # decode_step.NativeDecodeStep, when installed
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -120,6 +122,10 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
     if report.blocks:
         report.head = install_head(model, config, backend)
+    if (report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None
+            and backend == "cpu"):
+        prefix = policy.layers if _has_path(model, policy.layers) else policy.layers.split(".", 1)[1]
+        report.step = install_decode_step(model, report.blocks, prefix)
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
@@ -141,6 +147,7 @@ def revert(model: nn.Module) -> nn.Module:
     uninstall_moe(report.moe)  # raises first if the experts are quantized or sharded
     _detach_offload(model)
     uninstall_head(model, report.head)
+    uninstall_decode_step(report.step)
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)

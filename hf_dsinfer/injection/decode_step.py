@@ -1,0 +1,228 @@
+"""A batch-1 decode step of a Llama-family model as one loop over its native layers.
+
+HF's `LlamaModel.forward` calls every decoder layer as a module, and each fused block then checks
+its call before the two native calls of kernels.decode. On a CPU the weight stream of each layer
+evicts that Python's data from the caches, so those checks cost ~4x what they cost warm:
+Llama-1.1B int4 spent ~2 ms of a ~36 ms step there (measured with the native calls stubbed out:
+1.1 ms per step warm, all Python included). `NativeDecodeStep`, installed as the inner model's
+`forward`, takes the calls it can prove equal to HF's and runs them as:
+
+    x = embed_tokens(input_ids); cos, sin = rotary_emb(x, position_ids)
+    for each layer: q, k, v = attn_in(x, cos, sin); k, v = cache.update(k, v, i)
+                    x = attn_out(x, q, k, v, keep)
+    return norm(x)
+
+with the HF cache's own `update` (any Cache class) and every check done once per step. The
+embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot
+prove equal goes to HF's forward unchanged (which still runs the native layer through each fused
+block): more than one token or sequence, inputs_embeds, outputs or hooks asked of the layers, a
+mask other than "every cached key" or plain padding, sliding-window attention, a layer whose
+native path is not built, grad, torch.compile tracing. `reason()` says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from hf_dsinfer.injection.fused import FusedBlock
+from hf_dsinfer.kernels import _native
+
+try:  # transformers' output capture: which collector (if any) its layer hooks fill now
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # another layout: every layer hook counts as live
+    _active_collector = None
+
+# inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
+# mask, norm (checked against transformers 5.x; Gemma-style embedding scaling is not)
+MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model")
+# caches whose update appends this token's key after the `get_seq_length()` keys before it
+CACHE_CLASSES = ("DynamicCache", "StaticCache")
+CACHE_LAYER_CLASSES = ("DynamicLayer", "StaticLayer")
+_PASSED = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+           "use_cache", "return_dict", "output_attentions", "output_hidden_states")
+
+
+def _inert(hook: Any) -> bool:
+    """transformers installs its output-capturing hook on the decoder layers at the first call
+    that asks for hidden states and leaves it there; it does nothing while no capture is
+    active (and this path runs only when none is asked for)."""
+    return (_active_collector is not None and _active_collector.get() is None
+            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
+
+
+def _sliding(config: Any) -> bool:
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return any(t != "full_attention" for t in types)
+    return getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True)
+
+
+class NativeDecodeStep:
+    """Callable installed as `inner.forward` (see the module docstring)."""
+
+    def __init__(self, inner: nn.Module, blocks: list[FusedBlock]):
+        self.inner = inner
+        self.hf_forward = inner.forward  # the bound class forward
+        self.blocks = blocks
+        self.layers = [b.block for b in blocks]
+        self.calls = 0  # steps taken natively
+        self._why_static = self._static_reason()
+        self.last_reason: str | None = None  # why the last call went to HF's forward
+
+    def _static_reason(self) -> str | None:
+        inner = self.inner
+        if type(inner).__name__ not in MODEL_CLASSES:
+            return f"{type(inner).__name__} is not one of {', '.join(MODEL_CLASSES)}"
+        if _sliding(inner.config):
+            return "sliding-window attention (its mask is per layer)"
+        return next((b._decode_layout_why for b in self.blocks if b._decode_layout_why), None)
+
+    def reason(self) -> str | None:
+        """Why steps do not take this path (None: eligible calls do)."""
+        if self._why_static is None and _native.lib() is None:
+            return f"native kernels unavailable ({_native.why_unavailable()})"
+        return self._why_static
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        why = self._why_static or self._refuse(args, kwargs)
+        if why is None:
+            layers = self._native_layers()
+            if layers is None:
+                why = "a layer's native path is not built for its current weights"
+            else:
+                keep = self._keep(kwargs)
+                if keep is False:
+                    why = "an attention mask other than padding"
+                else:
+                    self.last_reason = None
+                    return self._step(layers, keep, kwargs)
+        self.last_reason = why
+        return self.hf_forward(*args, **kwargs)
+
+    # -- eligibility ---------------------------------------------------------------------------
+    def _refuse(self, args: tuple, kwargs: dict) -> str | None:
+        if args or any(k not in _PASSED for k in kwargs):
+            return "arguments other than HF generate's"
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("past_key_values")
+        if ids is None or kwargs.get("inputs_embeds") is not None:
+            return "no input_ids"
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != 1 or ids.device.type != "cpu":
+            return "not one token of one sequence on the CPU"
+        if cache is None or type(cache).__name__ not in CACHE_CLASSES or any(
+                type(layer).__name__ not in CACHE_LAYER_CLASSES for layer in cache.layers):
+            return "a cache other than DynamicCache / StaticCache"
+        if int(cache.get_seq_length()) == 0:
+            return "an empty cache"
+        config = self.inner.config
+        if kwargs.get("use_cache") is False or (kwargs.get("use_cache") is None
+                                                and not config.use_cache):
+            return "use_cache off"
+        if kwargs.get("return_dict") is False:
+            return "return_dict=False"
+        if (kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+                or config.output_attentions or config.output_hidden_states):
+            return "attentions or hidden states asked for"
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.inner.training:
+            return "grad, training or torch.compile tracing"
+        if _native.lib() is None:
+            return f"native kernels unavailable ({_native.why_unavailable()})"
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return "global module hooks"
+        for layer in self.layers:
+            if (layer._forward_pre_hooks or hasattr(layer, "_hf_hook")
+                    or any(not _inert(h) for h in layer._forward_hooks.values())):
+                return "hooks on a decoder layer"
+        return None
+
+    def _native_layers(self) -> list | None:
+        out = []
+        for fused in self.blocks:
+            layer = fused.decode_ready()
+            if layer is None:
+                return None
+            out.append(layer)
+        return out
+
+    def _keep(self, kwargs: dict) -> torch.Tensor | None | bool:
+        """None: every key of the cache plus this token may be attended; a uint8 [sk] vector of
+        the 2-D padding mask; False: a mask this path does not take."""
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            return None
+        sk = int(kwargs["past_key_values"].get_seq_length()) + 1
+        if mask.dim() != 2 or mask.shape[0] != 1 or mask.shape[1] != sk:
+            return False
+        row = mask[0]
+        if row.dtype != torch.bool and not torch.is_floating_point(row):
+            row = row != 0
+        elif torch.is_floating_point(row):
+            return False  # a float 2-D mask is not a padding mask
+        if bool(row.all()):
+            return None
+        return row.contiguous().view(torch.uint8)
+
+    # -- the step ------------------------------------------------------------------------------
+    def _step(self, layers: list, keep: torch.Tensor | None, kwargs: dict):
+        inner, cache = self.inner, kwargs["past_key_values"]
+        sk = int(cache.get_seq_length()) + 1  # keys after this token's update
+        x = inner.embed_tokens(kwargs["input_ids"])
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.tensor([[sk - 1]])
+        cos, sin = inner.rotary_emb(x, position_ids=position_ids)
+        d = self.blocks[0].spec.head_dim
+        if (x.dtype != torch.bfloat16 or cos.numel() != d or cos.dtype != torch.bfloat16
+                or sin.dtype != torch.bfloat16):
+            self.last_reason = "not bf16"
+            return self.hf_forward(**kwargs)
+        x = x.contiguous()
+        cos, sin = cos.reshape(d).contiguous(), sin.reshape(d).contiguous()
+        for fused, layer in zip(self.blocks, layers):
+            q, k, v = layer.attn_in(x, cos, sin)
+            k, v = cache.update(k, v, fused.spec.layer_idx)
+            if k.shape[2] != sk:  # a static cache: its keys past this token are unused
+                k, v = k[:, :, :sk], v[:, :, :sk]
+            if not fused.native_cache_usable(k, v):  # a cache layout the kernel does not read
+                x = fused.finish_decode(x, q, k, v, keep)
+            else:
+                x = layer.attn_out(x, q, k, v, keep)
+            fused.calls += 1
+        self.calls += 1
+        return BaseModelOutputWithPast(last_hidden_state=inner.norm(x), past_key_values=cache)
+
+
+def install_decode_step(model: nn.Module, blocks: dict[str, FusedBlock],
+                        layers_path: str) -> NativeDecodeStep | None:
+    """Install on the module holding the decoder layers when every layer is a fused block whose
+    layout the native decode layer computes on the CPU; None otherwise."""
+    try:
+        layers = model.get_submodule(layers_path)
+    except AttributeError:
+        return None
+    parent_path = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
+    inner = model.get_submodule(parent_path)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return None
+    by_block = {id(f.block): f for f in blocks.values()}
+    fused = [by_block.get(id(layer)) for layer in layers]
+    if any(f is None or f.backend != "cpu" or f._decode_layout_why is not None for f in fused):
+        return None
+    if any(not hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
+        return None
+    if "forward" in inner.__dict__:  # someone else's forward is installed: leave it
+        return None
+    step = NativeDecodeStep(inner, fused)
+    inner.forward = step
+    return step
+
+
+def uninstall_decode_step(step: NativeDecodeStep | None) -> None:
+    if step is not None and step.inner.__dict__.get("forward") is step:
+        del step.inner.forward
