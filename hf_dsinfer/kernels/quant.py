@@ -323,14 +323,44 @@ def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias) -> tor
     return y
 
 
+def _native_dequant_lib(dtype: torch.dtype, *tensors: torch.Tensor | None):
+    """The native library when its dequantization takes these (CPU, contiguous, known dtypes)."""
+    codes = _native.DTYPE_CODES
+    if dtype not in codes or any(t is not None and (t.device.type != "cpu" or not t.is_contiguous())
+                                 for t in tensors):
+        return None
+    return _native.lib()
+
+
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    return dequantize_int8(qweight._replace(qweight=qweight.qweight[start:stop],
-                                            scales=qweight.scales[start:stop]), dtype)
+    q, scales, in_scale = qweight.qweight, qweight.scales, qweight.in_scale
+    lib = _native_dequant_lib(dtype, q, scales, in_scale)
+    if (lib is not None and q.shape[1] % 16 == 0 and scales.dtype in _native.DTYPE_CODES
+            and (in_scale is None or in_scale.dtype == torch.float32)):
+        out = torch.empty(stop - start, q.shape[1], dtype=dtype)
+        codes = _native.DTYPE_CODES
+        lib.hfd_dequant_int8_rows(q.data_ptr(), scales.data_ptr(), codes[scales.dtype],
+                                  None if in_scale is None else in_scale.data_ptr(), q.shape[1],
+                                  start, stop, out.data_ptr(), codes[dtype],
+                                  torch.get_num_threads())
+        return out
+    return dequantize_int8(qweight._replace(qweight=q[start:stop], scales=scales[start:stop]),
+                           dtype)
 
 
 def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    return _dequantize_int4_rows(qweight.packed[start:stop], qweight.scales[start:stop],
-                                 qweight.mins[start:stop], qweight.group_size, dtype)
+    packed, scales, mins = qweight.packed, qweight.scales, qweight.mins
+    lib = _native_dequant_lib(dtype, packed, scales, mins)
+    if lib is not None and scales.dtype in _native.DTYPE_CODES and mins.dtype == scales.dtype:
+        k = packed.shape[1] * 2
+        out = torch.empty(stop - start, k, dtype=dtype)
+        lib.hfd_dequant_int4_rows(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                                  _native.DTYPE_CODES[scales.dtype], qweight.group_size, k, start,
+                                  stop, out.data_ptr(), _native.DTYPE_CODES[dtype],
+                                  torch.get_num_threads())
+        return out
+    return _dequantize_int4_rows(packed[start:stop], scales[start:stop], mins[start:stop],
+                                 qweight.group_size, dtype)
 
 
 def _fold_in_scale(x: torch.Tensor, qweight: Int8Weight) -> tuple[torch.Tensor, Int8Weight]:

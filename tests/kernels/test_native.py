@@ -106,3 +106,27 @@ def test_explain_names_the_int8_kernel(monkeypatch):
     assert "int8 CPU kernel: native" in hf_dsinfer.explain(model)
     monkeypatch.setenv(_native.ENV_VAR, "0")
     assert "_weight_int8pack_mm (native kernel unavailable: disabled" in hf_dsinfer.explain(model)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
+    """Rows of int4 (groups 32 / 128) and int8 (with and without equalization) weights, as the
+    GEMM of many rows (prefill) dequantizes them: the native rows equal the torch ops' rows, and
+    a prefill-sized linear runs on them (counted)."""
+    w = (_gaussian(320, 256) * 0.05).to(dtype)
+    for group in (32, 128):
+        qw = Q.quantize_int4(w, group)
+        ref = Q._dequantize_int4_rows(qw.packed[64:320], qw.scales[64:320], qw.mins[64:320],
+                                      group, dtype)
+        assert torch.equal(Q._int4_rows(qw, dtype, 64, 320), ref)
+    for equalize in (False, True):
+        q8 = Q.quantize_int8(w, equalize=equalize)
+        ref = Q.dequantize_int8(q8._replace(qweight=q8.qweight[64:320],
+                                            scales=q8.scales[64:320]), dtype)
+        assert torch.equal(Q._int8_rows(q8, dtype, 64, 320), ref)
+    lib = _native.lib()
+    calls = []
+    monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: calls.append(1) or lib)
+    x = _gaussian(Q.QUANT_PACK_MAX_ROWS + 1, 256, seed=1).to(dtype)
+    out = Q.linear_int4(x, Q.quantize_int4(w, 32), backend="cpu")
+    assert calls and torch.equal(out, Q.linear_int4_ref(x, Q.quantize_int4(w, 32)))
