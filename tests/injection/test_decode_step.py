@@ -13,14 +13,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 import hf_dsinfer
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native
+from tests.kernels.test_native_decode import _BASE  # the tiny Llama shape those tests use
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native kernels unavailable: {_native.why_unavailable()}")
 
-VOCAB = 256
-_BASE = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _model(quant=None, config=None):

@@ -80,6 +80,16 @@ int hfd_advise_hugepages(void *p, int64_t nbytes) {
     return madvise((void *)start, end - start, MADV_HUGEPAGE);
 }
 
+/* 16 fp32 values to out[o..o + 16) of dtype dt, rounded to nearest even as torch rounds. */
+static inline void store16_dt(void *out, int64_t o, int dt, __m512 w) {
+    if (dt == DT_F32)
+        _mm512_storeu_ps((float *)out + o, w);
+    else if (dt == DT_BF16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtepi32_epi16(bf16_bits(w)));
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* out[r, :] (dtype o_dt) = q * scale + min (fp32: the product rounded, then the sum) for rows
    [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble), groups of `group`
    columns; out holds row1 - row0 rows of K. fp-contract off: gcc would fuse the product and
@@ -103,13 +113,7 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
                 b = _mm512_permutexvar_epi32(idx, b);
                 __m512i q = _mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15));
                 __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), m);
-                int64_t o = (r - row0) * K + c;
-                if (o_dt == DT_F32)
-                    _mm512_storeu_ps((float *)out + o, w);
-                else if (o_dt == DT_BF16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtepi32_epi16(bf16_bits(w)));
-                else
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+                store16_dt(out, (r - row0) * K + c, o_dt, w);
             }
         }
     }
@@ -128,13 +132,7 @@ int hfd_dequant_int8_rows(const int8_t *q, const void *scales, int s_dt, const f
             __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                          _mm_loadu_si128((const __m128i *)(q + r * K + c)))), s);
             if (in_scale) w = _mm512_mul_ps(w, _mm512_loadu_ps(in_scale + c));
-            int64_t o = (r - row0) * K + c;
-            if (o_dt == DT_F32)
-                _mm512_storeu_ps((float *)out + o, w);
-            else if (o_dt == DT_BF16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtepi32_epi16(bf16_bits(w)));
-            else
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+            store16_dt(out, (r - row0) * K + c, o_dt, w);
         }
     }
     return 0;
