@@ -31,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dsinfer.injection.fused import FusedBlock
 from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.decode import cache_kv_usable
 
 try:  # transformers' output capture: which collector (if any) its layer hooks fill now
     from transformers.utils.output_capturing import _active_collector
@@ -92,16 +93,16 @@ class NativeDecodeStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = self._why_static or self._refuse(args, kwargs)
         if why is None:
+            sk = int(kwargs["past_key_values"].get_seq_length()) + 1  # keys after the update
             layers = self._native_layers()
+            keep = self._keep(kwargs.get("attention_mask"), sk)
             if layers is None:
                 why = "a layer's native path is not built for its current weights"
+            elif keep is False:
+                why = "an attention mask other than padding"
             else:
-                keep = self._keep(kwargs)
-                if keep is False:
-                    why = "an attention mask other than padding"
-                else:
-                    self.last_reason = None
-                    return self._step(layers, keep, kwargs)
+                self.last_reason = None
+                return self._step(layers, keep, sk, kwargs)
         self.last_reason = why
         return self.hf_forward(*args, **kwargs)
 
@@ -150,28 +151,23 @@ class NativeDecodeStep:
             out.append(layer)
         return out
 
-    def _keep(self, kwargs: dict) -> torch.Tensor | None | bool:
-        """None: every key of the cache plus this token may be attended; a uint8 [sk] vector of
-        the 2-D padding mask; False: a mask this path does not take."""
-        mask = kwargs.get("attention_mask")
+    @staticmethod
+    def _keep(mask: torch.Tensor | None, sk: int) -> torch.Tensor | None | bool:
+        """None: every one of the sk keys may be attended; a uint8 [sk] vector of the 2-D
+        padding mask; False: a mask this path does not take."""
         if mask is None:
             return None
-        sk = int(kwargs["past_key_values"].get_seq_length()) + 1
-        if mask.dim() != 2 or mask.shape[0] != 1 or mask.shape[1] != sk:
+        if (mask.dim() != 2 or mask.shape[0] != 1 or mask.shape[1] != sk
+                or torch.is_floating_point(mask)):  # a float 2-D mask is not a padding mask
             return False
-        row = mask[0]
-        if row.dtype != torch.bool and not torch.is_floating_point(row):
-            row = row != 0
-        elif torch.is_floating_point(row):
-            return False  # a float 2-D mask is not a padding mask
+        row = mask[0] if mask.dtype == torch.bool else mask[0] != 0
         if bool(row.all()):
             return None
         return row.contiguous().view(torch.uint8)
 
     # -- the step ------------------------------------------------------------------------------
-    def _step(self, layers: list, keep: torch.Tensor | None, kwargs: dict):
+    def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
         inner, cache = self.inner, kwargs["past_key_values"]
-        sk = int(cache.get_seq_length()) + 1  # keys after this token's update
         x = inner.embed_tokens(kwargs["input_ids"])
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -189,7 +185,7 @@ class NativeDecodeStep:
             k, v = cache.update(k, v, fused.spec.layer_idx)
             if k.shape[2] != sk:  # a static cache: its keys past this token are unused
                 k, v = k[:, :, :sk], v[:, :, :sk]
-            if not fused.native_cache_usable(k, v):  # a cache layout the kernel does not read
+            if not cache_kv_usable(k, v, d):  # a cache layout the kernel does not read
                 x = fused.finish_decode(x, q, k, v, keep)
             else:
                 x = layer.attn_out(x, q, k, v, keep)

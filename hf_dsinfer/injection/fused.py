@@ -271,14 +271,12 @@ class FusedBlock:
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not
-        sharded); the caller checks the call itself (one bf16 token of one sequence, no grad)."""
+        sharded). The caller checks the call itself (one bf16 token of one sequence, no grad)
+        and that the library is loaded: a build without it would be remembered as failed."""
         if (not self.enabled or self.block.training or self.reduce is not None
-                or self.sharded_qk_norm is not None or _native.lib() is None):
-            return None  # (a build without the library would be remembered as failed)
+                or self.sharded_qk_norm is not None):
+            return None
         return self.decode_layer()
-
-    def native_cache_usable(self, k: Any, v: Any) -> bool:
-        return native_decode.cache_kv_usable(k, v, self.spec.head_dim)
 
     def finish_decode(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       keep: torch.Tensor | None) -> torch.Tensor:

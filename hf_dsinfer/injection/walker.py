@@ -122,10 +122,8 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
     if report.blocks:
         report.head = install_head(model, config, backend)
-    if (report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None
-            and backend == "cpu"):
-        prefix = policy.layers if _has_path(model, policy.layers) else policy.layers.split(".", 1)[1]
-        report.step = install_decode_step(model, report.blocks, prefix)
+    if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
+        report.step = install_decode_step(model, report.blocks, _layers_path(model, policy))
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
@@ -239,9 +237,14 @@ def _model_backend(model: nn.Module, config: DSInferConfig) -> str:
     return resolve(config.kernels, param.device) if config.kernels == "auto" else config.kernels
 
 
+def _layers_path(model: nn.Module, policy: Policy) -> str:
+    """The block list's path in `model` (a *ForCausalLM, or the inner model itself)."""
+    return policy.layers if _has_path(model, policy.layers) else policy.layers.split(".", 1)[1]
+
+
 def _blocks(model: nn.Module, policy: Policy):
     container = _find_layers(model, policy.layers)
-    prefix = policy.layers if _has_path(model, policy.layers) else policy.layers.split(".", 1)[1]
+    prefix = _layers_path(model, policy)
     for index, block in enumerate(container):
         yield f"{prefix}.{index}", index, block
 

@@ -12,8 +12,10 @@ layer in two native calls instead:
 
 It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear)
 and rounds to bf16 where HF's bf16 modules round (see the C file's header), so its tokens follow
-the torch path's. `DecodeLayer.build` returns None, with the reason, for a layer it does not
-compute; callers then use the torch path.
+the torch path's. `DecodeLayer.build` raises Unsupported, with the reason, for a layer it does
+not compute; callers then use the torch path. The calls come from each fused block's forward
+(injection/fused.py) or, for a whole step, from one loop over the layers
+(injection/decode_step.py).
 """
 
 from __future__ import annotations

@@ -160,10 +160,11 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
        columns lie in one group, (128 c + 8 j) / group, so one permute of the row's fp32
        scale * gunit per chunk applies them; the mins come in through the group sums of x.
        Against decoding nibbles to bf16 for vdpbf16ps (~18 vector-port slots per 128 columns
-       and row, vdpbf16ps taking two): 16 single-slot ops; 22 Llama-1.1B MLPs from DRAM
-       21.1-22.6 -> 18.8-21.0 ms (interleaved runs), the model's 22 layers 30.4-31.7 -> 28.7 ms.
-       A 16-bit x (two planes) was no faster and flipped the bf16 rounding of up to 16% of
-       outputs on inputs spanning 5 decades within a group. */
+       and row, vdpbf16ps taking two): 15 single-slot ops. 22 Llama-1.1B MLPs from DRAM, 6
+       interleaved runs: 20.9-21.8 -> 20.0-21.0 ms; the model's 22 layers, 3 interleaved runs:
+       31.6-37.7 -> 29.3-36.2 ms (0.7-2.3 ms less in each pair). A 16-bit x (two planes) was
+       no faster and flipped the bf16 rounding of up to 16% of outputs on inputs spanning 5
+       decades within a group. */
     const int64_t group = L->group, G = K / group, half = in->kp / 2;
     const uint8_t *wr[ROWS];
     float scale[ROWS][MAX_GROUPS + 16], mins[ROWS];

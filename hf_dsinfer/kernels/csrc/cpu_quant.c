@@ -17,7 +17,7 @@
  * vpermw, vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at
  * one row (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above, so int4 linears
  * stay on torch's kernel (see kernels/quant.py). int4 dot products run inside the native decode
- * layer (cpu_decode.c), with x as 24-bit fixed point in byte planes (vpdpbusd): 38.7 -> ~19-21
+ * layer (cpu_decode.c), with x as 24-bit fixed point in byte planes (vpdpbusd): 38.7 -> 20-21
  * ms for 22 Llama-1.1B MLPs there.
  *
  * Dequantization (hfd_dequant_int4_rows, hfd_dequant_int8_rows): rows of a quantized weight to
