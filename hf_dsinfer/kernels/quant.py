@@ -449,8 +449,19 @@ def dequantize_int4pack_rows(codes: torch.Tensor, scales_zeros: torch.Tensor, gr
                              dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
     """Output rows [start, stop) (multiples of 64) of a weight in torch's CPU int4 layout
     (codes [out, in // 2] uint8, scales_zeros [in // group, out, 2]) as [rows, in] in `dtype`:
-    W = (q - 8) * scale + zero, fp32 math, as the CPU kernel computes it."""
+    W = (q - 8) * scale + zero, fp32 math, as the CPU kernel computes it. The native kernel
+    (same operations, same bits) runs where it can: ~10x these torch ops."""
     in_f, half = codes.shape[1] * 2, INT4PACK_BLOCK_N // 2
+    lib = _native_dequant_lib(dtype, codes, scales_zeros)
+    if (lib is not None and group_size % 16 == 0 and codes.dtype == torch.uint8
+            and scales_zeros.dtype in _native.DTYPE_CODES and start % INT4PACK_BLOCK_N == 0
+            and stop % INT4PACK_BLOCK_N == 0):
+        out = torch.empty(stop - start, in_f, dtype=dtype)
+        lib.hfd_dequant_int4pack_rows(codes.data_ptr(), scales_zeros.data_ptr(),
+                                      _native.DTYPE_CODES[scales_zeros.dtype], group_size,
+                                      codes.shape[0], in_f, start, stop, out.data_ptr(),
+                                      _native.DTYPE_CODES[dtype], torch.get_num_threads())
+        return out
     groups = in_f // group_size
     blocks = codes.view(-1, in_f, half)[start // INT4PACK_BLOCK_N: stop // INT4PACK_BLOCK_N]
     b = blocks.shape[0]  # blocks: [b, in, 32]

@@ -11,12 +11,16 @@ by sequences). Storage is token-major, [tokens, rows, heads, width], so appendin
 one contiguous write (one `pwrite` on disk) and reading the cache is one contiguous read.
 With `compress_cache`, K and V are stored as 4-bit min-max codes in groups along head_dim
 (FlexGen; the group is `group_size`, or head_dim when the group does not divide it) and decoded
-when read: attention always sees dense K/V in the compute dtype.
+when read: attention always sees dense K/V in the compute dtype. A read decodes (or copies) into
+the [rows, heads, tokens, D] layout attention takes, with room for the step's new token, so a
+decode step makes one dense pass over the cache before attention reads it.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -25,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_dsinfer.errors import DSInferError
-from hf_dsinfer.kernels.kv_quant import KVInt4, dequantize_kv_int4, quantize_kv_int4
+from hf_dsinfer.kernels.kv_quant import KVInt4, dequantize_kv_int4_tokens, quantize_kv_int4
 from hf_dsinfer.offload.files import DIRECT_ALIGN, aligned_buffer, aligned_size
 from hf_dsinfer.offload.policy import OffloadPolicy
 
@@ -42,6 +46,62 @@ def row_split(rows: int, percent: tuple[float, float, float]) -> list[tuple[str,
     b = round(rows * (percent[0] + percent[1]) / 100)
     spans = [("device", 0, a), ("cpu", a, b), ("disk", b, rows)]
     return [s for s in spans if s[2] > s[1]]
+
+
+# -- reusable read buffers ---------------------------------------------------------------------------
+class BufferPool:
+    """Buffers for what a decode step reads (raw file bytes, dense K/V), kept for the whole
+    generate() call. Each step reads the whole cache again, and a fresh 50-200 MB tensor pays
+    its page faults every time: here decoding a 4-bit cache into fresh memory took 28 ms against
+    11 ms into a reused buffer. A buffer is handed out again only once nothing holds a view of
+    it any more (its storage's use count is back to the pool's own), so a tensor a caller kept
+    is never overwritten; buffers are sized for the call's longest sequence."""
+
+    def __init__(self):
+        self._free_count: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device, reserve: int = 0,
+             align: int = 1) -> torch.Tensor:
+        """A uint8 tensor of `nbytes` (address a multiple of `align`), from a buffer of at least
+        max(nbytes, reserve) bytes."""
+        with self._lock:
+            for buffer, idle in self._free_count:
+                if (buffer.device == device and buffer.numel() >= nbytes + align - 1
+                        and _use_count(buffer) == idle):
+                    return _aligned_view(buffer, nbytes, align)
+            buffer = torch.empty(max(nbytes, reserve) + align - 1, dtype=torch.uint8,
+                                 device=device)
+            if (idle := _use_count(buffer)) >= 0:
+                self._free_count.append((buffer, idle))
+            return _aligned_view(buffer, nbytes, align)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+               reserve_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        size = dtype.itemsize
+        raw = self.take(math.prod(shape) * size, device,
+                        math.prod(reserve_shape or shape) * size, 64)
+        return raw.view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for buffer, _ in self._free_count)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free_count = []
+
+
+def _use_count(buffer: torch.Tensor) -> int:
+    """References to the buffer's storage (each tensor viewing it holds one); -1 where torch
+    lacks the counter, and then the pool keeps nothing."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return counter(buffer.untyped_storage()._cdata) if counter is not None else -1
+
+
+def _aligned_view(buffer: torch.Tensor, nbytes: int, align: int) -> torch.Tensor:
+    skip = -buffer.data_ptr() % align
+    return buffer[skip: skip + nbytes]
 
 
 # -- storage -----------------------------------------------------------------------------------------
@@ -74,7 +134,9 @@ class RamStorage:
 class FileStorage:
     """Token records [component bytes...] appended to one file; read back as one range."""
 
-    def __init__(self, components: list[Component], rows: int, heads: int, path: Path):
+    def __init__(self, components: list[Component], rows: int, heads: int, path: Path,
+                 pool: BufferPool | None = None, capacity: int = 0):
+        self.pool, self.capacity = pool, capacity
         self.layout = [(name, rows * heads * width * dtype.itemsize, (rows, heads, width), dtype)
                        for name, width, dtype in components]
         self.record = sum(n for _, n, _, _ in self.layout)
@@ -128,7 +190,12 @@ class FileStorage:
                 self.direct_fd = None
                 return None
         lo = first - first % DIRECT_ALIGN
-        buf = aligned_buffer(aligned_size(end - lo))
+        if self.pool is None:
+            buf = aligned_buffer(aligned_size(end - lo))
+        else:
+            buf = self.pool.take(aligned_size(end - lo), torch.device("cpu"),
+                                 aligned_size(self.capacity * self.record) + DIRECT_ALIGN,
+                                 DIRECT_ALIGN)
         try:
             got = os.preadv(self.direct_fd, [buf.numpy()], lo)
         except OSError:
@@ -159,9 +226,11 @@ class KVSegment:
     """K and V of some rows on one tier, dense or 4-bit; read back dense on the compute device."""
 
     def __init__(self, tier: str, rows: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 policy: OffloadPolicy, device: torch.device, path: Path | None, capacity: int):
+                 policy: OffloadPolicy, device: torch.device, path: Path | None, capacity: int,
+                 pool: BufferPool | None = None):
         self.group = cache_group(head_dim, policy.group_size) if policy.compress_cache else 0
         self.dtype, self.device = dtype, device
+        self.heads, self.head_dim = heads, head_dim
         if self.group:
             g = head_dim // self.group
             components = [(f"{t}.{p}", w, dt) for t in ("k", "v") for p, w, dt in
@@ -170,7 +239,8 @@ class KVSegment:
         else:
             components = [("k", head_dim, dtype), ("v", head_dim, dtype)]
         home = device if tier == "device" else torch.device("cpu")
-        self.storage = (FileStorage(components, rows, heads, path) if tier == "disk" else
+        self.storage = (FileStorage(components, rows, heads, path, pool, capacity)
+                        if tier == "disk" else
                         RamStorage(components, rows, heads, home, capacity))
         # a read is a free view only for dense RAM on the compute device itself
         self.cheap = not self.group and tier != "disk" and home == device
@@ -187,21 +257,35 @@ class KVSegment:
             else:
                 parts[name] = x
         self.storage.append(parts)
+        return parts
 
-    def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K, V [rows, heads, stop - start, D] on the compute device."""
-        parts = {n: t.to(self.device, non_blocking=True)
-                 for n, t in self.storage.read(start, stop).items()}
-        out = []
-        for name in ("k", "v"):
+    def read(self, start: int, stop: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V [rows, heads, stop - start, D] on the compute device, written into `out`
+        when given (else new tensors, or views of the storage where that is free)."""
+        return self.decode(self.storage.read(start, stop), out)
+
+    def decode(self, parts: dict[str, torch.Tensor],
+               out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored components ([tokens, rows, heads, width] each, as `append` returns and the
+        storage reads them) as dense K, V [rows, heads, tokens, D] on the compute device. 4-bit
+        codes on the CPU are decoded straight into that layout
+        (kv_quant.dequantize_kv_int4_tokens)."""
+        parts = {n: t.to(self.device, non_blocking=True) for n, t in parts.items()}
+        result = []
+        for i, name in enumerate(("k", "v")):
+            dest = None if out is None else out[i]
             if self.group:
                 codes = KVInt4(parts[f"{name}.packed"], parts[f"{name}.scales"],
                                parts[f"{name}.mins"], self.group)
-                x = dequantize_kv_int4(codes, self.dtype)
+                x = dequantize_kv_int4_tokens(codes, self.dtype, dest)
             else:
-                x = parts[name]
-            out.append(x.permute(1, 2, 0, 3))  # [rows, heads, n, D]
-        return out[0], out[1]
+                x = parts[name].permute(1, 2, 0, 3)  # [rows, heads, n, D]
+                if dest is not None:
+                    x = dest.copy_(x)
+            result.append(x)
+        return result[0], result[1]
 
     def close(self) -> None:
         self.storage.close()
@@ -211,16 +295,20 @@ class KVSegment:
 class MicroKV:
     """The cache of one micro-batch in one layer: segments by rows, and a prefetched read."""
 
-    def __init__(self, segments: list[tuple[KVSegment, int, int]], stats: dict[str, float]):
+    def __init__(self, segments: list[tuple[KVSegment, int, int]], stats: dict[str, float],
+                 pool: BufferPool | None = None, capacity: int = 0):
         self.segments = segments
+        self.pool = pool or BufferPool()
+        self.capacity = capacity  # tokens the read buffers are sized for
         self.length = 0
         self._pending: tuple[int, Future] | None = None
         self.stats = stats  # the BlockCache's: kv_read_s (on any thread), kv_wait_s
 
     def prefetch(self, executor: Executor) -> None:
-        """Start reading the whole cache (before the next update) on the I/O thread."""
+        """Start reading the whole cache (before the next update) on the I/O thread, into tensors
+        with room for one more token: a decode step's update then writes its token in place."""
         if self.length and self._pending is None and not all(s.cheap for s, _, _ in self.segments):
-            self._pending = (self.length, executor.submit(self.read, 0, self.length))
+            self._pending = (self.length, executor.submit(self.read, 0, self.length, 1))
 
     def update(self, k: torch.Tensor, v: torch.Tensor,
                out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -229,8 +317,7 @@ class MicroKV:
         (written into `out`, [rows, heads, T, D] each, when given: the whole-block update
         assembles every micro-batch's rows in one tensor without a concatenation)."""
         start = self.length
-        for segment, r0, r1 in self.segments:
-            segment.append(k[r0:r1], v[r0:r1])
+        stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
         if self._pending is None:
             whole = self.read(0, self.length)
@@ -241,29 +328,48 @@ class MicroKV:
         old = future.result()
         self.stats["kv_wait_s"] += time.perf_counter() - waited
         assert upto == start, "a prefetched cache read is stale"
-        # dense storage holds exactly k, v: no need to read the new tokens back
-        new = self.read(start, self.length) if self.lossy else (k, v)
-        if out is None:
-            out = tuple(torch.empty(*x.shape[:2], self.length, x.shape[3], dtype=x.dtype,
-                                    device=x.device) for x in old)
-        for dest, before, after in zip(out, old, new):
-            dest[:, :, :start] = before
-            dest[:, :, start:] = after
+        if out is None and old[0].shape[2] == self.length:
+            out = old  # read with room for this step's tokens
+        else:
+            if out is None:
+                out = self._buffers(self.length)
+            for dest, before in zip(out, old):
+                dest[:, :, :start] = before[:, :, :start]
+        tail = (out[0][:, :, start:], out[1][:, :, start:])
+        if self.lossy:  # attention sees the new tokens as stored, as later steps will read them
+            for (segment, r0, r1), parts in zip(self.segments, stored):
+                segment.decode(parts, (tail[0][r0:r1], tail[1][r0:r1]))
+        else:  # dense storage holds exactly k, v
+            _copy_pair(tail, (k, v))
         return out
 
     @property
     def lossy(self) -> bool:
         return any(segment.group for segment, _, _ in self.segments)
 
-    def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, start: int, stop: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V [rows, heads, stop - start (+ extra unwritten), D] of every segment."""
         began = time.perf_counter()
-        ks, vs = zip(*(segment.read(start, stop) for segment, _, _ in self.segments))
-        if len(ks) == 1:
-            out = ks[0], vs[0]
+        if len(self.segments) == 1 and not extra and self.segments[0][0].cheap:
+            out = self.segments[0][0].read(start, stop)  # views of the storage
         else:
-            out = torch.cat(ks, dim=0), torch.cat(vs, dim=0)
+            out = self._buffers(stop - start + extra)
+            self._read_into((out[0][:, :, :stop - start], out[1][:, :, :stop - start]), start,
+                            stop)
         self.stats["kv_read_s"] += time.perf_counter() - began
         return out
+
+    def _buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V [rows, heads, tokens, D] from the pool."""
+        first = self.segments[0][0]
+        shape = (self.segments[-1][2], first.heads, tokens, first.head_dim)
+        reserve = (*shape[:2], max(tokens, self.capacity), shape[3])
+        return (self.pool.tensor(shape, first.dtype, first.device, reserve),
+                self.pool.tensor(shape, first.dtype, first.device, reserve))
+
+    def _read_into(self, out: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> None:
+        for segment, r0, r1 in self.segments:
+            segment.read(start, stop, (out[0][r0:r1], out[1][r0:r1]))
 
     def close(self) -> None:
         if self._pending is not None:
@@ -312,7 +418,9 @@ class BlockKVLayer(CacheLayerMixin):
         if len(self.owner.rows) == 1:
             return self.update_micro(0, key_states, value_states)
         total = self.get_seq_length() + key_states.shape[2]
-        out = tuple(torch.empty(*x.shape[:2], total, x.shape[3], dtype=x.dtype, device=x.device)
+        reserve = max(total, self.owner.capacity)
+        out = tuple(self.owner.pool.tensor((*x.shape[:2], total, x.shape[3]), x.dtype, x.device,
+                                           (*x.shape[:2], reserve, x.shape[3]))
                     for x in (key_states, value_states))
         start = 0
         for m, rows in enumerate(self.owner.rows):
@@ -358,6 +466,7 @@ class BlockCache(Cache):
         self.folder = folder
         self.capacity = capacity
         self.stats = {"kv_read_s": 0.0, "kv_wait_s": 0.0} if stats is None else stats
+        self.pool = BufferPool()  # the steps' read buffers, shared by every layer
         super().__init__(layers=[BlockKVLayer(j, self) for j in range(num_layers)])
 
     def new_micro(self, layer: int, m: int, heads: int, head_dim: int,
@@ -366,8 +475,8 @@ class BlockCache(Cache):
         for tier, r0, r1 in row_split(self.rows[m], self.policy.cache):
             path = None if tier != "disk" else self.folder / f"kv_L{layer:04d}_m{m:03d}.bin"
             segments.append((KVSegment(tier, r1 - r0, heads, head_dim, dtype, self.policy,
-                                       self.device, path, self.capacity), r0, r1))
-        return MicroKV(segments, self.stats)
+                                       self.device, path, self.capacity, self.pool), r0, r1))
+        return MicroKV(segments, self.stats, self.pool, self.capacity)
 
     def view(self, m: int) -> MicroBatchView:
         return MicroBatchView(self, m)
@@ -375,6 +484,7 @@ class BlockCache(Cache):
     def close(self) -> None:
         for layer in self.layers:
             layer.close()
+        self.pool.clear()
         if self.folder is not None and self.folder.exists():
             for leftover in self.folder.glob("kv_*.bin"):
                 leftover.unlink()

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hf_dsinfer.hardware import median_time, read_bandwidth
-from hf_dsinfer.kernels.kv_quant import dequantize_kv_int4, quantize_kv_int4
+from hf_dsinfer.kernels.kv_quant import dequantize_kv_int4_tokens, quantize_kv_int4
 from hf_dsinfer.kernels.quant import (
     QUANT_PACK_MAX_ROWS,
     dequantize_int4pack_rows,
@@ -192,10 +192,13 @@ def measure_int4_mm(dtype: torch.dtype, device: torch.device, rows: int = 8) -> 
 
 
 def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
-    """Dense bytes/s of decoding a 4-bit KV cache (token-major, groups along head_dim)."""
+    """Dense bytes/s of decoding a 4-bit KV cache (token-major, groups along head_dim) into the
+    layout attention reads, as the offloaded cache does (all threads: on the I/O thread it
+    shares the cores with the compute team)."""
     kv = torch.randn(512, 8, 32, 80, device=device).to(dtype)  # [tokens, rows, heads, D]
     codes = quantize_kv_int4(kv, 80)
-    seconds = median_time(lambda i: dequantize_kv_int4(codes, dtype), 3, device)
+    out = torch.empty(8, 32, 512, 80, dtype=dtype, device=device)
+    seconds = median_time(lambda i: dequantize_kv_int4_tokens(codes, dtype, out), 5, device)
     return kv.numel() * kv.element_size() / seconds
 
 
@@ -254,10 +257,13 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     write[5] = new_tokens * kv_tok / hw.disk_write
     flops = 2 * new_tokens * shape.layer_numel + 4 * new_tokens * ctx * shape.hidden
     compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense)
-    if not prefill:  # attention reads the whole cache; on the CPU the block's K/V are also
-        # assembled from the micro-batches' reads (two more passes)
-        compute0 += (1 if cuda else 3) * batch * ctx * kv_dense / hw.memory_bw
     compute = [0.0] * 6
+    if not prefill:  # attention reads the whole cache; on the CPU a dense cache read from disk
+        # is first copied into attention's layout (one more pass; RAM gives views, and a 4-bit
+        # cache is decoded straight into it, priced below)
+        compute0 += batch * ctx * kv_dense / hw.memory_bw
+        if not cuda and not compress_c:
+            compute[5] += batch * ctx * kv_dense / hw.memory_bw
     if compress_c and not prefill:  # decoding the whole cache of the step, wherever it lives
         rate = hw.decompress if cuda else hw.kv_decompress
         compute0 += batch * ctx * kv_dense / rate

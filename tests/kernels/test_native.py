@@ -130,3 +130,53 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
     x = _gaussian(Q.QUANT_PACK_MAX_ROWS + 1, 256, seed=1).to(dtype)
     out = Q.linear_int4(x, Q.quantize_int4(w, 32), backend="cpu")
     assert calls and torch.equal(out, Q.linear_int4_ref(x, Q.quantize_int4(w, 32)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_kv_int4_decoding_is_torchs_to_the_bit(monkeypatch, dtype):
+    """A token-major 4-bit KV cache decoded into attention's [rows, heads, tokens, D] layout:
+    from contiguous RAM tensors and from a file's interleaved records (strided tokens), into a
+    fresh tensor and into a slice of a larger one. Equal to the torch decoding, permuted; the
+    native kernel ran (counted); a group it does not take (8) falls back to torch."""
+    from hf_dsinfer.kernels import kv_quant as KV
+
+    lib = _native.lib()
+    native = []
+    monkeypatch.setattr(KV, "_native_kv_lib",
+                        lambda *a, _f=KV._native_kv_lib: native.append(_f(*a)) or native[-1])
+    tokens, rows, heads = 23, 3, 4
+    for head_dim, group in ((80, 80), (80, 16), (128, 64), (64, 8)):
+        x = _gaussian(tokens * rows * heads, head_dim).view(tokens, rows, heads, head_dim)
+        codes = KV.quantize_kv_int4(x.to(dtype), group)
+        ref = KV.dequantize_kv_int4(codes, dtype).permute(1, 2, 0, 3)
+        assert torch.equal(KV.dequantize_kv_int4_tokens(codes, dtype), ref)
+        # the same codes as records [packed | scales | mins | padding] of one byte tensor
+        parts = [codes.packed.reshape(tokens, -1), codes.scales.view(torch.uint8).reshape(tokens, -1),
+                 codes.mins.view(torch.uint8).reshape(tokens, -1)]
+        raw = torch.cat(parts + [torch.zeros(tokens, 6, dtype=torch.uint8)], dim=1)
+        widths = [p.shape[1] for p in parts]
+        cols = torch.split(raw, widths + [6], dim=1)
+        strided = KV.KVInt4(cols[0].view(tokens, rows, heads, -1),
+                            cols[1].view(torch.float16).view(tokens, rows, heads, -1),
+                            cols[2].view(torch.float16).view(tokens, rows, heads, -1), group)
+        big = torch.zeros(rows, heads, tokens + 5, head_dim, dtype=dtype)
+        KV.dequantize_kv_int4_tokens(strided, dtype, big[:, :, 2:2 + tokens])
+        assert torch.equal(big[:, :, 2:2 + tokens], ref)
+        assert not big[:, :, :2].any() and not big[:, :, 2 + tokens:].any()
+        assert all(n is lib for n in native[-2:]) == (group % 16 == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_int4pack_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
+    """Output rows of a weight in torch's CPU int4 layout (the offload engine's 4-bit weights,
+    dequantized once per layer for a prefill): the native rows equal the torch ops' rows."""
+    w = (_gaussian(256, 512) * 0.05).to(dtype)
+    lib, calls = _native.lib(), []
+    for group in (32, 64, 128):
+        qw = Q.quantize_int4(w, group)
+        codes, scales_zeros = qw.cpu_packed, qw.cpu_scales_zeros
+        monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a, g=group: calls.append(g) or lib)
+        got = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)
+        monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: None)
+        ref = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)
+        assert calls[-1] == group and torch.equal(got, ref)
