@@ -419,7 +419,7 @@ class FusedBlock:
         else:
             fc1 = self._mlp_in[0]
             h = bias_act(self._linear(fc1, x, with_bias=False), fc1.bias, self.spec.activation,
-                         backend=self.backend)
+                         backend=self.backend, inplace=True)  # fc1's output is ours
         out = self._linear(self._mlp_out, h, with_bias=False)
         return self._row_parallel(out), self._mlp_out.bias
 

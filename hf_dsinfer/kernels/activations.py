@@ -80,9 +80,23 @@ def _act_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return F.silu(x)
 
 
-def bias_act_ref(x, bias, act):
-    """act(x + bias) with eager torch ops (the bias add rounds to x's dtype, as in HF)."""
-    return _act_ref(x if bias is None else x + bias, _check_act(act))
+def bias_act_ref(x, bias, act, inplace=False):
+    """act(x + bias) with eager torch ops (the bias add rounds to x's dtype, as in HF). With
+    `inplace` (x is the caller's temporary) the bias add and ReLU / SiLU overwrite x: the same
+    values without two fresh tensors, whose page faults cost more than the ops themselves on
+    a prefill's [tokens, 4 x hidden] activations (CPU: 150 -> ~40 ms per OPT-2.7B layer at
+    8192 tokens)."""
+    act = _check_act(act)
+    if not inplace or (x.requires_grad and torch.is_grad_enabled()) or (
+            bias is not None and torch.promote_types(x.dtype, bias.dtype) != x.dtype):
+        return _act_ref(x if bias is None else x + bias, act)
+    if bias is not None:
+        x.add_(bias)
+    if act == "relu":
+        return torch.relu_(x)
+    if act == "silu":
+        return F.silu(x, inplace=True)
+    return _act_ref(x, act)
 
 
 def _split_packed(gate: torch.Tensor, up: torch.Tensor | None):
@@ -199,10 +213,11 @@ def gated_act_triton(gate, up, act):
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, *,
-             backend: str | None = None) -> torch.Tensor:
-    """act(x + bias) for act in ACTIVATIONS; x [..., C], bias [C] or None."""
+             backend: str | None = None, inplace: bool = False) -> torch.Tensor:
+    """act(x + bias) for act in ACTIVATIONS; x [..., C], bias [C] or None. `inplace`: x is a
+    temporary the caller gives up, which the eager path may overwrite (see bias_act_ref)."""
     fn = _dispatch.pick(backend, x.device, ref=bias_act_ref, triton_fn=bias_act_triton)
-    return fn(x, bias, act)
+    return fn(x, bias, act, inplace) if fn is bias_act_ref else fn(x, bias, act)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor | None, act: str, *,

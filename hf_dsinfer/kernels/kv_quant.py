@@ -224,8 +224,28 @@ def quantize_kv_int4(x: torch.Tensor, group_size: int = 64, *,
                      backend: str | None = None) -> KVInt4:
     """FlexGen 4-bit min-max codes, groups of `group_size` along head_dim, fp16 scale/min."""
     fn = _dispatch.pick(backend, x.device, ref=quantize_kv_int4_ref,
-                        triton_fn=quantize_kv_int4_triton)
+                        triton_fn=quantize_kv_int4_triton, cpu_fn=quantize_kv_int4_cpu)
     return fn(x, group_size)
+
+
+def quantize_kv_int4_cpu(x: torch.Tensor, group_size: int = 64) -> KVInt4:
+    """The reference's codes from the native kernel (csrc/cpu_quant.c, the same fp32
+    operations: ~15x the torch ops on a prefill's cache), where it takes x; else the reference."""
+    _check_group(x.shape[-1], group_size)
+    lib = _native.lib() if (x.dtype in _native.DTYPE_CODES and group_size % 16 == 0
+                            and x.is_contiguous() and x.device.type == "cpu"
+                            and not (x.requires_grad and torch.is_grad_enabled())) else None
+    if lib is None:
+        return quantize_kv_int4_ref(x, group_size)
+    d = x.shape[-1]
+    packed = torch.empty(*x.shape[:-1], d // 2, dtype=torch.uint8)
+    scales = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16)
+    mins = torch.empty_like(scales)
+    if x.numel():
+        lib.hfd_quant_kv_int4(x.data_ptr(), _native.DTYPE_CODES[x.dtype], x.numel() // d, d,
+                              group_size, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                              torch.get_num_threads())
+    return KVInt4(packed, scales, mins, group_size)
 
 
 def dequantize_kv_int4(kv: KVInt4, dtype: torch.dtype = torch.float16, *,

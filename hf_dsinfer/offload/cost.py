@@ -63,6 +63,8 @@ class Hardware:
     # bytes per second of decoding a 4-bit KV cache
     int4_mm: float = float("inf")
     kv_decompress: float = float("inf")
+    # K + V bytes per second through the attention kernel at one query (a decode step)
+    attn_decode: float = float("inf")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -91,7 +93,8 @@ def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
     hw = Hardware(device=str(dev), flops=measure_flops(dtype, dev),
                   memory_bw=read_bandwidth(dev, 0.5) * 1e9, disk_read=read, disk_write=write,
                   h2d=measure_h2d(dev), decompress=measure_decompress(dtype, dev),
-                  int4_mm=measure_int4_mm(dtype, dev), kv_decompress=measure_kv_decompress(dtype, dev))
+                  int4_mm=measure_int4_mm(dtype, dev), kv_decompress=measure_kv_decompress(dtype, dev),
+                  attn_decode=measure_attn_decode(dtype, dev))
     _store(key, hw)
     return hw
 
@@ -202,6 +205,21 @@ def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
     return kv.numel() * kv.element_size() / seconds
 
 
+def measure_attn_decode(dtype: torch.dtype, device: torch.device) -> float:
+    """K + V bytes/s of a decode step's attention (one query per sequence and head, 512 keys,
+    16 sequences) through the kernel the fused blocks call, over three caches in turn so that
+    none is still in cache: on the CPU below the memory bandwidth (~19 against ~24 GB/s here),
+    so the model prices attention at this rate."""
+    from hf_dsinfer.kernels.attention import attention
+
+    sets = [(torch.randn(16, 32, 1, 80, device=device).to(dtype),
+             torch.randn(16, 32, 512, 80, device=device).to(dtype),
+             torch.randn(16, 32, 512, 80, device=device).to(dtype)) for _ in range(3)]
+    seconds = median_time(lambda i: attention(*sets[i % 3], scale=80 ** -0.5), 6, device)
+    k = sets[0][1]
+    return 2 * k.numel() * k.element_size() / seconds
+
+
 # -- the model -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -258,10 +276,10 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     flops = 2 * new_tokens * shape.layer_numel + 4 * new_tokens * ctx * shape.hidden
     compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense)
     compute = [0.0] * 6
-    if not prefill:  # attention reads the whole cache; on the CPU a dense cache read from disk
-        # is first copied into attention's layout (one more pass; RAM gives views, and a 4-bit
-        # cache is decoded straight into it, priced below)
-        compute0 += batch * ctx * kv_dense / hw.memory_bw
+    if not prefill:  # attention reads the whole cache, at the measured rate of the kernel;
+        # on the CPU a dense cache read from disk is first copied into attention's layout (one
+        # more pass; RAM gives views, and a 4-bit cache is decoded straight into it, priced below)
+        compute0 += batch * ctx * kv_dense / min(hw.attn_decode, hw.memory_bw)
         if not cuda and not compress_c:
             compute[5] += batch * ctx * kv_dense / hw.memory_bw
     if compress_c and not prefill:  # decoding the whole cache of the step, wherever it lives

@@ -104,3 +104,22 @@ def test_auto_on_cpu_runs_the_reference(monkeypatch):
     monkeypatch.setattr(acts, "gated_act_ref", lambda *a: calls.append(1) or real(*a))
     acts.gated_act(_x(torch.float32, TOKENS, 2 * INTER), None, "silu", backend="auto")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
+def test_bias_act_inplace_same_values_fewer_tensors(act):
+    """inplace=True (a fused MLP's own fc1 output): the values of the out-of-place op, ReLU and
+    SiLU written over x; without it x is left alone; a bias of a wider dtype is not forced in."""
+    bias_act, bias_act_ref = acts.bias_act, acts.bias_act_ref
+    x = torch.randn(37, 64).bfloat16()
+    bias = torch.randn(64).bfloat16()
+    ref = bias_act_ref(x, bias, act)
+    keep = x.clone()
+    assert torch.equal(bias_act(x, bias, act), ref) and torch.equal(x, keep)
+    out = bias_act(x, bias, act, inplace=True)
+    assert torch.equal(out, ref)
+    assert (out.data_ptr() == x.data_ptr()) == (act in ("relu", "silu"))
+    wide = torch.randn(64)  # fp32 bias: the result is fp32, x cannot hold it
+    y = keep.clone()
+    assert torch.equal(bias_act(y, wide, act, inplace=True), bias_act_ref(keep, wide, act))
+    assert torch.equal(y, keep)

@@ -180,3 +180,27 @@ def test_native_int4pack_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
         monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: None)
         ref = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)
         assert calls[-1] == group and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_kv_int4_codes_are_the_references(monkeypatch, dtype):
+    """quantize_kv_int4 on the CPU: the native kernel's codes, scales and mins equal the torch
+    reference's bit for bit, over five decades of scale and at the edges (a constant group, a
+    zero group, NaN, inf), and it ran (counted); a group it does not take (8) uses the reference."""
+    from hf_dsinfer.kernels import kv_quant as KV
+
+    lib, native = _native.lib(), []
+    monkeypatch.setattr(_native, "lib", lambda: native.append(1) or lib)
+    for head_dim, group in ((80, 80), (80, 16), (128, 64), (64, 8)):
+        for scale in (1e-6, 1e-2, 1.0, 3e4):
+            x = (_gaussian(29 * 3 * 4, head_dim).view(29, 3, 4, head_dim) * scale).to(dtype)
+            x[0, 0, 0] = 0.3
+            x[0, 0, 1, :group] = 0.0
+            x[1, 0, 0, 5] = float("nan")
+            x[1, 1, 0, 2] = float("inf")
+            before = len(native)
+            got, ref = KV.quantize_kv_int4(x, group), KV.quantize_kv_int4_ref(x, group)
+            assert (len(native) > before) == (group % 16 == 0)
+            assert torch.equal(got.packed, ref.packed)
+            for a, b in ((got.scales, ref.scales), (got.mins, ref.mins)):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN bits too

@@ -16,7 +16,8 @@ from hf_dsinfer.offload.search import model_shape, search
 
 # A fixed machine (no measuring in the unit test): CPU compute, slow disk.
 HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_write=1e9,
-              h2d=float("inf"), decompress=2e9, int4_mm=5e10, kv_decompress=2e9)
+              h2d=float("inf"), decompress=2e9, int4_mm=5e10, kv_decompress=2e9,
+              attn_decode=1e10)
 WORK = Workload(prompt_len=64, gen_len=8)
 
 
@@ -70,7 +71,7 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
     monkeypatch.setattr(cost, "measure_disk", lambda folder, mib: calls.append(mib) or (2e9, 1e9))
     for name in ("measure_flops", "measure_decompress", "measure_int4_mm",
-                 "measure_kv_decompress"):
+                 "measure_kv_decompress", "measure_attn_decode"):
         monkeypatch.setattr(cost, name, lambda dtype, dev: 1e9)
     monkeypatch.setattr(cost, "read_bandwidth", lambda dev, gib: 10.0)
     first = cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True)

@@ -219,3 +219,48 @@ int hfd_dequant_int4pack_rows(const uint8_t *codes, const void *scales_zeros, in
     }
     return 0;
 }
+
+/* The 4-bit KV codes of n vectors x [n, D] (dtype x_dt): per group of `group` values,
+   lo / hi = min / max, scale = fp16(max((hi - lo) / 15, 1e-10)), min = fp16(lo), q = floor((x -
+   min) / scale + 0.5) clamped to [0, 15] (NaN -> 0, as torch casts it), two codes per byte with
+   the even index in the low nibble: kernels/kv_quant.py's quantize_kv_int4_ref, the same fp32
+   operations, so the same codes. A group holding NaN gets NaN scale and min, as there. group: a
+   multiple of 16 dividing D. */
+int hfd_quant_kv_int4(const void *x, int x_dt, int64_t n, int64_t D, int64_t group,
+                      uint8_t *packed, uint16_t *scales, uint16_t *mins, int nthreads) {
+    const int64_t G = D / group;
+    const __m512 half = _mm512_set1_ps(0.5f), zero = _mm512_setzero_ps(),
+                 fifteen = _mm512_set1_ps(15.0f);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n * G; i++) {
+        const int64_t first = i * group; /* element index of the group in x */
+        __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (int64_t c = 0; c < group; c += 16) {
+            __m512 v = load16(x, first + c, x_dt, 0xFFFF);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            lo = _mm512_min_ps(lo, v);
+            hi = _mm512_max_ps(hi, v);
+        }
+        float l = _mm512_reduce_min_ps(lo), h = _mm512_reduce_max_ps(hi);
+        if (nan) l = h = NAN;
+        float s = (h - l) / 15.0f;
+        if (s < 1e-10f) s = 1e-10f; /* false for NaN, which stays */
+        const uint16_t sh = _cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT), mh = _cvtss_sh(l, _MM_FROUND_TO_NEAREST_INT);
+        scales[i] = sh;
+        mins[i] = mh;
+        const __m512 vs = _mm512_set1_ps(_cvtsh_ss(sh)), vm = _mm512_set1_ps(_cvtsh_ss(mh));
+        for (int64_t c = 0; c < group; c += 16) {
+            __m512 v = load16(x, first + c, x_dt, 0xFFFF);
+            __m512 q = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_sub_ps(v, vm), vs), half),
+                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(_mm512_max_ps(q, zero), fifteen); /* max(NaN, 0) = 0 */
+            __m128i b = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)); /* 16 codes, one per byte */
+            __m128i lo4 = _mm_and_si128(b, _mm_set1_epi16(0x000F));
+            __m128i hi4 = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00F0));
+            __m128i pairs = _mm_packus_epi16(_mm_or_si128(lo4, hi4), _mm_setzero_si128());
+            _mm_storel_epi64((__m128i *)(packed + (first + c) / 2), pairs);
+        }
+    }
+    return 0;
+}
