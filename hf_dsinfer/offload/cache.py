@@ -304,11 +304,15 @@ class MicroKV:
         self._pending: tuple[int, Future] | None = None
         self.stats = stats  # the BlockCache's: kv_read_s (on any thread), kv_wait_s
 
-    def prefetch(self, executor: Executor) -> None:
+    def prefetch(self, executor: Executor,
+                 into: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Start reading the whole cache (before the next update) on the I/O thread, into tensors
-        with room for one more token: a decode step's update then writes its token in place."""
+        with room for one more token (`into`, [rows, heads, length + 1, D] each, when given):
+        a decode step's update then writes its token in place."""
         if self.length and self._pending is None and not all(s.cheap for s, _, _ in self.segments):
-            self._pending = (self.length, executor.submit(self.read, 0, self.length, 1))
+            mode = torch.is_inference_mode_enabled()
+            self._pending = (self.length, executor.submit(_in_inference_mode, mode, self.read, 0,
+                                                          self.length, 1, into))
 
     def update(self, k: torch.Tensor, v: torch.Tensor,
                out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -330,7 +334,7 @@ class MicroKV:
         assert upto == start, "a prefetched cache read is stale"
         if out is None and old[0].shape[2] == self.length:
             out = old  # read with room for this step's tokens
-        else:
+        elif not _same_view(out, old):  # (the block's prefetch reads straight into `out`)
             if out is None:
                 out = self._buffers(self.length)
             for dest, before in zip(out, old):
@@ -347,13 +351,16 @@ class MicroKV:
     def lossy(self) -> bool:
         return any(segment.group for segment, _, _ in self.segments)
 
-    def read(self, start: int, stop: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K, V [rows, heads, stop - start (+ extra unwritten), D] of every segment."""
+    def read(self, start: int, stop: int, extra: int = 0,
+             into: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V [rows, heads, stop - start (+ extra unwritten), D] of every segment (in
+        `into` when given)."""
         began = time.perf_counter()
-        if len(self.segments) == 1 and not extra and self.segments[0][0].cheap:
+        if len(self.segments) == 1 and not extra and into is None and self.segments[0][0].cheap:
             out = self.segments[0][0].read(start, stop)  # views of the storage
         else:
-            out = self._buffers(stop - start + extra)
+            out = into if into is not None else self._buffers(stop - start + extra)
             self._read_into((out[0][:, :, :stop - start], out[1][:, :, :stop - start]), start,
                             stop)
         self.stats["kv_read_s"] += time.perf_counter() - began
@@ -379,6 +386,19 @@ class MicroKV:
             segment.close()
 
 
+def _in_inference_mode(mode: bool, fn, *args):
+    """fn(*args) on an I/O thread in the caller's inference mode (it is thread-local): a read
+    fills buffers that the caller's thread may have made, and in-place writes to inference
+    tensors are refused outside inference mode."""
+    with torch.inference_mode(mode):
+        return fn(*args)
+
+
+def _same_view(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+               for x, y in zip(a, b))
+
+
 def _copy_pair(out: tuple[torch.Tensor, torch.Tensor],
                src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     out[0].copy_(src[0])
@@ -398,6 +418,7 @@ class BlockKVLayer(CacheLayerMixin):
         self.index = index
         self.owner = owner
         self.micro: list[MicroKV] = []
+        self._block: tuple[torch.Tensor, torch.Tensor] | None = None  # see prefetch_block
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
@@ -418,10 +439,10 @@ class BlockKVLayer(CacheLayerMixin):
         if len(self.owner.rows) == 1:
             return self.update_micro(0, key_states, value_states)
         total = self.get_seq_length() + key_states.shape[2]
-        reserve = max(total, self.owner.capacity)
-        out = tuple(self.owner.pool.tensor((*x.shape[:2], total, x.shape[3]), x.dtype, x.device,
-                                           (*x.shape[:2], reserve, x.shape[3]))
-                    for x in (key_states, value_states))
+        out, self._block = self._block, None
+        if out is None or out[0].shape[2] != total:
+            out = self._block_buffers(total, key_states.shape[1], key_states.shape[3],
+                                      key_states.dtype, key_states.device)
         start = 0
         for m, rows in enumerate(self.owner.rows):
             rows_out = (out[0][start:start + rows], out[1][start:start + rows])
@@ -433,6 +454,32 @@ class BlockKVLayer(CacheLayerMixin):
     def prefetch_micro(self, m: int, executor: Executor) -> None:
         if self.is_initialized:
             self.micro[m].prefetch(executor)
+
+    def prefetch_block(self, executor: Executor) -> None:
+        """Read every micro-batch's cache ahead for a whole-block decode step: with several
+        micro-batches, straight into their rows of one block tensor, which the step's update
+        then returns without assembling a copy."""
+        if not self.is_initialized:
+            return
+        if len(self.micro) == 1 or self._block is not None:
+            for micro in self.micro:
+                micro.prefetch(executor)
+            return
+        seg = self.micro[0].segments[0][0]
+        self._block = block = self._block_buffers(self.get_seq_length() + 1, seg.heads,
+                                                  seg.head_dim, seg.dtype, seg.device)
+        start = 0
+        for micro, rows in zip(self.micro, self.owner.rows):
+            micro.prefetch(executor, (block[0][start:start + rows], block[1][start:start + rows]))
+            start += rows
+
+    def _block_buffers(self, total: int, heads: int, dim: int, dtype: torch.dtype,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [block rows, heads, total, D] from the cache's pool."""
+        shape = (sum(self.owner.rows), heads, total, dim)
+        reserve = (*shape[:2], max(total, self.owner.capacity), dim)
+        return (self.owner.pool.tensor(shape, dtype, device, reserve),
+                self.owner.pool.tensor(shape, dtype, device, reserve))
 
     def get_seq_length(self) -> int:
         return self.micro[0].length if self.micro else 0

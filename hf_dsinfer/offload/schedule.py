@@ -231,8 +231,7 @@ class OffloadedLayer:
         BlockCache itself, and the next layer's caches are read ahead meanwhile."""
         io = self.engine.cache_io
         if io is not None and self.index + 1 < len(cache.layers):
-            for m in range(len(cache.rows)):
-                cache.layers[self.index + 1].prefetch_micro(m, io)
+            cache.layers[self.index + 1].prefetch_block(io)
         self._materialize_packed(named["hidden_states"], named["hidden_states"].shape[0])
         return self._compute(named)
 

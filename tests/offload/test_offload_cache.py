@@ -66,3 +66,37 @@ def test_prefetched_decode_steps_read_what_was_stored(compress, tmp_path):
     assert all(torch.equal(a, b) for a, b in kept)
     assert cache.stats["kv_read_s"] > 0
     cache.close()
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_block_prefetch_reads_micro_batches_into_one_tensor(compress, tmp_path):
+    """Two micro-batches decoded as one block (the CPU decode step): the read-ahead fills each
+    micro-batch's rows of one block tensor, and the whole-block update returns that tensor
+    (no assembling copy) with the same values as a block without read-ahead."""
+    rows, heads, dim, prompt, steps = [2, 3], 2, 32, 5, 3
+    policy = OffloadPolicy(weights=(0, 100, 0), cache=(0, 0, 100), compress_cache=compress,
+                           group_size=16, offload_dir=str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    ks = torch.randn(5, heads, prompt + steps, dim, generator=gen).bfloat16()
+    vs = torch.randn(5, heads, prompt + steps, dim, generator=gen).bfloat16()
+    results = []
+    for ahead in (False, True):
+        folder = tmp_path / str(ahead)
+        folder.mkdir()
+        cache = BlockCache(1, rows, policy, CPU, folder, prompt + steps)
+        layer, got = cache.layers[0], []
+        layer.update(ks[:, :, :prompt], vs[:, :, :prompt])
+        with ThreadPoolExecutor(1) as io:
+            for n in range(prompt, prompt + steps):
+                if ahead:
+                    layer.prefetch_block(io)
+                    block = layer._block
+                k, v = layer.update(ks[:, :, n:n + 1], vs[:, :, n:n + 1])
+                if ahead:
+                    assert k.data_ptr() == block[0].data_ptr()  # returned as read, no copy
+                got.append((k.clone(), v.clone()))
+        results.append(got)
+        cache.close()
+    for (k0, v0), (k1, v1) in zip(*results):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert results[0][-1][0].shape == (5, heads, prompt + steps, dim)

@@ -118,3 +118,22 @@ def test_from_pretrained_device_map_explain_pipeline(llama_dir, tmp_path):
     streamer = TextIteratorStreamer(tiny_tokenizer(), skip_prompt=True)
     out = offl(texts[0], max_new_tokens=NEW, do_sample=False, streamer=streamer)
     assert "".join(streamer).strip() in out[0]["generated_text"]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_read_ahead_under_inference_mode(compress, tmp_path):
+    """generate() under torch.inference_mode with the cache read ahead on the I/O thread into
+    pooled buffers, several micro-batches, KV on disk (dense and 4-bit): inference mode is
+    thread-local, so the reads must run in it too; the same tokens as under no_grad."""
+    ids, mask = prompts()
+    policy = {"weights": (0, 50, 50), "cache": (0, 0, 100), "micro_batch_size": 2,
+              "num_micro_batches": 2, "compress_cache": compress, "group_size": 16,
+              "offload_dir": str(tmp_path)}
+    model = make_model("opt")
+    hf_dsinfer.init_inference(model, offload=policy)
+    expected = _greedy(model, ids, mask)
+    with torch.inference_mode():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, expected)
+    if not compress:
+        assert torch.equal(got, _greedy(make_model("opt"), ids, mask))
