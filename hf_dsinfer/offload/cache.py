@@ -334,7 +334,7 @@ class MicroKV:
         assert upto == start, "a prefetched cache read is stale"
         if out is None and old[0].shape[2] == self.length:
             out = old  # read with room for this step's tokens
-        elif not _same_view(out, old):  # (the block's prefetch reads straight into `out`)
+        elif out is None or not _same_view(out, old):  # (a block's read-ahead fills `out`)
             if out is None:
                 out = self._buffers(self.length)
             for dest, before in zip(out, old):

@@ -100,3 +100,18 @@ def test_block_prefetch_reads_micro_batches_into_one_tensor(compress, tmp_path):
     for (k0, v0), (k1, v1) in zip(*results):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert results[0][-1][0].shape == (5, heads, prompt + steps, dim)
+
+
+def test_read_ahead_then_several_tokens(tmp_path):
+    """A read-ahead sized for one token, then an update of three (a caller feeding a chunk):
+    the cache is assembled in new buffers, with every token."""
+    policy = OffloadPolicy(weights=(0, 100, 0), cache=(0, 0, 100), offload_dir=str(tmp_path))
+    cache = BlockCache(1, [2], policy, CPU, tmp_path, 8)
+    layer = cache.layers[0]
+    x = torch.randn(2, 2, 8, 16)
+    layer.update(x[:, :, :4], x[:, :, :4])
+    with ThreadPoolExecutor(1) as io:
+        layer.prefetch_block(io)
+        k, v = layer.update(x[:, :, 4:7], x[:, :, 4:7])
+    assert torch.equal(k, x[:, :, :7]) and torch.equal(v, x[:, :, :7])
+    cache.close()
