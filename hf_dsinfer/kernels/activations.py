@@ -84,8 +84,8 @@ def bias_act_ref(x, bias, act, inplace=False):
     """act(x + bias) with eager torch ops (the bias add rounds to x's dtype, as in HF). With
     `inplace` (x is the caller's temporary) the bias add and ReLU / SiLU overwrite x: the same
     values without two fresh tensors, whose page faults cost more than the ops themselves on
-    a prefill's [tokens, 4 x hidden] activations (CPU: 150 -> ~40 ms per OPT-2.7B layer at
-    8192 tokens)."""
+    a prefill's [tokens, 4 x hidden] activations (CPU here: a bf16 add into a fresh 168 MB
+    tensor 74 ms, into an existing one 25 ms)."""
     act = _check_act(act)
     if not inplace or (x.requires_grad and torch.is_grad_enabled()) or (
             bias is not None and torch.promote_types(x.dtype, bias.dtype) != x.dtype):
@@ -175,7 +175,7 @@ def _kernels() -> types.SimpleNamespace:
     )
 
 
-def bias_act_triton(x, bias, act):
+def bias_act_triton(x, bias, act, inplace=False):  # writes a new tensor: inplace is moot
     k = _kernels()
     x2 = x.contiguous()
     out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
@@ -217,7 +217,7 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, *,
     """act(x + bias) for act in ACTIVATIONS; x [..., C], bias [C] or None. `inplace`: x is a
     temporary the caller gives up, which the eager path may overwrite (see bias_act_ref)."""
     fn = _dispatch.pick(backend, x.device, ref=bias_act_ref, triton_fn=bias_act_triton)
-    return fn(x, bias, act, inplace) if fn is bias_act_ref else fn(x, bias, act)
+    return fn(x, bias, act, inplace)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor | None, act: str, *,

@@ -230,7 +230,8 @@ def quantize_kv_int4(x: torch.Tensor, group_size: int = 64, *,
 
 def quantize_kv_int4_cpu(x: torch.Tensor, group_size: int = 64) -> KVInt4:
     """The reference's codes from the native kernel (csrc/cpu_quant.c, the same fp32
-    operations: ~15x the torch ops on a prefill's cache), where it takes x; else the reference."""
+    operations: 170 -> 6.6 ms for a [8192, 32, 80] bf16 prefill cache here), where it takes x;
+    else the reference."""
     _check_group(x.shape[-1], group_size)
     lib = _native.lib() if (x.dtype in _native.DTYPE_CODES and group_size % 16 == 0
                             and x.is_contiguous() and x.device.type == "cpu"
@@ -255,14 +256,14 @@ def dequantize_kv_int4(kv: KVInt4, dtype: torch.dtype = torch.float16, *,
     return fn(kv, dtype)
 
 
-def dequantize_kv_int4_tokens(kv: KVInt4, dtype: torch.dtype, out: torch.Tensor | None = None,
-                              *, threads: int | None = None) -> torch.Tensor:
+def dequantize_kv_int4_tokens(kv: KVInt4, dtype: torch.dtype,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """A token-major 4-bit cache, packed [T, rows, heads, D // 2] with scales / mins
     [T, rows, heads, G] (the token dim may be strided, as in a cache file's records; the rest
     contiguous), decoded to [rows, heads, T, D]: the layout attention reads, so no permuted copy
     follows. Written into `out` when given ([rows, heads, T, D], a slice along T of a contiguous
     tensor is fine). Same values as `dequantize_kv_int4` to the bit; the native CPU kernel runs
-    where it can (`threads`: its OpenMP threads, default torch's), torch ops elsewhere."""
+    where it can, torch ops elsewhere."""
     tokens, rows, heads, half = kv.packed.shape
     d = 2 * half
     if out is None:
@@ -276,7 +277,7 @@ def dequantize_kv_int4_tokens(kv: KVInt4, dtype: torch.dtype, out: torch.Tensor 
                                 kv.packed.stride(0), kv.scales.stride(0) * 2, tokens,
                                 rows * heads, d, kv.group_size, out.data_ptr(),
                                 _native.DTYPE_CODES[dtype], out.stride(1) // d,
-                                threads or torch.get_num_threads())
+                                torch.get_num_threads())
     return out
 
 
@@ -297,7 +298,6 @@ def _native_kv_lib(kv: KVInt4, dtype: torch.dtype, out: torch.Tensor):
             or scales.stride(0) != mins.stride(0) or out.dtype != dtype
             or tuple(out.shape) != (rows, heads, tokens, d)
             or out.stride(3) != 1 or out.stride(2) != d or out.stride(1) % d
-            or out.stride(0) != heads * out.stride(1) or torch.is_grad_enabled() and (
-                out.requires_grad)):
+            or out.stride(0) != heads * out.stride(1) or out.requires_grad):
         return None
     return _native.lib()

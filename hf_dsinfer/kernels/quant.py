@@ -450,7 +450,7 @@ def dequantize_int4pack_rows(codes: torch.Tensor, scales_zeros: torch.Tensor, gr
     """Output rows [start, stop) (multiples of 64) of a weight in torch's CPU int4 layout
     (codes [out, in // 2] uint8, scales_zeros [in // group, out, 2]) as [rows, in] in `dtype`:
     W = (q - 8) * scale + zero, fp32 math, as the CPU kernel computes it. The native kernel
-    (same operations, same bits) runs where it can: ~10x these torch ops."""
+    (same operations, same bits) runs where it can: 97 -> 18 ms for a 10240 x 2560 weight."""
     in_f, half = codes.shape[1] * 2, INT4PACK_BLOCK_N // 2
     lib = _native_dequant_lib(dtype, codes, scales_zeros)
     if (lib is not None and group_size % 16 == 0 and codes.dtype == torch.uint8

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels.kv_quant import KVInt4, dequantize_kv_int4_tokens, quantize_kv_int4
-from hf_dsinfer.offload.files import DIRECT_ALIGN, aligned_buffer, aligned_size
+from hf_dsinfer.offload.files import DIRECT_ALIGN, aligned_size, aligned_view
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 Component = tuple[str, int, torch.dtype]  # name, width (last dim), dtype
@@ -58,7 +58,7 @@ class BufferPool:
     is never overwritten; buffers are sized for the call's longest sequence."""
 
     def __init__(self):
-        self._free_count: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
+        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, device: torch.device, reserve: int = 0,
@@ -66,15 +66,15 @@ class BufferPool:
         """A uint8 tensor of `nbytes` (address a multiple of `align`), from a buffer of at least
         max(nbytes, reserve) bytes."""
         with self._lock:
-            for buffer, idle in self._free_count:
+            for buffer, idle in self._buffers:
                 if (buffer.device == device and buffer.numel() >= nbytes + align - 1
                         and _use_count(buffer) == idle):
-                    return _aligned_view(buffer, nbytes, align)
+                    return aligned_view(buffer, nbytes, align)
             buffer = torch.empty(max(nbytes, reserve) + align - 1, dtype=torch.uint8,
                                  device=device)
             if (idle := _use_count(buffer)) >= 0:
-                self._free_count.append((buffer, idle))
-            return _aligned_view(buffer, nbytes, align)
+                self._buffers.append((buffer, idle))
+            return aligned_view(buffer, nbytes, align)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                reserve_shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -83,13 +83,9 @@ class BufferPool:
                         math.prod(reserve_shape or shape) * size, 64)
         return raw.view(dtype).view(shape)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.numel() for buffer, _ in self._free_count)
-
     def clear(self) -> None:
         with self._lock:
-            self._free_count = []
+            self._buffers = []
 
 
 def _use_count(buffer: torch.Tensor) -> int:
@@ -97,11 +93,6 @@ def _use_count(buffer: torch.Tensor) -> int:
     lacks the counter, and then the pool keeps nothing."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     return counter(buffer.untyped_storage()._cdata) if counter is not None else -1
-
-
-def _aligned_view(buffer: torch.Tensor, nbytes: int, align: int) -> torch.Tensor:
-    skip = -buffer.data_ptr() % align
-    return buffer[skip: skip + nbytes]
 
 
 # -- storage -----------------------------------------------------------------------------------------
@@ -135,7 +126,7 @@ class FileStorage:
     """Token records [component bytes...] appended to one file; read back as one range."""
 
     def __init__(self, components: list[Component], rows: int, heads: int, path: Path,
-                 pool: BufferPool | None = None, capacity: int = 0):
+                 pool: BufferPool, capacity: int):
         self.pool, self.capacity = pool, capacity
         self.layout = [(name, rows * heads * width * dtype.itemsize, (rows, heads, width), dtype)
                        for name, width, dtype in components]
@@ -190,12 +181,9 @@ class FileStorage:
                 self.direct_fd = None
                 return None
         lo = first - first % DIRECT_ALIGN
-        if self.pool is None:
-            buf = aligned_buffer(aligned_size(end - lo))
-        else:
-            buf = self.pool.take(aligned_size(end - lo), torch.device("cpu"),
-                                 aligned_size(self.capacity * self.record) + DIRECT_ALIGN,
-                                 DIRECT_ALIGN)
+        buf = self.pool.take(aligned_size(end - lo), torch.device("cpu"),
+                             aligned_size(self.capacity * self.record) + DIRECT_ALIGN,
+                             DIRECT_ALIGN)
         try:
             got = os.preadv(self.direct_fd, [buf.numpy()], lo)
         except OSError:
@@ -227,7 +215,7 @@ class KVSegment:
 
     def __init__(self, tier: str, rows: int, heads: int, head_dim: int, dtype: torch.dtype,
                  policy: OffloadPolicy, device: torch.device, path: Path | None, capacity: int,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool):
         self.group = cache_group(head_dim, policy.group_size) if policy.compress_cache else 0
         self.dtype, self.device = dtype, device
         self.heads, self.head_dim = heads, head_dim
@@ -296,9 +284,9 @@ class MicroKV:
     """The cache of one micro-batch in one layer: segments by rows, and a prefetched read."""
 
     def __init__(self, segments: list[tuple[KVSegment, int, int]], stats: dict[str, float],
-                 pool: BufferPool | None = None, capacity: int = 0):
+                 pool: BufferPool, capacity: int):
         self.segments = segments
-        self.pool = pool or BufferPool()
+        self.pool = pool
         self.capacity = capacity  # tokens the read buffers are sized for
         self.length = 0
         self._pending: tuple[int, Future] | None = None

@@ -223,8 +223,14 @@ def aligned_size(nbytes: int) -> int:
 def aligned_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU buffer of `nbytes` whose address is DIRECT_ALIGN-aligned (O_DIRECT needs
     it; torch's allocator aligns to 64 bytes only)."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return aligned_view(torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8), nbytes,
+                        DIRECT_ALIGN)
+
+
+def aligned_view(raw: torch.Tensor, nbytes: int, align: int) -> torch.Tensor:
+    """The first `nbytes` of uint8 `raw` (at least nbytes + align - 1 long) that start at an
+    address multiple of `align`."""
+    skip = -raw.data_ptr() % align
     return raw[skip: skip + nbytes]
 
 

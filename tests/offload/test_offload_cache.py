@@ -23,11 +23,11 @@ def test_pool_reuses_only_buffers_nobody_holds():
     where = a.data_ptr()
     del a
     c = pool.tensor((4, 12), torch.bfloat16, CPU, (4, 16))  # fits a's reserve
-    assert c.data_ptr() == where and len(pool._free_count) == 2
+    assert c.data_ptr() == where and len(pool._buffers) == 2
     kept = c[1:]  # a view keeps the buffer busy
     del c
     d = pool.tensor((4, 12), torch.bfloat16, CPU)
-    assert d.data_ptr() != where and len(pool._free_count) == 3
+    assert d.data_ptr() != where and len(pool._buffers) == 3
     raw = pool.take(5000, CPU, 0, 4096)
     assert raw.data_ptr() % 4096 == 0 and raw.numel() == 5000
     assert kept.shape == (3, 12)

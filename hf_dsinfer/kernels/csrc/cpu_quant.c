@@ -95,6 +95,15 @@ static inline void store16_dt(void *out, int64_t o, int dt, __m512 w) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* 16 4-bit codes (8 bytes, even index in the low nibble) as fp32 0..15 */
+static inline __m512 codes16(const uint8_t *p) {
+    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    /* byte j twice, shifted by 0 and 4 */
+    __m512i b = _mm512_permutexvar_epi32(idx, _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15)));
+}
+
 /* out[r, :] (dtype o_dt) = q * scale + min (fp32: the product rounded, then the sum) for rows
    [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble), groups of `group`
    columns; out holds row1 - row0 rows of K. fp-contract off: gcc would fuse the product and
@@ -104,22 +113,15 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
                           int64_t group, int64_t K, int64_t row0, int64_t row1, void *out,
                           int o_dt, int nthreads) {
     const int64_t G = K / group;
-    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = row0; r < row1; r++) {
         const uint8_t *row = packed + r * (K / 2);
         for (int64_t g = 0; g < G; g++) {
             const __m512 s = _mm512_set1_ps(load_f32(scales, r * G + g, s_dt));
             const __m512 m = _mm512_set1_ps(load_f32(mins, r * G + g, s_dt));
-            for (int64_t c = g * group; c < (g + 1) * group; c += 16) {
-                /* 8 bytes -> 16 codes: byte j twice, shifted by 0 and 4 */
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + c / 2)));
-                b = _mm512_permutexvar_epi32(idx, b);
-                __m512i q = _mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15));
-                __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), m);
-                store16_dt(out, (r - row0) * K + c, o_dt, w);
-            }
+            for (int64_t c = g * group; c < (g + 1) * group; c += 16)
+                store16_dt(out, (r - row0) * K + c, o_dt,
+                           _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
         }
     }
     return 0;
@@ -157,8 +159,6 @@ int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint
                         int64_t D, int64_t group, void *out, int o_dt, int64_t out_stride,
                         int nthreads) {
     const int64_t G = D / group;
-    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t u = 0; u < units; u++) {
         for (int64_t t = 0; t < tokens; t++) {
@@ -169,12 +169,8 @@ int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint
             for (int64_t g = 0; g < G; g++) {
                 const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
                 const __m512 m = _mm512_set1_ps(_cvtsh_ss(mn[g]));
-                for (int64_t c = g * group; c < (g + 1) * group; c += 16) {
-                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + c / 2)));
-                    b = _mm512_permutexvar_epi32(idx, b);
-                    __m512i q = _mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15));
-                    store16_dt(out, o + c, o_dt, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), m));
-                }
+                for (int64_t c = g * group; c < (g + 1) * group; c += 16)
+                    store16_dt(out, o + c, o_dt, _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
             }
         }
     }
