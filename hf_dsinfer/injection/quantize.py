@@ -44,7 +44,7 @@ class QuantizedLinear(nn.Module):
         for name in self._fields:
             self.register_buffer(name, getattr(qweight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.out_features = qweight[0].shape[0]
+        self.out_features = qweight.scales.shape[0]
         self._cached: Int8Weight | Int4Weight | None = None
         self._cached_from: tuple[torch.Tensor, ...] = ()  # the buffers _cached was built from
 

@@ -103,7 +103,7 @@ def _build() -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
+    lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32, i32]
     lib.hfd_int8_gemv.restype = i32
     lib.hfd_advise_hugepages.argtypes = [p, i64]
     lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i32, i32, i32]
@@ -119,7 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_attn_out.restype = i32
     lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32]
     lib.hfd_dequant_int4_rows.restype = i32
-    lib.hfd_dequant_int8_rows.argtypes = [p, p, i32, p, i64, i64, i64, p, i32, i32]
+    lib.hfd_dequant_int8_rows.argtypes = [p, p, i32, p, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int8_rows.restype = i32
     lib.hfd_dequant_kv_int4.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i32, i64, i32]
     lib.hfd_dequant_kv_int4.restype = i32

@@ -29,7 +29,7 @@ from torch import nn
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
 
-LIN_BF16, LIN_INT8, LIN_INT4 = 0, 1, 2
+LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED = 0, 1, 2, 3
 MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
 MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
 
@@ -77,7 +77,8 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
                 raise Unsupported("int8 weight without row sums or fp32 input scales")
             names = ["qweight", "scales", "rowsum"] + (["in_scale"] if qw.in_scale is not None
                                                       else [])
-            lin = _Lin(LIN_INT8, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
+            kind = LIN_INT8_TILED if qw.tiled else LIN_INT8
+            lin = _Lin(kind, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
                        qw.qweight.data_ptr(), qw.scales.data_ptr(), None,
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        qw.rowsum.data_ptr(), None)
@@ -91,8 +92,8 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
             lin = _Lin(LIN_INT4, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
                        qw.packed.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), None,
                        None, None)
-        if buffers[names[0]].shape[0] != n:
-            raise Unsupported(f"quantized weight of shape {tuple(buffers[names[0]].shape)}")
+        if qw.scales.shape[0] != n:
+            raise Unsupported(f"quantized weight of {qw.scales.shape[0]} rows, not {n}")
         watched = [(buffers, name) for name in names]
     elif type(module) is nn.Linear:
         w = module.weight

@@ -16,7 +16,10 @@ torch's int4 CPU kernel do, so one group is contiguous in the dot product.
 
 Shapes and layouts:
     x       [..., in]
-    Int8Weight.qweight [out, in] int8, .scales [out], .in_scale [in] fp32 or None
+    Int8Weight.qweight [out, in] int8, or (.tiled) the same values as tiles
+               [out // 4, in // 64, 4, 64]: the native kernels' layout, chosen at quantize time
+               on CPU when the library is there (see int8_matrix, tile_int8)
+               .scales [out], .in_scale [in] fp32 or None
     Int4Weight.packed  [out, in // 2] uint8, low nibble = even input column, high nibble = odd
                .scales / .mins [out, in // group_size]
                .cpu_packed / .cpu_scales_zeros: the same values in the layout of
@@ -57,10 +60,42 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 class Int8Weight(NamedTuple):
-    qweight: torch.Tensor  # [out, in] int8
+    qweight: torch.Tensor  # [out, in] int8, or tiles [out // 4, in // 64, 4, 64] when tiled
     scales: torch.Tensor  # [out], dtype of the original weight
     in_scale: torch.Tensor | None = None  # [in] fp32 input-channel equalization, or None
     rowsum: torch.Tensor | None = None  # [out] int32 sum of each row of qweight (native kernel)
+    tiled: bool = False
+
+
+# int8 tiles (csrc/hfd_simd.h: int8_row): the native kernels stream INT8_TILE_ROWS rows per thread
+# block, and read them fastest as one sequential stream, so a weight whose shape allows it is
+# stored as [out // 4, in // 64, 4, 64]: 64 columns of each of 4 rows in turn. 22 Llama-1.1B
+# MLPs from DRAM, 2 threads: 21.7-22.2 GB/s row-major, 26.5-27.4 GB/s tiled (bf16: ~28).
+INT8_TILE_ROWS, INT8_TILE_COLS = 4, 64
+
+
+def tile_int8(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 -> tiles [out // 4, in // 64, 4, 64] (a copy, huge-page advised)."""
+    n, k = q.shape
+    tiles = q.view(n // INT8_TILE_ROWS, INT8_TILE_ROWS, k // INT8_TILE_COLS, INT8_TILE_COLS)
+    return _native.streamed_copy(tiles.transpose(1, 2))
+
+
+def int8_matrix(qweight: Int8Weight) -> torch.Tensor:
+    """The [out, in] int8 matrix: qweight itself, or a row-major copy of its tiles."""
+    q = qweight.qweight
+    if not qweight.tiled:
+        return q
+    blocks, chunks = q.shape[:2]
+    return q.transpose(1, 2).reshape(blocks * INT8_TILE_ROWS, chunks * INT8_TILE_COLS)
+
+
+def _tiles_fit(q: torch.Tensor) -> bool:
+    """Whether a [out, in] int8 weight is stored as tiles: on CPU where the native kernels run,
+    and when its shape is whole tiles."""
+    n, k = q.shape
+    return (q.device.type == "cpu" and n % INT8_TILE_ROWS == 0 and k % INT8_TILE_COLS == 0
+            and _native.lib() is not None)
 
 
 class Int4Weight(NamedTuple):
@@ -94,14 +129,16 @@ def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
         w = w / in_scale
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    q = _native.streamed_copy(q) if q.device.type == "cpu" else q.contiguous()
     rowsum = q.sum(dim=1, dtype=torch.int32) if q.device.type == "cpu" else None
+    if _tiles_fit(q):
+        return Int8Weight(tile_int8(q), scales, in_scale, rowsum, tiled=True)
+    q = _native.streamed_copy(q) if q.device.type == "cpu" else q.contiguous()
     return Int8Weight(q, scales, in_scale, rowsum)
 
 
 def dequantize_int8(qweight: Int8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[out, in] weight q * scale (* in_scale) in `dtype` (default: the scales' dtype), in fp32."""
-    w = qweight.qweight.float() * qweight.scales.float()[:, None]
+    w = int8_matrix(qweight).float() * qweight.scales.float()[:, None]
     if qweight.in_scale is not None:
         w = w * qweight.in_scale
     return w.to(dtype or qweight.scales.dtype)
@@ -284,7 +321,7 @@ def _launch_shape(x: torch.Tensor, n: int):
 def linear_int8_triton(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
     """Fused int8 dequant-matmul: reads 1 byte per weight, fp32 accumulation."""
     _, kernel, _ = _kernels()
-    q = qweight.qweight.contiguous()
+    q = int8_matrix(qweight).contiguous()
     n, k = q.shape
     x2, y, grid = _launch_shape(x, n)
     b = bias if bias is not None else y
@@ -334,18 +371,24 @@ def _native_dequant_lib(dtype: torch.dtype, *tensors: torch.Tensor | None):
 
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
     q, scales, in_scale = qweight.qweight, qweight.scales, qweight.in_scale
+    k = _int8_in_features(qweight)
     lib = _native_dequant_lib(dtype, q, scales, in_scale)
-    if (lib is not None and q.shape[1] % 16 == 0 and scales.dtype in _native.DTYPE_CODES
+    if (lib is not None and k % 16 == 0 and scales.dtype in _native.DTYPE_CODES
             and (in_scale is None or in_scale.dtype == torch.float32)):
-        out = torch.empty(stop - start, q.shape[1], dtype=dtype)
+        out = torch.empty(stop - start, k, dtype=dtype)
         codes = _native.DTYPE_CODES
         lib.hfd_dequant_int8_rows(q.data_ptr(), scales.data_ptr(), codes[scales.dtype],
-                                  None if in_scale is None else in_scale.data_ptr(), q.shape[1],
-                                  start, stop, out.data_ptr(), codes[dtype],
+                                  None if in_scale is None else in_scale.data_ptr(), k,
+                                  start, stop, out.data_ptr(), codes[dtype], int(qweight.tiled),
                                   torch.get_num_threads())
         return out
-    return dequantize_int8(qweight._replace(qweight=q[start:stop], scales=scales[start:stop]),
-                           dtype)
+    rows = int8_matrix(qweight)[start:stop]
+    return dequantize_int8(Int8Weight(rows, scales[start:stop], in_scale), dtype)
+
+
+def _int8_in_features(qweight: Int8Weight) -> int:
+    q = qweight.qweight
+    return q.shape[1] * INT8_TILE_COLS if qweight.tiled else q.shape[1]
 
 
 def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
@@ -373,14 +416,14 @@ def _fold_in_scale(x: torch.Tensor, qweight: Int8Weight) -> tuple[torch.Tensor, 
 def _native_int8(lib, x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
     q, scales, in_scale = qweight.qweight, qweight.scales, qweight.in_scale
     m, k = x2.shape
-    n = q.shape[0]
+    n = scales.shape[0]
     codes = _native.DTYPE_CODES
     y = torch.empty(m, n, dtype=x2.dtype)
     code = lib.hfd_int8_gemv(
         x2.data_ptr(), codes[x2.dtype], None if in_scale is None else in_scale.data_ptr(),
         q.data_ptr(), qweight.rowsum.data_ptr(), scales.data_ptr(), codes[scales.dtype],
         None if bias is None else bias.data_ptr(), 0 if bias is None else codes[bias.dtype],
-        y.data_ptr(), m, n, k, torch.get_num_threads())
+        y.data_ptr(), m, n, k, int(qweight.tiled), torch.get_num_threads())
     if code:
         _native.check(code, "hfd_int8_gemv")
     return y
@@ -398,22 +441,24 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
     """The native kernel up to NATIVE_MAX_ROWS rows where it runs, else torch's
-    _weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows, else chunked dequantize + GEMM."""
-    q = qweight.qweight
+    _weight_int8pack_mm up to QUANT_PACK_MAX_ROWS rows (on a row-major copy of tiles: the same
+    numerics whichever layout the weight has), else chunked dequantize + GEMM."""
+    n = qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     lib = _native_int8_lib(x2, qweight, bias)
     if lib is not None:
-        return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], q.shape[0])
+        return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], n)
     x2, qweight = _fold_in_scale(x2, qweight)  # torch's kernels take plain int8
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
     if x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0:
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
+        q = int8_matrix(qweight).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(x2, q, qweight.scales.to(x.dtype))
         y = y if bias is None else y + bias
     else:
         rows = functools.partial(_int8_rows, qweight, x.dtype)
-        y = _chunked_dequant_linear(x2, q.shape[0], rows, bias)
-    return y.reshape(*x.shape[:-1], q.shape[0])
+        y = _chunked_dequant_linear(x2, n, rows, bias)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):

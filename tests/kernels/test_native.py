@@ -39,13 +39,15 @@ def _exact(x, w, bias=None):
 @pytest.mark.parametrize("k", (128, 80, 40, 8))  # 80, 40, 8: a masked tail of the 64-wide loop
 @pytest.mark.parametrize("rows", (1, 3, 8))
 @pytest.mark.parametrize("equalize", (False, True))
-def test_int8_native_matches_exact(monkeypatch, dtype, k, rows, equalize):
+@pytest.mark.parametrize("n", (37, 40))  # 40 x 128: stored as int8 tiles
+def test_int8_native_matches_exact(monkeypatch, dtype, k, rows, equalize, n):
     calls = _count(monkeypatch, "_native_int8")
-    w = _gaussian(37, k) * torch.linspace(0.2, 3.0, k)
+    w = _gaussian(n, k) * torch.linspace(0.2, 3.0, k)
     qw = Q.quantize_int8(w.to(dtype), equalize=equalize)
-    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(37, seed=2).to(dtype)
+    assert qw.tiled == (n % 4 == 0 and k % 64 == 0)
+    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
     out = Q.linear_int8(x, qw, bias, backend="cpu")
-    assert calls == [1] and out.dtype == dtype and out.shape == (rows, 37)
+    assert calls == [1] and out.dtype == dtype and out.shape == (rows, n)
     expected = _exact(x, Q.dequantize_int8(qw, torch.float32), bias)
     # the only roundings left are fp32 ones and the final one to `dtype`
     ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
@@ -72,6 +74,22 @@ def test_native_not_used_above_its_rows(monkeypatch):
     x = _gaussian(rows, 64, seed=1).bfloat16()
     out, ref = Q.linear_int8(x, q8, backend="cpu").float(), Q.linear_int8_ref(x, q8).float()
     assert c8 == [] and torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+
+
+def test_int8_tiles_hold_the_row_major_codes(monkeypatch):
+    """quantize_int8 stores whole-tile shapes as tiles, with the codes it stores row-major when
+    the library is off; a tiled weight still computes where the library is switched off after
+    quantization (torch's dequantization of the untiled rows)."""
+    w, x = _gaussian(40, 192), _gaussian(3, 192, seed=1)
+    tiled = Q.quantize_int8(w, equalize=True)
+    y = Q.linear_int8(x, tiled, backend="cpu")
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    row_major = Q.quantize_int8(w, equalize=True)
+    assert tiled.tiled and not row_major.tiled and tiled.qweight.shape == (10, 3, 4, 64)
+    assert torch.equal(Q.int8_matrix(tiled), row_major.qweight)
+    assert torch.equal(tiled.rowsum, row_major.rowsum)
+    off = Q.linear_int8(x, tiled, backend="cpu")  # no native kernel now
+    assert torch.allclose(off, y, rtol=1e-4, atol=1e-4 * y.abs().max())
 
 
 def test_native_can_be_switched_off(monkeypatch):
@@ -120,10 +138,12 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
                                       group, dtype)
         assert torch.equal(Q._int4_rows(qw, dtype, 64, 320), ref)
     for equalize in (False, True):
-        q8 = Q.quantize_int8(w, equalize=equalize)
-        ref = Q.dequantize_int8(q8._replace(qweight=q8.qweight[64:320],
-                                            scales=q8.scales[64:320]), dtype)
-        assert torch.equal(Q._int8_rows(q8, dtype, 64, 320), ref)
+        # 320 x 256 is stored as int8 tiles, 320 x 240 (not whole 64-column tiles) row-major
+        for q8, tiled in ((Q.quantize_int8(w, equalize=equalize), True),
+                          (Q.quantize_int8(w[:, :240], equalize=equalize), False)):
+            assert q8.tiled == tiled
+            rows = Q.Int8Weight(Q.int8_matrix(q8)[64:320], q8.scales[64:320], q8.in_scale)
+            assert torch.equal(Q._int8_rows(q8, dtype, 64, 320), Q.dequantize_int8(rows, dtype))
     lib = _native.lib()
     calls = []
     monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: calls.append(1) or lib)

@@ -33,14 +33,14 @@
 
 #include "hfd_simd.h"
 
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3 }; /* tiles: hfd_simd.h */
 
 /* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
    hf_dsinfer/kernels/decode.py). */
 typedef struct {
     int64_t kind, n, k, group; /* group: int4 group size */
     int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
-    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2] */
+    const void *w;             /* bf16 [n, k] | int8 [n, k] or tiles | uint8 [n, k / 2] */
     const void *scales;        /* int8: [n]; int4: [n, k / group] */
     const void *mins;          /* int4: [n, k / group] */
     const float *in_scale;     /* int8: [k] input equalization, or NULL */
@@ -72,7 +72,7 @@ typedef struct {
 
 static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
     in->x = x;
-    if (L->kind == LIN_INT8) {
+    if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
         in->kp = (L->k + 63) / 64 * 64;
         in->unit = int8_planes(x, DT_BF16, L->in_scale, L->k, in->kp, xf, in->planes);
     } else if (L->kind == LIN_INT4) {
@@ -126,13 +126,18 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
 /* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows (<= ROWS). */
 static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int rows, float *out) {
     const int64_t K = L->k;
-    if (L->kind == LIN_INT8) {
+    if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
+        const int tiled = L->kind == LIN_INT8_TILED; /* ROWS == INT8_ROWS */
         const int8_t *wr[ROWS];
         for (int r = 0; r < ROWS; r++)
-            wr[r] = (const int8_t *)L->w + (n0 + (r < rows ? r : 0)) * K;
+            wr[r] = int8_row((const int8_t *)L->w, n0 + (r < rows || tiled ? r : 0), K, tiled);
         int64_t s[ROWS];
-        int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s,
-                  n0 + ROWS < L->n ? wr[0] + ROWS * K : NULL, (const int8_t *)L->w + L->n * K);
+        const int8_t *end = (const int8_t *)L->w + L->n * K;
+        if (tiled)
+            int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s, NULL, end, 1);
+        else
+            int8_dots(wr, L->rowsum + n0, rows, in->planes, in->kp, K, s,
+                      n0 + ROWS < L->n ? wr[0] + ROWS * K : NULL, end, 0);
         for (int r = 0; r < rows; r++)
             out[r] = (float)((double)s[r] * in->unit) * load_f32(L->scales, n0 + r, (int)L->s_dt);
         return;

@@ -6,7 +6,8 @@
  * The weight-only numerics are kept: x is never rounded below what the result can show.
  *
  * int8 (hfd_int8_gemv): y[m, n] = scale[n] * sum_k x[m, k] * in_scale[k] * q[n, k] + bias[n]
- *   q is the row-major [N, K] int8 weight as stored, rowsum[n] = sum_k q[n, k].
+ *   q is the [N, K] int8 weight as stored: row-major, or tiles (tiled = 1; see int8_row in
+ *   hfd_simd.h), rowsum[n] = sum_k q[n, k].
  *   Each row of x (times in_scale) becomes 24-bit fixed point relative to its absmax, offset to
  *   unsigned and split into three byte planes; vpdpbusd multiplies a plane (u8) by the weights
  *   (s8) with exact int32 sums, the planes combine in int64 and the offset is removed with the
@@ -38,7 +39,7 @@
 
 int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *q,
                   const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
-                  int b_dt, void *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+                  int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled, int nthreads) {
     int64_t kp = (K + 63) / 64 * 64;
     uint8_t *planes = (uint8_t *)aligned_alloc(64, (size_t)(M * 3 * kp));
     double *unit = (double *)malloc((size_t)M * sizeof(double));
@@ -57,11 +58,16 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
         int64_t n0 = b * INT8_ROWS;
         int rows = (int)(N - n0 < INT8_ROWS ? N - n0 : INT8_ROWS);
         const int8_t *wr[INT8_ROWS];
-        for (int r = 0; r < INT8_ROWS; r++) wr[r] = q + (n0 + (r < rows ? r : 0)) * K;
+        for (int r = 0; r < INT8_ROWS; r++)
+            wr[r] = int8_row(q, n0 + (r < rows || tiled ? r : 0), K, tiled);
         for (int64_t m = 0; m < M; m++) {
             int64_t s[INT8_ROWS];
-            int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s,
-                      m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K);
+            if (tiled)
+                int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s, NULL,
+                          m == 0 ? q + N * K : NULL, 1); /* rows m > 0 read the block cached */
+            else
+                int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s,
+                          m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K, 0);
             for (int r = 0; r < rows; r++) {
                 float v = (float)((double)s[r] * unit[m]) * load_f32(scales, n0 + r, s_dt);
                 if (bias) v += load_f32(bias, n0 + r, b_dt);
@@ -130,14 +136,17 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
 /* out[r, :] = q * scale (* in_scale, a second rounded product) for rows [row0, row1) of an int8
    [N, K] weight; K a multiple of 16. */
 int hfd_dequant_int8_rows(const int8_t *q, const void *scales, int s_dt, const float *in_scale,
-                          int64_t K, int64_t row0, int64_t row1, void *out, int o_dt,
+                          int64_t K, int64_t row0, int64_t row1, void *out, int o_dt, int tiled,
                           int nthreads) {
+    const int64_t step = tiled ? INT8_ROWS : 1; /* see int8_row */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = row0; r < row1; r++) {
         const __m512 s = _mm512_set1_ps(load_f32(scales, r, s_dt));
+        const int8_t *row = int8_row(q, r, K, tiled);
         for (int64_t c = 0; c < K; c += 16) {
+            const int8_t *at = row + (c & ~(int64_t)63) * step + (c & 63);
             __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128((const __m128i *)(q + r * K + c)))), s);
+                                         _mm_loadu_si128((const __m128i *)at))), s);
             if (in_scale) w = _mm512_mul_ps(w, _mm512_loadu_ps(in_scale + c));
             store16_dt(out, (r - row0) * K + c, o_dt, w);
         }
