@@ -117,7 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_attn_in.restype = i32
     lib.hfd_decode_attn_out.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, p, i32]
     lib.hfd_decode_attn_out.restype = i32
-    lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32]
+    lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int4_rows.restype = i32
     lib.hfd_dequant_int8_rows.argtypes = [p, p, i32, p, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int8_rows.restype = i32

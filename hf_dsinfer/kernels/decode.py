@@ -29,7 +29,7 @@ from torch import nn
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
 
-LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED = 0, 1, 2, 3
+LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
 MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
 MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
 
@@ -89,7 +89,8 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
             if qw.mins.dtype != qw.scales.dtype:
                 raise Unsupported("int4 mins and scales of different dtypes")
             names = ["packed", "scales", "mins"]
-            lin = _Lin(LIN_INT4, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
+            kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
+            lin = _Lin(kind, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
                        qw.packed.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), None,
                        None, None)
         if qw.scales.shape[0] != n:

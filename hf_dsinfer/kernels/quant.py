@@ -18,9 +18,10 @@ Shapes and layouts:
     x       [..., in]
     Int8Weight.qweight [out, in] int8, or (.tiled) the same values as tiles
                [out // 4, in // 64, 4, 64]: the native kernels' layout, chosen at quantize time
-               on CPU when the library is there (see int8_matrix, tile_int8)
+               on CPU when the library is there (see tile_rows, int8_matrix)
                .scales [out], .in_scale [in] fp32 or None
-    Int4Weight.packed  [out, in // 2] uint8, low nibble = even input column, high nibble = odd
+    Int4Weight.packed  [out, in // 2] uint8, low nibble = even input column, high nibble = odd;
+               or (.tiled) tiles [out // 4, in // 128, 4, 64] of those bytes (see int4_codes)
                .scales / .mins [out, in // group_size]
                .cpu_packed / .cpu_scales_zeros: the same values in the layout of
                torch.ops.aten._weight_int4pack_mm_for_cpu, built once at quantize time on CPU
@@ -67,37 +68,6 @@ class Int8Weight(NamedTuple):
     tiled: bool = False
 
 
-# int8 tiles (csrc/hfd_simd.h: int8_row): the native kernels stream INT8_TILE_ROWS rows per thread
-# block, and read them fastest as one sequential stream, so a weight whose shape allows it is
-# stored as [out // 4, in // 64, 4, 64]: 64 columns of each of 4 rows in turn. 22 Llama-1.1B
-# MLPs from DRAM, 2 threads: 21.7-22.2 GB/s row-major, 26.5-27.4 GB/s tiled (bf16: ~28).
-INT8_TILE_ROWS, INT8_TILE_COLS = 4, 64
-
-
-def tile_int8(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] int8 -> tiles [out // 4, in // 64, 4, 64] (a copy, huge-page advised)."""
-    n, k = q.shape
-    tiles = q.view(n // INT8_TILE_ROWS, INT8_TILE_ROWS, k // INT8_TILE_COLS, INT8_TILE_COLS)
-    return _native.streamed_copy(tiles.transpose(1, 2))
-
-
-def int8_matrix(qweight: Int8Weight) -> torch.Tensor:
-    """The [out, in] int8 matrix: qweight itself, or a row-major copy of its tiles."""
-    q = qweight.qweight
-    if not qweight.tiled:
-        return q
-    blocks, chunks = q.shape[:2]
-    return q.transpose(1, 2).reshape(blocks * INT8_TILE_ROWS, chunks * INT8_TILE_COLS)
-
-
-def _tiles_fit(q: torch.Tensor) -> bool:
-    """Whether a [out, in] int8 weight is stored as tiles: on CPU where the native kernels run,
-    and when its shape is whole tiles."""
-    n, k = q.shape
-    return (q.device.type == "cpu" and n % INT8_TILE_ROWS == 0 and k % INT8_TILE_COLS == 0
-            and _native.lib() is not None)
-
-
 class Int4Weight(NamedTuple):
     packed: torch.Tensor  # [out, in // 2] uint8, two 4-bit values per byte
     scales: torch.Tensor  # [out, in // group_size]
@@ -106,6 +76,48 @@ class Int4Weight(NamedTuple):
     symmetric: bool
     cpu_packed: torch.Tensor | None  # torch's int4 CPU layout, or None
     cpu_scales_zeros: torch.Tensor | None  # [in // group_size, out, 2] (scale, zero), or None
+    tiled: bool = False  # packed holds tiles [out // 4, in // 128, 4, 64]
+
+
+# Row tiles (csrc/hfd_simd.h: tile_row): the native kernels stream TILE_ROWS weight rows per
+# thread block and read them fastest as one sequential stream, so on CPU an int8 weight or 4-bit
+# codes whose shape allows it are stored as [out // 4, row_bytes // 64, 4, 64]: 64 bytes of each
+# of 4 rows in turn. 22 Llama-1.1B MLPs from DRAM, 2 threads: int8 21.7-22.2 GB/s row-major,
+# 26.5-27.4 tiled (bf16 rows: ~28); int4 (codes tiled, scales and mins not), group 32:
+# 20.7-20.9 -> 18.8-19.2 ms, group 128: no change (18.3-19.4 ms either way).
+TILE_ROWS, TILE_BYTES = 4, 64
+
+
+def tile_rows(m: torch.Tensor) -> torch.Tensor:
+    """[out, row_bytes] (int8 or uint8) -> tiles [out // 4, row_bytes // 64, 4, 64], a copy
+    advised for huge pages."""
+    n, b = m.shape
+    tiles = m.view(n // TILE_ROWS, TILE_ROWS, b // TILE_BYTES, TILE_BYTES)
+    return _native.streamed_copy(tiles.transpose(1, 2))
+
+
+def untile_rows(tiles: torch.Tensor) -> torch.Tensor:
+    """Tiles [blocks, chunks, 4, 64] -> the row-major [blocks * 4, chunks * 64] matrix (a copy)."""
+    blocks, chunks = tiles.shape[:2]
+    return tiles.transpose(1, 2).reshape(blocks * TILE_ROWS, chunks * TILE_BYTES)
+
+
+def _tiles_fit(m: torch.Tensor) -> bool:
+    """Whether a [out, row_bytes] weight is stored as tiles: on CPU where the native kernels
+    run, and when its shape is whole tiles."""
+    n, b = m.shape
+    return (m.device.type == "cpu" and n % TILE_ROWS == 0 and b % TILE_BYTES == 0
+            and _native.lib() is not None)
+
+
+def int8_matrix(qweight: Int8Weight) -> torch.Tensor:
+    """The [out, in] int8 matrix: qweight itself, or a row-major copy of its tiles."""
+    return untile_rows(qweight.qweight) if qweight.tiled else qweight.qweight
+
+
+def int4_codes(qweight: Int4Weight) -> torch.Tensor:
+    """The [out, in // 2] packed codes: packed itself, or a row-major copy of its tiles."""
+    return untile_rows(qweight.packed) if qweight.tiled else qweight.packed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +143,7 @@ def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     rowsum = q.sum(dim=1, dtype=torch.int32) if q.device.type == "cpu" else None
     if _tiles_fit(q):
-        return Int8Weight(tile_int8(q), scales, in_scale, rowsum, tiled=True)
+        return Int8Weight(tile_rows(q), scales, in_scale, rowsum, tiled=True)
     q = _native.streamed_copy(q) if q.device.type == "cpu" else q.contiguous()
     return Int8Weight(q, scales, in_scale, rowsum)
 
@@ -210,8 +222,10 @@ def quantize_int4(
     q = torch.round((wg - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
     q = q.reshape(out_f, in_f).to(torch.uint8)  # [out, in]
     cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
-    return Int4Weight(pack_int4(q), scales, mins, group_size, symmetric, cpu_packed,
-                      cpu_scales_zeros)
+    packed = pack_int4(q)
+    tiled = _tiles_fit(packed)
+    return Int4Weight(tile_rows(packed) if tiled else packed, scales, mins, group_size, symmetric,
+                      cpu_packed, cpu_scales_zeros, tiled)
 
 
 def _dequantize_int4_rows(packed, scales, mins, group_size: int, dtype: torch.dtype):
@@ -223,7 +237,7 @@ def _dequantize_int4_rows(packed, scales, mins, group_size: int, dtype: torch.dt
 
 def dequantize_int4(qweight: Int4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[out, in] weight q * scale + min in `dtype` (default: the scales' dtype), fp32 math."""
-    return _dequantize_int4_rows(qweight.packed, qweight.scales, qweight.mins,
+    return _dequantize_int4_rows(int4_codes(qweight), qweight.scales, qweight.mins,
                                  qweight.group_size, dtype or qweight.scales.dtype)
 
 
@@ -334,7 +348,7 @@ def linear_int8_triton(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor 
 def linear_int4_triton(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """Fused int4 dequant-matmul: unpacks nibbles and applies scale/min in registers."""
     _, _, kernel = _kernels()
-    p, s, z = qweight.packed, qweight.scales.contiguous(), qweight.mins.contiguous()
+    p, s, z = int4_codes(qweight), qweight.scales.contiguous(), qweight.mins.contiguous()
     n, k = p.shape[0], p.shape[1] * 2
     x2, y, grid = _launch_shape(x, n)
     b = bias if bias is not None else y
@@ -388,22 +402,22 @@ def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -
 
 def _int8_in_features(qweight: Int8Weight) -> int:
     q = qweight.qweight
-    return q.shape[1] * INT8_TILE_COLS if qweight.tiled else q.shape[1]
+    return q.shape[1] * TILE_BYTES if qweight.tiled else q.shape[1]
 
 
 def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
     packed, scales, mins = qweight.packed, qweight.scales, qweight.mins
     lib = _native_dequant_lib(dtype, packed, scales, mins)
     if lib is not None and scales.dtype in _native.DTYPE_CODES and mins.dtype == scales.dtype:
-        k = packed.shape[1] * 2
+        k = scales.shape[1] * qweight.group_size
         out = torch.empty(stop - start, k, dtype=dtype)
         lib.hfd_dequant_int4_rows(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
                                   _native.DTYPE_CODES[scales.dtype], qweight.group_size, k, start,
                                   stop, out.data_ptr(), _native.DTYPE_CODES[dtype],
-                                  torch.get_num_threads())
+                                  int(qweight.tiled), torch.get_num_threads())
         return out
-    return _dequantize_int4_rows(packed[start:stop], scales[start:stop], mins[start:stop],
-                                 qweight.group_size, dtype)
+    return _dequantize_int4_rows(int4_codes(qweight)[start:stop], scales[start:stop],
+                                 mins[start:stop], qweight.group_size, dtype)
 
 
 def _fold_in_scale(x: torch.Tensor, qweight: Int8Weight) -> tuple[torch.Tensor, Int8Weight]:
@@ -463,7 +477,7 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
 
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """_weight_int4pack_mm_for_cpu up to QUANT_PACK_MAX_ROWS rows, chunked dequantize above."""
-    n, g = qweight.packed.shape[0], qweight.group_size
+    n, g = qweight.scales.shape[0], qweight.group_size
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
     if x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None:
         sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype

@@ -92,6 +92,20 @@ def test_int8_tiles_hold_the_row_major_codes(monkeypatch):
     assert torch.allclose(off, y, rtol=1e-4, atol=1e-4 * y.abs().max())
 
 
+def test_int4_tiles_hold_the_row_major_codes(monkeypatch):
+    """quantize_int4 stores whole-tile shapes as tiles, with the codes it packs row-major when
+    the library is off; a tiled weight still computes with the library switched off."""
+    w, x = _gaussian(40, 256), _gaussian(40, 256, seed=1)  # 40 rows of x: the chunked path
+    tiled = Q.quantize_int4(w, 32)
+    y = Q.linear_int4(x, tiled, backend="cpu")
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    row_major = Q.quantize_int4(w, 32)
+    assert tiled.tiled and not row_major.tiled and tiled.packed.shape == (10, 2, 4, 64)
+    assert torch.equal(Q.int4_codes(tiled), row_major.packed)
+    assert torch.equal(Q.linear_int4(x, tiled, backend="cpu"), y)
+    assert torch.equal(Q.linear_int4_ref(x, tiled), Q.linear_int4_ref(x, row_major))
+
+
 def test_native_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(_native.ENV_VAR, "0")
     assert not _native.available() and "disabled" in _native.why_unavailable()
@@ -133,10 +147,12 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
     a prefill-sized linear runs on them (counted)."""
     w = (_gaussian(320, 256) * 0.05).to(dtype)
     for group in (32, 128):
-        qw = Q.quantize_int4(w, group)
-        ref = Q._dequantize_int4_rows(qw.packed[64:320], qw.scales[64:320], qw.mins[64:320],
-                                      group, dtype)
-        assert torch.equal(Q._int4_rows(qw, dtype, 64, 320), ref)
+        # 320 x 256 is stored as 4-bit tiles, 318 x 256 (not whole 4-row tiles) row-major
+        for qw, tiled in ((Q.quantize_int4(w, group), True), (Q.quantize_int4(w[:318], group), False)):
+            assert qw.tiled == tiled
+            ref = Q._dequantize_int4_rows(Q.int4_codes(qw)[64:318], qw.scales[64:318],
+                                          qw.mins[64:318], group, dtype)
+            assert torch.equal(Q._int4_rows(qw, dtype, 64, 318), ref)
     for equalize in (False, True):
         # 320 x 256 is stored as int8 tiles, 320 x 240 (not whole 64-column tiles) row-major
         for q8, tiled in ((Q.quantize_int8(w, equalize=equalize), True),

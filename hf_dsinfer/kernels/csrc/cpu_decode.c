@@ -33,14 +33,14 @@
 
 #include "hfd_simd.h"
 
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3 }; /* tiles: hfd_simd.h */
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 }; /* tiles: hfd_simd.h */
 
 /* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
    hf_dsinfer/kernels/decode.py). */
 typedef struct {
     int64_t kind, n, k, group; /* group: int4 group size */
     int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
-    const void *w;             /* bf16 [n, k] | int8 [n, k] or tiles | uint8 [n, k / 2] */
+    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2] (int8, int4: or tiles) */
     const void *scales;        /* int8: [n]; int4: [n, k / group] */
     const void *mins;          /* int4: [n, k / group] */
     const float *in_scale;     /* int8: [k] input equalization, or NULL */
@@ -67,7 +67,9 @@ typedef struct {
     double unit;
 } lin_input;
 
-#define ROWS 4 /* weight rows per block (one thread streams them together) */
+#define ROWS TILE_ROWS /* weight rows per block (one thread streams them together) */
+
+static inline int is_int4(const hfd_lin *L) { return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED; }
 #define MAX_GROUPS 1024 /* int4: groups per row (k / group) the kernel takes */
 
 static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
@@ -75,7 +77,7 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
     if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
         in->kp = (L->k + 63) / 64 * 64;
         in->unit = int8_planes(x, DT_BF16, L->in_scale, L->k, in->kp, xf, in->planes);
-    } else if (L->kind == LIN_INT4) {
+    } else if (is_int4(L)) {
         /* x per group g as 24-bit fixed point v = round(x / gunit[g]), |v| < 2^23 (gunit[g] =
            absmax / (2^23 - 1): the int8 kernel's precision), split v = 65536 hi + 256 mid + lo
            into two unsigned bytes and a signed one, each as a plane of the even and a plane of
@@ -130,7 +132,7 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         const int tiled = L->kind == LIN_INT8_TILED; /* ROWS == INT8_ROWS */
         const int8_t *wr[ROWS];
         for (int r = 0; r < ROWS; r++)
-            wr[r] = int8_row((const int8_t *)L->w, n0 + (r < rows || tiled ? r : 0), K, tiled);
+            wr[r] = (const int8_t *)tile_row(L->w, n0 + (r < rows || tiled ? r : 0), K, tiled);
         int64_t s[ROWS];
         const int8_t *end = (const int8_t *)L->w + L->n * K;
         if (tiled)
@@ -171,11 +173,13 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
        no faster and flipped the bf16 rounding of up to 16% of outputs on inputs spanning 5
        decades within a group. */
     const int64_t group = L->group, G = K / group, half = in->kp / 2;
+    const int tiled = L->kind == LIN_INT4_TILED; /* whole 128-column chunks */
+    const int64_t step = tiled ? ROWS : 1;        /* bytes of a row's stream per code byte */
     const uint8_t *wr[ROWS];
     float scale[ROWS][MAX_GROUPS + 16], mins[ROWS];
     for (int r = 0; r < ROWS; r++) {
         int64_t row = n0 + (r < rows ? r : 0);
-        wr[r] = (const uint8_t *)L->w + row * (K / 2);
+        wr[r] = tile_row(L->w, row, K / 2, tiled);
         __m512 m = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g += 16) {
             __mmask16 mk = mask16(G - g);
@@ -213,10 +217,13 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
         const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
         const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
-        prefetch_next_block(next, end, ROWS * c, ROWS);
+        if (tiled)
+            prefetch_tiles(wr[0] + c * 64 * step, end);
+        else
+            prefetch_next_block(next, end, ROWS * c, ROWS);
         const int64_t g0 = (c * 128) >> gshift;
         for (int r = 0; r < ROWS; r++) {
-            __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64);
+            __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64 * step);
             __m512i even = _mm512_and_si512(v, nibble);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xel, even); /* u8 x s8 */
@@ -329,8 +336,8 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
         in[j].gsum = s->gsum + j * s->kp;
         in[j].gunit = s->gunit + j * s->kp;
         int shared = -1; /* int4 inputs depend on x and the group only: q|k|v and gate|up share */
-        for (int i = 0; i < j && lin[j]->kind == LIN_INT4; i++)
-            if (lin[i]->kind == LIN_INT4 && lin[i]->group == lin[j]->group) shared = i;
+        for (int i = 0; i < j && is_int4(lin[j]); i++)
+            if (is_int4(lin[i]) && lin[i]->group == lin[j]->group) shared = i;
         if (shared >= 0)
             in[j] = in[shared];
         else

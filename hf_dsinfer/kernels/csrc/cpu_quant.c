@@ -6,7 +6,7 @@
  * The weight-only numerics are kept: x is never rounded below what the result can show.
  *
  * int8 (hfd_int8_gemv): y[m, n] = scale[n] * sum_k x[m, k] * in_scale[k] * q[n, k] + bias[n]
- *   q is the [N, K] int8 weight as stored: row-major, or tiles (tiled = 1; see int8_row in
+ *   q is the [N, K] int8 weight as stored: row-major, or tiles (tiled = 1; see tile_row in
  *   hfd_simd.h), rowsum[n] = sum_k q[n, k].
  *   Each row of x (times in_scale) becomes 24-bit fixed point relative to its absmax, offset to
  *   unsigned and split into three byte planes; vpdpbusd multiplies a plane (u8) by the weights
@@ -59,7 +59,7 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
         int rows = (int)(N - n0 < INT8_ROWS ? N - n0 : INT8_ROWS);
         const int8_t *wr[INT8_ROWS];
         for (int r = 0; r < INT8_ROWS; r++)
-            wr[r] = int8_row(q, n0 + (r < rows || tiled ? r : 0), K, tiled);
+            wr[r] = (const int8_t *)tile_row(q, n0 + (r < rows || tiled ? r : 0), K, tiled);
         for (int64_t m = 0; m < M; m++) {
             int64_t s[INT8_ROWS];
             if (tiled)
@@ -111,23 +111,23 @@ static inline __m512 codes16(const uint8_t *p) {
 }
 
 /* out[r, :] (dtype o_dt) = q * scale + min (fp32: the product rounded, then the sum) for rows
-   [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble), groups of `group`
-   columns; out holds row1 - row0 rows of K. fp-contract off: gcc would fuse the product and
+   [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble; row-major, or tiles:
+   tiled = 1, see tile_row), groups of `group` columns; out holds row1 - row0 rows of K. fp-contract off: gcc would fuse the product and
    the sum into one fma (differently rounded from torch's two ops). */
 __attribute__((optimize("fp-contract=off")))
 int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                           int64_t group, int64_t K, int64_t row0, int64_t row1, void *out,
-                          int o_dt, int nthreads) {
+                          int o_dt, int tiled, int nthreads) {
     const int64_t G = K / group;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = row0; r < row1; r++) {
-        const uint8_t *row = packed + r * (K / 2);
+        const uint8_t *row = tile_row(packed, r, K / 2, tiled);
         for (int64_t g = 0; g < G; g++) {
             const __m512 s = _mm512_set1_ps(load_f32(scales, r * G + g, s_dt));
             const __m512 m = _mm512_set1_ps(load_f32(mins, r * G + g, s_dt));
             for (int64_t c = g * group; c < (g + 1) * group; c += 16)
                 store16_dt(out, (r - row0) * K + c, o_dt,
-                           _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
+                           _mm512_add_ps(_mm512_mul_ps(codes16(row + tile_at(c / 2, tiled)), s), m));
         }
     }
     return 0;
@@ -138,15 +138,13 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
 int hfd_dequant_int8_rows(const int8_t *q, const void *scales, int s_dt, const float *in_scale,
                           int64_t K, int64_t row0, int64_t row1, void *out, int o_dt, int tiled,
                           int nthreads) {
-    const int64_t step = tiled ? INT8_ROWS : 1; /* see int8_row */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = row0; r < row1; r++) {
         const __m512 s = _mm512_set1_ps(load_f32(scales, r, s_dt));
-        const int8_t *row = int8_row(q, r, K, tiled);
+        const uint8_t *row = tile_row(q, r, K, tiled);
         for (int64_t c = 0; c < K; c += 16) {
-            const int8_t *at = row + (c & ~(int64_t)63) * step + (c & 63);
             __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128((const __m128i *)at))), s);
+                                         _mm_loadu_si128((const __m128i *)(row + tile_at(c, tiled))))), s);
             if (in_scale) w = _mm512_mul_ps(w, _mm512_loadu_ps(in_scale + c));
             store16_dt(out, (r - row0) * K + c, o_dt, w);
         }

@@ -34,6 +34,36 @@ static inline __attribute__((always_inline)) void prefetch_next_block(const void
     }
 }
 
+/* Row tiles: a weight of N rows of B bytes each (N % TILE_ROWS == 0, B % 64 == 0) may be stored
+   as [N / TILE_ROWS, B / 64, TILE_ROWS, 64] bytes (kernels/quant.py stores int8 weights and 4-bit
+   codes so on CPU), so the TILE_ROWS rows a thread streams together are one sequential stream:
+   64 bytes of each row in turn. Byte b of row r is then at tile_row(q, r, B, 1) + tile_at(b, 1). */
+#define TILE_ROWS 4
+
+static inline const uint8_t *tile_row(const void *q, int64_t r, int64_t row_bytes, int tiled) {
+    const uint8_t *base = (const uint8_t *)q;
+    return tiled ? base + (r / TILE_ROWS) * TILE_ROWS * row_bytes + (r % TILE_ROWS) * 64
+                 : base + r * row_bytes;
+}
+
+static inline int64_t tile_at(int64_t b, int tiled) {
+    return tiled ? (b & ~(int64_t)63) * TILE_ROWS + (b & 63) : b;
+}
+
+/* Bytes ahead of the current position that a thread streaming tiles prefetches. 22 Llama-1.1B
+   MLPs from DRAM, 2 threads, int8, 3 interleaved runs: row-major rows with the next block
+   prefetched 21.7-22.2 GB/s; tiles with 0 / 512 / 1024 / 2048 / 3072 / 4096 bytes ahead 23.3-24.3 /
+   24.3-25.5 / 25.5-25.8 / 26.5-27.4 / 26.2-26.7 / 24.6-25.0 GB/s (bf16 rows: 28.0-28.5). */
+#define TILE_PREFETCH 2048
+
+/* Prefetch the TILE_ROWS lines of a tile stream TILE_PREFETCH bytes past `at`, short of end. */
+static inline __attribute__((always_inline)) void prefetch_tiles(const void *at, const void *end) {
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const char *p = (const char *)at + TILE_PREFETCH + 64 * r;
+        if (p < (const char *)end) _mm_prefetch(p, _MM_HINT_T0);
+    }
+}
+
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 static inline float load_f32(const void *p, int64_t i, int dt) {
@@ -158,7 +188,7 @@ static inline void round_row(const float *o, uint16_t *y, int64_t cols) {
 
 /* ---- int8 weights times x in three byte planes (see cpu_quant.c for the numerics) ---- */
 
-#define INT8_ROWS 4 /* weight rows streamed together by one thread */
+#define INT8_ROWS TILE_ROWS /* weight rows streamed together by one thread */
 
 /* One row of x (K elements of dtype dt, times in_scale when given) as 24-bit fixed point
    relative to its absmax, offset to unsigned and split into byte planes p0 | p1 | p2 of kp
@@ -193,27 +223,13 @@ static inline double int8_planes(const void *x, int dt, const float *in_scale, i
     return amax > 0.f ? (double)amax / 8388607.0 : 0.0;
 }
 
-/* int8 tiles: an [N, K] int8 weight with N % INT8_ROWS == 0 and K % 64 == 0 may be stored as
-   [N / INT8_ROWS, K / 64, INT8_ROWS, 64] (kernels/quant.py: tile_int8), so the INT8_ROWS rows a
-   thread streams together are one sequential stream: 64 bytes of each row in turn. Row r's
-   columns [c, c + 64) then start at int8_row(q, r, K, 1) + c * INT8_ROWS. */
-static inline const int8_t *int8_row(const int8_t *q, int64_t r, int64_t K, int tiled) {
-    return tiled ? q + (r / INT8_ROWS) * INT8_ROWS * K + (r % INT8_ROWS) * 64 : q + r * K;
-}
-
-/* Bytes ahead of the current position that a thread streaming int8 tiles prefetches. 22
-   Llama-1.1B MLPs from DRAM, 2 threads, 3 interleaved runs: row-major rows with the next block
-   prefetched 21.7-22.2 GB/s; tiles with 0 / 512 / 1024 / 2048 / 3072 / 4096 bytes ahead 23.3-24.3 /
-   24.3-25.5 / 25.5-25.8 / 26.5-27.4 / 26.2-26.7 / 24.6-25.0 GB/s (bf16 rows: 28.0-28.5). */
-#define INT8_TILE_PREFETCH 2048
-
 /* s[r] = sum_k xq[k] * q[r, k] exactly, for the INT8_ROWS weight rows wr (K int8 each) and the
    fixed-point x in planes p0 (kp bytes apart), where xq = plane value - 2^23 (rowsum: the rows'
    sums of q). Multiply by the unit of int8_planes and the row scale to get the dot product.
    Row-major rows (tiled 0): next (or NULL), end: the INT8_ROWS * K contiguous bytes the caller
    reads next, see prefetch_next_block (a 5632 x 2048 stream: 23.6-24.2 GB/s before, 24.2-25.0
-   with it). Tiles (tiled 1, wr[r] = int8_row(...)): the stream is prefetched
-   INT8_TILE_PREFETCH bytes ahead, up to end (NULL: not at all), and next is unused. */
+   with it). Tiles (tiled 1, wr[r] = tile_row(...)): the stream is prefetched ahead
+   (prefetch_tiles) up to end (NULL: not at all), and next is unused. */
 static inline __attribute__((always_inline)) void int8_dots(
         const int8_t *const *wr, const int32_t *rowsum, int rows, const uint8_t *p0, int64_t kp,
         int64_t K, int64_t *s, const int8_t *next, const int8_t *end, int tiled) {
@@ -228,10 +244,7 @@ static inline __attribute__((always_inline)) void int8_dots(
         __m512i x0 = _mm512_load_si512(p0 + k), x1 = _mm512_load_si512(p1 + k);
         __m512i x2 = _mm512_load_si512(p2 + k);
         if (tiled) {
-            for (int r = 0; r < INT8_ROWS && end; r++) {
-                const int8_t *ahead = wr[0] + k * step + INT8_TILE_PREFETCH + 64 * r;
-                if (ahead < end) _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-            }
+            if (end) prefetch_tiles(wr[0] + k * step, end);
         } else {
             prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS);
         }
