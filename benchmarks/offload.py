@@ -174,7 +174,8 @@ def worker(spec: dict) -> dict:
     if spec["kind"] == "hardware":
         from hf_dsinfer.offload.cost import measure_hardware
 
-        return json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu").to_json())
+        return json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu",
+                                           sample=spec["model"]).to_json())
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
@@ -392,7 +393,8 @@ def main(argv=None) -> int:
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     setup_cgroup(args.limit)
     wait_for_quiet(args.max_load, args.patience)
-    hardware = run_limited({"kind": "hardware", "offload_dir": str(args.work / "ours")}, 600)
+    hardware = run_limited({"kind": "hardware", "offload_dir": str(args.work / "ours"),
+                            "model": str(model)}, 600)
     if "error" in hardware:
         print(f"measuring the hardware failed: {hardware['error']}")
         return 1

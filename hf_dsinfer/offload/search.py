@@ -195,7 +195,8 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
 
     shape = model_shape(path, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True)
+    hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True,
+                                      sample=path)
     found = search(shape, hw, Workload(prompt_len, gen_len), parse_bytes(memory, "memory"),
                    offload_dir, parse_bytes(device_memory, "device_memory"), compress)
     if not found:
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib,
-                          cache=not args.remeasure)
+                          cache=not args.remeasure, sample=args.model)
     work = Workload(args.prompt_len, args.gen_len)
     found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
                    parse_bytes(args.device_memory, "device_memory"), args.compress)

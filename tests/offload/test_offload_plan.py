@@ -69,7 +69,8 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
-    monkeypatch.setattr(cost, "measure_disk", lambda folder, mib: calls.append(mib) or (2e9, 1e9))
+    monkeypatch.setattr(cost, "measure_disk",
+                        lambda folder, mib, old=None: calls.append(mib) or (2e9, 1e9))
     for name in ("measure_flops", "measure_decompress", "measure_int4_mm",
                  "measure_kv_decompress", "measure_attn_decode"):
         monkeypatch.setattr(cost, name, lambda dtype, dev: 1e9)
@@ -87,6 +88,37 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     cost.CACHE_FILE.write_text(json.dumps(data))
     assert cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True) == first
     assert calls == [64, 64, 64]
+    # a probe that reads a checkpoint's old data is keyed apart from one that reads its own file
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * (64 << 20))
+    cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True, sample=checkpoint)
+    assert calls == [64, 64, 64, 64]
+
+
+def test_disk_probe_reads_old_data_when_given(tmp_path, monkeypatch):
+    """Given a checkpoint on the same disk, the read probe reads windows of its largest file
+    (two threads each), not the file it has just written; the checkpoint is left as it was.
+    Files too small or missing fall back to the written file."""
+    from hf_dsinfer.offload import cost
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    big, small = checkpoint / "model-00000.safetensors", checkpoint / "model-00001.safetensors"
+    big.write_bytes(bytes(range(256)) * (12 << 12))  # 12 MiB
+    small.write_bytes(b"\1" * (2 << 20))
+    assert cost.old_data_file(checkpoint, tmp_path / "offload", 4) == big
+    assert cost.old_data_file(big, tmp_path, 4) == big
+    assert cost.old_data_file(checkpoint, tmp_path, 16) is None  # no file of 16 MiB
+    assert cost.old_data_file(tmp_path / "missing", tmp_path, 4) is None
+    assert cost.old_data_file(None, tmp_path, 4) is None
+    reads = []
+    real = cost._read_old
+    monkeypatch.setattr(cost, "_read_old", lambda *a: reads.append(a) or real(*a))
+    read, write = cost.measure_disk(tmp_path / "offload", 4, reps=3, old=big)
+    assert read > 0 and write > 0 and reads == [(big, 4 << 20, 3)]
+    assert big.read_bytes() == bytes(range(256)) * (12 << 12)
+    assert not list((tmp_path / "offload").iterdir())
 
 
 def test_disk_probe_reads_like_the_store(tmp_path):
