@@ -88,8 +88,8 @@ def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
     probe reads, see measure_disk. With `cache`, a result measured before for the same machine,
     folder file system, device, dtype, probe size and kind of read probe is reused
     (hardware.json under ~/.cache)."""
-    old = old_data_file(sample, Path(folder), disk_mib)
-    key = _cache_key(Path(folder), dtype, device, disk_mib, old is not None)
+    old = old_data_windows(sample, Path(folder), disk_mib)
+    key = _cache_key(Path(folder), dtype, device, disk_mib, bool(old))
     if cache and (hit := _cached(key)) is not None:
         return hit
     dev = torch.device(device)
@@ -141,32 +141,37 @@ def measure_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> fl
     return 2 * n**3 / seconds
 
 
-def old_data_file(sample: str | Path | None, folder: Path, mib: int) -> Path | None:
-    """The largest file of `sample` (a file, or a folder's *.safetensors / *.bin) on the same
-    file system as `folder` and at least `mib` MiB long, or None."""
+def old_data_windows(sample: str | Path | None, folder: Path, mib: int,
+                     count: int = 5) -> list[tuple[Path, int]]:
+    """Up to `count` disjoint (file, offset) windows of `mib` MiB in the files of `sample` (a
+    file, or a folder's *.safetensors / *.bin) that lie on the same file system as `folder`,
+    largest files first; [] when there is none."""
     if sample is None or not Path(sample).exists():
-        return None
+        return []
     sample = Path(sample)
-    files = [sample] if sample.is_file() else [*sample.glob("*.safetensors"), *sample.glob("*.bin")]
+    files = [sample] if sample.is_file() else [*sample.glob("*.safetensors"),
+                                               *sample.glob("*.bin")]
     device = os.stat(_existing(folder)).st_dev
-    fits = [f for f in files if os.stat(f).st_dev == device and f.stat().st_size >= mib << 20]
-    return max(fits, key=lambda f: f.stat().st_size, default=None)
+    files = sorted((f for f in files if os.stat(f).st_dev == device),
+                   key=lambda f: f.stat().st_size, reverse=True)
+    window = mib << 20
+    spans = [(f, i * window) for f in files for i in range(f.stat().st_size // window)]
+    return spans[:count]
 
 
 def measure_disk(folder: Path, mib: int, reps: int = 5,
-                 old: Path | None = None) -> tuple[float, float]:
+                 old: list[tuple[Path, int]] | None = None) -> tuple[float, float]:
     """(read, write) bytes/s of `folder`'s disk, medians. Write: a `mib` file written and
     fsync'ed, the way the weight store writes. Read: O_DIRECT where allowed, else buffered with
     the page cache dropped.
 
-    A file just written reads back faster than the engine's data do: on this VM 2.1 GB/s,
-    against 1.27-1.44 GB/s for a checkpoint written hours before and ~1.0 GB/s seen by the
-    offloaded decode (the host's cache holds what was just written; O_DIRECT bypasses only the
-    guest's). So given `old` (a file on the same disk that this probe did not write, e.g. the
-    checkpoint being planned for, see old_data_file), the read probe reads `mib` MiB windows of
-    it instead, a different window each repetition, by two threads at once as the engine's
-    weight and KV readers do. Without one it reads back its own file, and says so
-    (hardware.json keys the two kinds apart)."""
+    A file just written reads back faster than the engine's data: the VM host's cache holds it
+    (O_DIRECT bypasses only the guest's). Here: 1.97-2.33 GB/s read back at once, 1.78-1.83 GB/s
+    for a checkpoint written the day before (same minute), and ~1.0 GB/s seen by an offloaded
+    dense decode (stop 17). So given `old` windows (old_data_windows: data on the same disk
+    this probe did not write, e.g. the checkpoint being planned for), each read reads one
+    window, by two threads at once as the engine's weight and KV readers do. Without any it
+    reads its own file back `reps` times: an upper bound, which hardware.json keys apart."""
     from hf_dsinfer.offload import files
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -178,8 +183,8 @@ def measure_disk(folder: Path, mib: int, reps: int = 5,
             start = time.perf_counter()
             files.write_file(path, {"probe": data})  # save, fsync, rename (+ its CRC pass)
             writes.append(data.numel() / (time.perf_counter() - start))
-        if old is not None:
-            reads = _read_old(old, mib << 20, reps)
+        if old:
+            reads = [_read_window(file, offset, mib << 20) for file, offset in old]
         else:
             reader = files.SafetensorsFile(path)
             out = files.aligned_buffer(files.aligned_size(reader.size))
@@ -193,39 +198,34 @@ def measure_disk(folder: Path, mib: int, reps: int = 5,
     return statistics.median(reads), max(writes)
 
 
-def _read_old(path: Path, nbytes: int, reps: int) -> list[float]:
-    """Bytes/s of reading `reps` windows of `nbytes` of `path` (spread over the file), each by
-    two concurrent threads reading one half (O_DIRECT, else buffered with the pages dropped)."""
+def _read_window(path: Path, offset: int, nbytes: int) -> float:
+    """Bytes/s of reading [offset, offset + nbytes) of `path` by two concurrent threads, one
+    half each: O_DIRECT where the file system allows it, else buffered with the pages dropped."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hf_dsinfer.offload import files
 
     half = files.aligned_size(nbytes // 2)
-    size = path.stat().st_size
-    last = max(size - 2 * half, 0) // files.DIRECT_ALIGN * files.DIRECT_ALIGN
     buffers = [files.aligned_buffer(half) for _ in range(2)]
+    direct = getattr(os, "O_DIRECT", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | direct)
+    except OSError:  # tmpfs and some overlay mounts refuse O_DIRECT
+        direct, fd = 0, os.open(path, os.O_RDONLY)
 
-    def read(offset: int, out: torch.Tensor) -> int:
-        try:
-            return os.preadv(fd, [out.numpy()], offset)
-        finally:
-            os.posix_fadvise(fd, offset, half, os.POSIX_FADV_DONTNEED)
+    def read(start: int, out: torch.Tensor) -> int:
+        got = os.preadv(fd, [out.numpy()], start)
+        if not direct:
+            os.posix_fadvise(fd, start, half, os.POSIX_FADV_DONTNEED)
+        return got
 
-    rates = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            for i in range(reps):
-                offset = (last * i // max(reps - 1, 1)) // files.DIRECT_ALIGN * files.DIRECT_ALIGN
-                start = time.perf_counter()
-                got = sum(pool.map(read, (offset, offset + half), buffers))
-                rates.append(got / (time.perf_counter() - start))
+            start = time.perf_counter()
+            got = sum(pool.map(read, (offset, offset + half), buffers))
+            return got / (time.perf_counter() - start)
     finally:
         os.close(fd)
-    return rates
 
 
 def measure_h2d(device: torch.device) -> float:

@@ -97,26 +97,29 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
 
 
 def test_disk_probe_reads_old_data_when_given(tmp_path, monkeypatch):
-    """Given a checkpoint on the same disk, the read probe reads windows of its largest file
-    (two threads each), not the file it has just written; the checkpoint is left as it was.
-    Files too small or missing fall back to the written file."""
+    """Given a checkpoint on the same disk, the read probe reads disjoint windows of its files
+    (largest first), not the file it has just written; the checkpoint is left as it was. No
+    file of a whole window: no old data, the probe reads its own file back."""
     from hf_dsinfer.offload import cost
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     big, small = checkpoint / "model-00000.safetensors", checkpoint / "model-00001.safetensors"
-    big.write_bytes(bytes(range(256)) * (12 << 12))  # 12 MiB
-    small.write_bytes(b"\1" * (2 << 20))
-    assert cost.old_data_file(checkpoint, tmp_path / "offload", 4) == big
-    assert cost.old_data_file(big, tmp_path, 4) == big
-    assert cost.old_data_file(checkpoint, tmp_path, 16) is None  # no file of 16 MiB
-    assert cost.old_data_file(tmp_path / "missing", tmp_path, 4) is None
-    assert cost.old_data_file(None, tmp_path, 4) is None
+    big.write_bytes(bytes(range(256)) * (12 << 12))  # 12 MiB: three 4 MiB windows
+    small.write_bytes(b"\1" * (5 << 20))  # one window
+    windows = [(big, 0), (big, 4 << 20), (big, 8 << 20), (small, 0)]
+    assert cost.old_data_windows(checkpoint, tmp_path / "offload", 4) == windows
+    assert cost.old_data_windows(checkpoint, tmp_path, 4, count=2) == windows[:2]
+    assert cost.old_data_windows(big, tmp_path, 4) == windows[:3]
+    assert cost.old_data_windows(checkpoint, tmp_path, 16) == []  # no file of 16 MiB
+    assert cost.old_data_windows(tmp_path / "missing", tmp_path, 4) == []
+    assert cost.old_data_windows(None, tmp_path, 4) == []
     reads = []
-    real = cost._read_old
-    monkeypatch.setattr(cost, "_read_old", lambda *a: reads.append(a) or real(*a))
-    read, write = cost.measure_disk(tmp_path / "offload", 4, reps=3, old=big)
-    assert read > 0 and write > 0 and reads == [(big, 4 << 20, 3)]
+    real = cost._read_window
+    monkeypatch.setattr(cost, "_read_window", lambda *a: reads.append(a) or real(*a))
+    read, write = cost.measure_disk(tmp_path / "offload", 4, old=windows)
+    assert read > 0 and write > 0
+    assert reads == [(path, offset, 4 << 20) for path, offset in windows]
     assert big.read_bytes() == bytes(range(256)) * (12 << 12)
     assert not list((tmp_path / "offload").iterdir())
 

@@ -33,14 +33,15 @@
 
 #include "hfd_simd.h"
 
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 }; /* tiles: hfd_simd.h */
+/* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row) */
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 };
 
 /* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
    hf_dsinfer/kernels/decode.py). */
 typedef struct {
     int64_t kind, n, k, group; /* group: int4 group size */
     int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
-    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2] (int8, int4: or tiles) */
+    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2], or tiles */
     const void *scales;        /* int8: [n]; int4: [n, k / group] */
     const void *mins;          /* int4: [n, k / group] */
     const float *in_scale;     /* int8: [k] input equalization, or NULL */
@@ -68,9 +69,11 @@ typedef struct {
 } lin_input;
 
 #define ROWS TILE_ROWS /* weight rows per block (one thread streams them together) */
-
-static inline int is_int4(const hfd_lin *L) { return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED; }
 #define MAX_GROUPS 1024 /* int4: groups per row (k / group) the kernel takes */
+
+static inline int is_int4(const hfd_lin *L) {
+    return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED;
+}
 
 static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
     in->x = x;

@@ -67,7 +67,8 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
                           m == 0 ? q + N * K : NULL, 1); /* rows m > 0 read the block cached */
             else
                 int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s,
-                          m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K, 0);
+                          m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K,
+                          0);
             for (int r = 0; r < rows; r++) {
                 float v = (float)((double)s[r] * unit[m]) * load_f32(scales, n0 + r, s_dt);
                 if (bias) v += load_f32(bias, n0 + r, b_dt);
@@ -112,8 +113,9 @@ static inline __m512 codes16(const uint8_t *p) {
 
 /* out[r, :] (dtype o_dt) = q * scale + min (fp32: the product rounded, then the sum) for rows
    [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble; row-major, or tiles:
-   tiled = 1, see tile_row), groups of `group` columns; out holds row1 - row0 rows of K. fp-contract off: gcc would fuse the product and
-   the sum into one fma (differently rounded from torch's two ops). */
+   tiled = 1, see tile_row), groups of `group` columns; out holds row1 - row0 rows of K.
+   fp-contract off: gcc would fuse the product and the sum into one fma (differently rounded
+   from torch's two ops). */
 __attribute__((optimize("fp-contract=off")))
 int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                           int64_t group, int64_t K, int64_t row0, int64_t row1, void *out,
@@ -127,7 +129,8 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
             const __m512 m = _mm512_set1_ps(load_f32(mins, r * G + g, s_dt));
             for (int64_t c = g * group; c < (g + 1) * group; c += 16)
                 store16_dt(out, (r - row0) * K + c, o_dt,
-                           _mm512_add_ps(_mm512_mul_ps(codes16(row + tile_at(c / 2, tiled)), s), m));
+                           _mm512_add_ps(_mm512_mul_ps(codes16(row + tile_at(c / 2, tiled)), s),
+                                         m));
         }
     }
     return 0;
@@ -143,8 +146,8 @@ int hfd_dequant_int8_rows(const int8_t *q, const void *scales, int s_dt, const f
         const __m512 s = _mm512_set1_ps(load_f32(scales, r, s_dt));
         const uint8_t *row = tile_row(q, r, K, tiled);
         for (int64_t c = 0; c < K; c += 16) {
-            __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128((const __m128i *)(row + tile_at(c, tiled))))), s);
+            const __m128i q16 = _mm_loadu_si128((const __m128i *)(row + tile_at(c, tiled)));
+            __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)), s);
             if (in_scale) w = _mm512_mul_ps(w, _mm512_loadu_ps(in_scale + c));
             store16_dt(out, (r - row0) * K + c, o_dt, w);
         }
