@@ -83,6 +83,15 @@ class BufferPool:
                         math.prod(reserve_shape or shape) * size, 64)
         return raw.view(dtype).view(shape)
 
+    def kv_pair(self, rows: int, heads: int, tokens: int, dim: int, dtype: torch.dtype,
+                device: torch.device, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V [rows, heads, tokens, dim], from buffers with room for `capacity`
+        tokens (so later, longer reads of the call reuse them)."""
+        shape = (rows, heads, tokens, dim)
+        reserve = (rows, heads, max(tokens, capacity), dim)
+        return (self.tensor(shape, dtype, device, reserve),
+                self.tensor(shape, dtype, device, reserve))
+
     def clear(self) -> None:
         with self._lock:
             self._buffers = []
@@ -312,8 +321,7 @@ class MicroKV:
         stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
         if self._pending is None:
-            whole = self.read(0, self.length)
-            return whole if out is None else _copy_pair(out, whole)
+            return self.read(0, self.length, into=out)
         upto, future = self._pending
         self._pending = None
         waited = time.perf_counter()
@@ -357,10 +365,8 @@ class MicroKV:
     def _buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V [rows, heads, tokens, D] from the pool."""
         first = self.segments[0][0]
-        shape = (self.segments[-1][2], first.heads, tokens, first.head_dim)
-        reserve = (*shape[:2], max(tokens, self.capacity), shape[3])
-        return (self.pool.tensor(shape, first.dtype, first.device, reserve),
-                self.pool.tensor(shape, first.dtype, first.device, reserve))
+        return self.pool.kv_pair(self.segments[-1][2], first.heads, tokens, first.head_dim,
+                                 first.dtype, first.device, self.capacity)
 
     def _read_into(self, out: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> None:
         for segment, r0, r1 in self.segments:
@@ -429,8 +435,9 @@ class BlockKVLayer(CacheLayerMixin):
         total = self.get_seq_length() + key_states.shape[2]
         out, self._block = self._block, None
         if out is None or out[0].shape[2] != total:
-            out = self._block_buffers(total, key_states.shape[1], key_states.shape[3],
-                                      key_states.dtype, key_states.device)
+            out = self.owner.pool.kv_pair(sum(self.owner.rows), key_states.shape[1], total,
+                                          key_states.shape[3], key_states.dtype,
+                                          key_states.device, self.owner.capacity)
         start = 0
         for m, rows in enumerate(self.owner.rows):
             rows_out = (out[0][start:start + rows], out[1][start:start + rows])
@@ -454,20 +461,13 @@ class BlockKVLayer(CacheLayerMixin):
                 micro.prefetch(executor)
             return
         seg = self.micro[0].segments[0][0]
-        self._block = block = self._block_buffers(self.get_seq_length() + 1, seg.heads,
-                                                  seg.head_dim, seg.dtype, seg.device)
+        self._block = block = self.owner.pool.kv_pair(
+            sum(self.owner.rows), seg.heads, self.get_seq_length() + 1, seg.head_dim, seg.dtype,
+            seg.device, self.owner.capacity)
         start = 0
         for micro, rows in zip(self.micro, self.owner.rows):
             micro.prefetch(executor, (block[0][start:start + rows], block[1][start:start + rows]))
             start += rows
-
-    def _block_buffers(self, total: int, heads: int, dim: int, dtype: torch.dtype,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [block rows, heads, total, D] from the cache's pool."""
-        shape = (sum(self.owner.rows), heads, total, dim)
-        reserve = (*shape[:2], max(total, self.owner.capacity), dim)
-        return (self.owner.pool.tensor(shape, dtype, device, reserve),
-                self.owner.pool.tensor(shape, dtype, device, reserve))
 
     def get_seq_length(self) -> int:
         return self.micro[0].length if self.micro else 0

@@ -184,7 +184,7 @@ def measure_disk(folder: Path, mib: int, reps: int = 5,
             files.write_file(path, {"probe": data})  # save, fsync, rename (+ its CRC pass)
             writes.append(data.numel() / (time.perf_counter() - start))
         if old:
-            reads = [_read_window(file, offset, mib << 20) for file, offset in old]
+            reads = _read_windows(old, mib << 20)
         else:
             reader = files.SafetensorsFile(path)
             out = files.aligned_buffer(files.aligned_size(reader.size))
@@ -198,34 +198,39 @@ def measure_disk(folder: Path, mib: int, reps: int = 5,
     return statistics.median(reads), max(writes)
 
 
-def _read_window(path: Path, offset: int, nbytes: int) -> float:
-    """Bytes/s of reading [offset, offset + nbytes) of `path` by two concurrent threads, one
-    half each: O_DIRECT where the file system allows it, else buffered with the pages dropped."""
+def _read_windows(windows: list[tuple[Path, int]], nbytes: int) -> list[float]:
+    """Bytes/s of reading each (file, offset) window of `nbytes`, by two concurrent threads, one
+    half each, into two buffers touched before the first read and reused (as the engine's
+    pooled buffers are: a fresh buffer would time its page faults too): O_DIRECT where the file
+    system allows it, else buffered with the pages dropped."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hf_dsinfer.offload import files
 
     half = files.aligned_size(nbytes // 2)
-    buffers = [files.aligned_buffer(half) for _ in range(2)]
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, os.O_RDONLY | direct)
-    except OSError:  # tmpfs and some overlay mounts refuse O_DIRECT
-        direct, fd = 0, os.open(path, os.O_RDONLY)
+    buffers = [files.aligned_buffer(half).fill_(0) for _ in range(2)]
+    rates = []
+    with ThreadPoolExecutor(2) as pool:
+        for path, offset in windows:
+            direct = getattr(os, "O_DIRECT", 0)
+            try:
+                fd = os.open(path, os.O_RDONLY | direct)
+            except OSError:  # tmpfs and some overlay mounts refuse O_DIRECT
+                direct, fd = 0, os.open(path, os.O_RDONLY)
 
-    def read(start: int, out: torch.Tensor) -> int:
-        got = os.preadv(fd, [out.numpy()], start)
-        if not direct:
-            os.posix_fadvise(fd, start, half, os.POSIX_FADV_DONTNEED)
-        return got
+            def read(start: int, out: torch.Tensor, fd=fd, direct=direct) -> int:
+                got = os.preadv(fd, [out.numpy()], start)
+                if not direct:
+                    os.posix_fadvise(fd, start, half, os.POSIX_FADV_DONTNEED)
+                return got
 
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            start = time.perf_counter()
-            got = sum(pool.map(read, (offset, offset + half), buffers))
-            return got / (time.perf_counter() - start)
-    finally:
-        os.close(fd)
+            try:
+                start = time.perf_counter()
+                got = sum(pool.map(read, (offset, offset + half), buffers))
+                rates.append(got / (time.perf_counter() - start))
+            finally:
+                os.close(fd)
+    return rates
 
 
 def measure_h2d(device: torch.device) -> float:

@@ -115,11 +115,11 @@ def test_disk_probe_reads_old_data_when_given(tmp_path, monkeypatch):
     assert cost.old_data_windows(tmp_path / "missing", tmp_path, 4) == []
     assert cost.old_data_windows(None, tmp_path, 4) == []
     reads = []
-    real = cost._read_window
-    monkeypatch.setattr(cost, "_read_window", lambda *a: reads.append(a) or real(*a))
+    real = cost._read_windows
+    monkeypatch.setattr(cost, "_read_windows", lambda *a: reads.append(a) or real(*a))
     read, write = cost.measure_disk(tmp_path / "offload", 4, old=windows)
-    assert read > 0 and write > 0
-    assert reads == [(path, offset, 4 << 20) for path, offset in windows]
+    assert read > 0 and write > 0 and reads == [(windows, 4 << 20)]
+    assert len(real(windows, 4 << 20)) == len(windows)  # one rate per window
     assert big.read_bytes() == bytes(range(256)) * (12 << 12)
     assert not list((tmp_path / "offload").iterdir())
 

@@ -180,7 +180,8 @@ int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint
                 const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
                 const __m512 m = _mm512_set1_ps(_cvtsh_ss(mn[g]));
                 for (int64_t c = g * group; c < (g + 1) * group; c += 16)
-                    store16_dt(out, o + c, o_dt, _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
+                    store16_dt(out, o + c, o_dt,
+                               _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
             }
         }
     }
@@ -189,8 +190,8 @@ int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint
 
 /* out[r, :] (dtype o_dt) = (q - 8) * scale + zero = q * scale + (zero - 8 * scale) (fp32: the
    shift first, then one fused multiply-add: torch's AVX-512 addcmul fuses them) for rows
-   [row0, row1) of a weight in
-   torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): in blocks of 64 output rows,
+   [row0, row1) of a weight in torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu):
+   in blocks of 64 output rows,
    byte (b, k, j) of codes [N / 64, K, 32] holds row 64b + j (low nibble) and row 64b + 32 + j
    (high nibble) at column k; scales_zeros [K / group, N, 2] in s_dt. The same operations as
    kernels/quant.py's dequantize_int4pack_rows, so the same bits. row0, row1 multiples of 64;
