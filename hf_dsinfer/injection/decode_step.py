@@ -1,4 +1,4 @@
-"""A batch-1 decode step of a Llama-family model as one loop over its native layers.
+"""A one-token decode step of a Llama-family model as one loop over its native layers.
 
 HF's `LlamaModel.forward` calls every decoder layer as a module, and each fused block then checks
 its call before the two native calls of kernels.decode. On a CPU the weight stream of each layer
@@ -12,10 +12,13 @@ Llama-1.1B int4 spent ~2 ms of a ~36 ms step there (measured with the native cal
                     x = attn_out(x, q, k, v, keep)
     return norm(x)
 
+for one sequence, and with the batched layer calls (attn_in_rows / attn_out_rows, per-row
+positions and padding) for up to DECODE_MAX_ROWS sequences when every layer's projections are
+bf16 on AMX.
 with the HF cache's own `update` (any Cache class) and every check done once per step. The
 embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot
 prove equal goes to HF's forward unchanged (which still runs the native layer through each fused
-block): more than one token or sequence, inputs_embeds, outputs or hooks asked of the layers, a
+block): more than one token, a batch the batched layer does not take, inputs_embeds, outputs or hooks asked of the layers, a
 mask other than "every cached key" or plain padding, sliding-window attention, a layer whose
 native path is not built, grad, torch.compile tracing. `reason()` says which.
 """
@@ -29,7 +32,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from hf_dsinfer.injection.fused import FusedBlock
+from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.decode import cache_kv_usable
 
@@ -94,10 +97,12 @@ class NativeDecodeStep:
         why = self._why_static or self._refuse(args, kwargs)
         if why is None:
             sk = int(kwargs["past_key_values"].get_seq_length()) + 1  # keys after the update
-            layers = self._native_layers()
-            keep = self._keep(kwargs.get("attention_mask"), sk)
+            rows = kwargs["input_ids"].shape[0]
+            layers = self._native_layers(rows)
+            keep = self._keep(kwargs.get("attention_mask"), rows, sk)
             if layers is None:
-                why = "a layer's native path is not built for its current weights"
+                why = ("a layer's native path is not built for its current weights" if rows == 1
+                       else "a layer's batched native path does not run here")
             elif keep is False:
                 why = "an attention mask other than padding"
             else:
@@ -114,8 +119,9 @@ class NativeDecodeStep:
         cache = kwargs.get("past_key_values")
         if ids is None or kwargs.get("inputs_embeds") is not None:
             return "no input_ids"
-        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != 1 or ids.device.type != "cpu":
-            return "not one token of one sequence on the CPU"
+        if (ids.dim() != 2 or not 1 <= ids.shape[0] <= DECODE_MAX_ROWS or ids.shape[1] != 1
+                or ids.device.type != "cpu"):
+            return f"not one token of 1-{DECODE_MAX_ROWS} sequences on the CPU"
         if cache is None or type(cache).__name__ not in CACHE_CLASSES or any(
                 type(layer).__name__ not in CACHE_LAYER_CLASSES for layer in cache.layers):
             return "a cache other than DynamicCache / StaticCache"
@@ -142,53 +148,61 @@ class NativeDecodeStep:
                 return "hooks on a decoder layer"
         return None
 
-    def _native_layers(self) -> list | None:
+    def _native_layers(self, rows: int) -> list | None:
         out = []
         for fused in self.blocks:
             layer = fused.decode_ready()
-            if layer is None:
+            if layer is None or (rows > 1 and layer.rows_why is not None):
                 return None
             out.append(layer)
         return out
 
     @staticmethod
-    def _keep(mask: torch.Tensor | None, sk: int) -> torch.Tensor | None | bool:
-        """None: every one of the sk keys may be attended; a uint8 [sk] vector of the 2-D
-        padding mask; False: a mask this path does not take."""
+    def _keep(mask: torch.Tensor | None, rows: int, sk: int) -> torch.Tensor | None | bool:
+        """None: every one of the sk keys may be attended; the 2-D padding mask as uint8 [sk]
+        (one sequence) or [rows, sk]; False: a mask this path does not take."""
         if mask is None:
             return None
-        if (mask.dim() != 2 or mask.shape[0] != 1 or mask.shape[1] != sk
+        if (mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] != sk
                 or torch.is_floating_point(mask)):  # a float 2-D mask is not a padding mask
             return False
-        row = mask[0] if mask.dtype == torch.bool else mask[0] != 0
-        if bool(row.all()):
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        if bool(keep.all()):
             return None
-        return row.contiguous().view(torch.uint8)
+        return keep.contiguous().view(torch.uint8)[0] if rows == 1 else (
+            keep.contiguous().view(torch.uint8))
 
     # -- the step ------------------------------------------------------------------------------
     def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
         inner, cache = self.inner, kwargs["past_key_values"]
         x = inner.embed_tokens(kwargs["input_ids"])
+        rows = x.shape[0]
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
+        if position_ids is None:  # HF's: the cache position, for every sequence
             position_ids = torch.tensor([[sk - 1]])
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)
         d = self.blocks[0].spec.head_dim
-        if (x.dtype != torch.bfloat16 or cos.numel() != d or cos.dtype != torch.bfloat16
-                or sin.dtype != torch.bfloat16):
-            self.last_reason = "not bf16"
+        if (x.dtype != torch.bfloat16 or cos.numel() not in (d, rows * d)
+                or cos.shape[-1] != d or cos.dtype != torch.bfloat16
+                or sin.dtype != torch.bfloat16 or sin.shape != cos.shape):
+            self.last_reason = "not bf16, or positions of another shape"
             return self.hf_forward(**kwargs)
         x = x.contiguous()
-        cos, sin = cos.reshape(d).contiguous(), sin.reshape(d).contiguous()
+        if rows == 1:
+            cos, sin = cos.reshape(d).contiguous(), sin.reshape(d).contiguous()
+            attn_in, attn_out = "attn_in", "attn_out"
+        else:
+            cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+            attn_in, attn_out = "attn_in_rows", "attn_out_rows"
         for fused, layer in zip(self.blocks, layers):
-            q, k, v = layer.attn_in(x, cos, sin)
+            q, k, v = getattr(layer, attn_in)(x, cos, sin)
             k, v = cache.update(k, v, fused.spec.layer_idx)
             if k.shape[2] != sk:  # a static cache: its keys past this token are unused
                 k, v = k[:, :, :sk], v[:, :, :sk]
-            if not cache_kv_usable(k, v, d):  # a cache layout the kernel does not read
+            if not cache_kv_usable(k, v, d, rows):  # a cache layout the kernel does not read
                 x = fused.finish_decode(x, q, k, v, keep)
             else:
-                x = layer.attn_out(x, q, k, v, keep)
+                x = getattr(layer, attn_out)(x, q, k, v, keep)
             fused.calls += 1
         self.calls += 1
         return BaseModelOutputWithPast(last_hidden_state=inner.norm(x), past_key_values=cache)

@@ -8,6 +8,7 @@ from itertools import groupby
 import torch
 from torch import nn
 
+from hf_dsinfer.injection.fused import DECODE_MAX_ROWS
 from hf_dsinfer.injection.walker import InjectionReport, get_report
 
 _LEFT_ALONE = {  # class-name suffix -> why a module outside the decoder blocks stays HF's
@@ -118,9 +119,15 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
                 f"in all {native} blocks")
         step = report.step
         if step is not None and step.reason() is None:
-            return line + f"; one loop over them per step ({type(step.inner).__name__}.forward)"
-        why = "not installed" if step is None else step.reason()
-        return line + f"; each called by HF's layer loop ({why})"
+            line += f"; one loop over them per step ({type(step.inner).__name__}.forward)"
+        else:
+            why = "not installed" if step is None else step.reason()
+            line += f"; each called by HF's layer loop ({why})"
+        rows_whys = sorted({f._decode.rows_why for f in fused if f._decode.rows_why is not None})
+        if rows_whys:
+            return line + f"\nbatched steps: torch ops ({'; '.join(rows_whys)})"
+        return line + (f"\nbatched steps (2-{DECODE_MAX_ROWS} sequences): native layer with AMX "
+                       "projections, in all blocks")
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")

@@ -27,9 +27,13 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
-from hf_dsinfer.kernels.linear import linear
+from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary
+
+# Sequences up to which a one-token step takes the native batched layer (its projections are
+# hfd_linear_bf16 calls, which take up to this many rows).
+DECODE_MAX_ROWS = CPU_AMX_MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,14 +285,19 @@ class FusedBlock:
     def finish_decode(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       keep: torch.Tensor | None) -> torch.Tensor:
         """The layer after the cache update on the torch path (keys the kernel does not read):
-        q attends to every key of k / v where keep (uint8 [sk] or None) allows."""
-        named = {"attention_mask": None if keep is None else keep.bool().view(1, 1, 1, -1)}
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, 1, 1))
+        q attends to every key of k / v where keep (uint8 [sk], [B, sk] or None) allows."""
+        b = x.shape[0]
+        mask = None if keep is None else keep.bool().view(b if keep.dim() == 2 else 1, 1, 1, -1)
+        named = {"attention_mask": mask}
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
 
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
-        """The whole layer in two native calls for one token of one sequence (None: this call
-        takes the torch path). The HF cache update runs between them, in Python."""
-        if (x.shape[0] != 1 or x.shape[1] != 1 or x.dtype != torch.bfloat16
+        """The whole layer in two native calls for one token of each sequence (None: this call
+        takes the torch path). One sequence runs the batch-1 layer (any weight kind); up to
+        DECODE_MAX_ROWS sequences the batched one (bf16 projections on AMX). The HF cache
+        update runs between the two calls, in Python."""
+        b = x.shape[0]
+        if (x.shape[1] != 1 or b > DECODE_MAX_ROWS or x.dtype != torch.bfloat16
                 or x.device.type != "cpu" or torch.is_grad_enabled()
                 or torch.compiler.is_compiling() or self.reduce is not None
                 or self.sharded_qk_norm is not None or _native.lib() is None):
@@ -296,22 +305,33 @@ class FusedBlock:
         cache = named.get(self.policy.cache_arg)
         cos_sin = named.get("position_embeddings")
         d = self.spec.head_dim
-        if (cache is None or cos_sin is None or cos_sin[0].numel() != d
+        if (cache is None or cos_sin is None or cos_sin[0].shape[-1] != d
+                or cos_sin[0].numel() not in (d, b * d) or cos_sin[1].shape != cos_sin[0].shape
                 or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16):
             return None
         layer = self.decode_layer()
-        if layer is None:
+        if layer is None or (b > 1 and layer.rows_why is not None):
             return None
         x = x.contiguous()
-        cos, sin = (t.reshape(d).contiguous() for t in cos_sin)
-        q, k, v = layer.attn_in(x, cos, sin)
+        if b == 1:
+            cos, sin = (t.reshape(d).contiguous() for t in cos_sin)
+            q, k, v = layer.attn_in(x, cos, sin)
+        else:
+            cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
+            q, k, v = layer.attn_in_rows(x, cos, sin)
         k, v = cache.update(k, v, self.spec.layer_idx)
-        if native_decode.cache_kv_usable(k, v, d):
-            usable, keep = native_decode.keep_vector(named.get("attention_mask"), k.shape[2])
-            if usable:
-                return layer.attn_out(x, q, k, v, keep)
+        if native_decode.cache_kv_usable(k, v, d, b):
+            if b == 1:
+                usable, keep = native_decode.keep_vector(named.get("attention_mask"), k.shape[2])
+                if usable:
+                    return layer.attn_out(x, q, k, v, keep)
+            else:
+                usable, keep = native_decode.keep_rows(named.get("attention_mask"), b,
+                                                       k.shape[2])
+                if usable:
+                    return layer.attn_out_rows(x, q, k, v, keep)
         # a cache or mask the kernel does not read: the torch path from the attention on
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, 1, 1))
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
 
     # -- pieces --------------------------------------------------------------------------------
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ are ours.
 cpu_decode.c, one Llama-family decoder layer for one token in two calls (kernels/decode.py):
 batch-1 decode is bound by the weight reads, and computed with torch ops each layer also pays
 ~60 dispatches around them. On SmolLM2-135M int4 a decode step went from 19 ms to 14 ms (and
-to 12.6-12.9 ms with the output head in int8, injection/head.py).
+to 12.6-12.9 ms with the output head in int8, injection/head.py). Its batched variant (one
+token of each of up to 256 sequences, bf16 projections through hfd_linear_bf16) took a
+Llama-1.1B batch-16 step from ~118 to ~102-105 ms.
 
 Build: gcc -O3 with AVX-512 (F, BW, VL, VNNI, BF16), AMX code (run only where cpuid and Linux's
 arch_prctl grant it; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512) and OpenMP, into
@@ -117,6 +119,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_attn_in.restype = i32
     lib.hfd_decode_attn_out.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, p, i32]
     lib.hfd_decode_attn_out.restype = i32
+    lib.hfd_decode_attn_in_rows.argtypes = [p, i64, p, p, p, i64, p, p, p, i32]
+    lib.hfd_decode_attn_in_rows.restype = i32
+    lib.hfd_decode_attn_out_rows.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64,
+                                             i64, p, i64, p, i32]
+    lib.hfd_decode_attn_out_rows.restype = i32
     lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int4_rows.restype = i32
     lib.hfd_dequant_int8_rows.argtypes = [p, p, i32, p, i64, i64, i64, p, i32, i32, i32]

@@ -1,4 +1,5 @@
-"""The batch-1 decode step as one loop over the native layers (injection/decode_step.py).
+"""The one-token decode step as one loop over the native layers (injection/decode_step.py), for
+one sequence and for a batch (the batched layer calls).
 
 It must give exactly what HF's own layer loop gives with the same fused blocks (same kernels,
 same cache updates), really run (its counter and the layers' counters), and hand every call it
@@ -28,15 +29,15 @@ def _model(quant=None, config=None):
 
 
 def _steps(model, ids, mask, cache, steps=5):
-    """Prefill, then `steps` greedy one-token steps; logits [steps, V]."""
+    """Prefill, then `steps` greedy one-token steps; logits [steps, B, V]."""
     out = []
     with torch.inference_mode():
         logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
         for _ in range(steps):
             tok = logits[:, -1:].argmax(-1)
-            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(ids.shape[0], 1, dtype=mask.dtype)], dim=1)
             logits = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-            out.append(logits[0, -1].float())
+            out.append(logits[:, -1].float())
     return torch.stack(out)
 
 
@@ -64,6 +65,33 @@ def test_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
     # the HF loop ran the same native layers (their own counters), and gave the same logits
     assert all(f.calls > c for f, c in zip(get_report(model).blocks.values(), layer_calls))
     assert torch.equal(native, hf_loop)
+
+
+@pytest.mark.skipif(not _native.amx_available(), reason="no AMX-BF16: batches take HF's loop")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_batched_step_equals_hf_layer_loop(cache, monkeypatch):
+    """Three sequences, left-padded by 0, 2 and 3 tokens (per-row positions and keep rows)."""
+    model = _model()
+    step = get_report(model).step
+    ids = torch.tensor([[12, 17, 33, 41, 9], [0, 0, 17, 33, 4], [0, 0, 0, 8, 9]])
+    mask = (ids != 0).long()
+    native = _steps(model, ids, mask, _cache(cache, model))
+    assert step.calls == 5 and step.last_reason is None
+    rows = [f._decode.row_calls for f in get_report(model).blocks.values()]
+    monkeypatch.setattr(step, "_why_static", "off in this test")
+    hf_loop = _steps(model, ids, mask, _cache(cache, model))
+    assert step.calls == 5
+    assert all(f._decode.row_calls > c for f, c in zip(get_report(model).blocks.values(), rows))
+    assert torch.equal(native, hf_loop)
+
+
+def test_quantized_batches_go_to_hf():
+    model = _model({"bits": 8})
+    step = get_report(model).step
+    ids = torch.tensor([[12, 17, 33], [0, 17, 33]])
+    _steps(model, ids, (ids != 0).long(), DynamicCache(config=model.config), steps=2)
+    assert step.calls == 0
+    assert step.last_reason == "a layer's batched native path does not run here"
 
 
 def test_generate_takes_the_step_under_no_grad_and_inference_mode():
@@ -98,7 +126,7 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
         assert seen == [1] and step.last_reason == "hooks on a decoder layer"
         handle.remove()
         model(torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True)
-        assert step.last_reason == "not one token of one sequence on the CPU"
+        assert step.last_reason == "not one token of 1-256 sequences on the CPU"
         float_mask = torch.zeros(1, cache.get_seq_length() + 1)
         model(tok, attention_mask=float_mask, past_key_values=cache, use_cache=True)
         assert step.last_reason == "an attention mask other than padding"

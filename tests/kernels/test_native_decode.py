@@ -1,4 +1,5 @@
-"""The native batch-1 decode layer (kernels/decode.py, csrc/cpu_decode.c).
+"""The native decode layer (kernels/decode.py, csrc/cpu_decode.c): batch 1, and batched (bf16
+projections on AMX).
 
 It must compute what the torch path of the same fused block computes, in bf16 (its reference:
 the torch path is HF's numerics to the bit on these models, see test_family_parity), for every
@@ -61,8 +62,19 @@ def _native_calls(model) -> int:
                if layer.forward._decode is not None)
 
 
+def _row_calls(model) -> int:
+    return sum(layer.forward._decode.row_calls for layer in model.model.layers
+               if layer.forward._decode is not None)
+
+
+BATCHED = pytest.mark.skipif(not _native.amx_available(),
+                             reason="no AMX-BF16 here: batched steps take the torch path")
+
+
 def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
-    """Prefill (torch path), then `steps` one-token steps on the same tokens; logits [steps, V]."""
+    """Prefill (torch path), then `steps` one-token steps on the same tokens; logits [steps, V]
+    for one sequence, [steps, B, V] for B."""
+    b = ids.shape[0]
     with monkeypatch.context() as m:
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
@@ -71,11 +83,11 @@ def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
                 m.setenv(_native.ENV_VAR, "0")
             out = []
             for i in range(steps):
-                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-                tok = torch.tensor([[5 + 7 * i]])
+                mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
+                tok = torch.tensor([[5 + 7 * i + 3 * r] for r in range(b)])
                 logits = model(tok, attention_mask=mask, past_key_values=cache,
                                use_cache=True).logits
-                out.append(logits[0, -1].float())
+                out.append(logits[:, -1].float() if b > 1 else logits[0, -1].float())
     return torch.stack(out)
 
 
@@ -183,12 +195,14 @@ def test_generate_tokens_match_the_torch_path(cache, grad_mode, monkeypatch):
 
 
 def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
-    """Batch > 1, grad enabled, and fp32 models run the torch path; explain says why."""
-    model = _inject(_model("llama"))
+    """Quantized batches, grad enabled, and fp32 models run the torch path; explain says why."""
+    model = _inject(_model("llama"), {"bits": 8})
     with torch.no_grad():
         model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
-    assert _native_calls(model) == 0
+    assert _native_calls(model) == 0 and _row_calls(model) == 0
+    assert "batched steps: torch ops (quantized projections" in hf_dsinfer.explain(model)
+    model = _inject(_model("llama"))
     cache = DynamicCache(config=model.config)
     model(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)  # grad enabled
     model(torch.tensor([[6]]), past_key_values=cache, use_cache=True)
@@ -281,3 +295,110 @@ def test_keep_vector_shapes():
     ok, keep = native_decode.keep_vector(torch.ones(1, 1, 1, 8, dtype=torch.bool), 5)  # static
     assert ok and keep.shape == (5,)
     assert not native_decode.keep_vector(torch.ones(1, 2, 1, 5, dtype=torch.bool), 5)[0]
+
+
+def _padded_batch(b: int, s: int, seed: int = 3):
+    """B prompts of s tokens; row r is left-padded by r tokens (row 0 unpadded)."""
+    ids = torch.randint(3, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(b, s, dtype=torch.long)
+    for r in range(b):
+        mask[r, :r] = 0
+        ids[r, :r] = 0
+    return ids, mask
+
+
+@BATCHED
+@pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd"])
+def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
+    """Three sequences, two of them left-padded, one token each per step: the batched layer
+    (per-row positions, masks and keys) against the torch path, row by row."""
+    model = _inject(_model(name))
+    ids, mask = _padded_batch(3, 9)
+    before = _row_calls(model)  # init_inference's parity check ran a batched step
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    assert _row_calls(model) == before
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _row_calls(model) - before == 4 * len(model.model.layers)
+    for r in range(3):
+        _close(native[:, r], torch_path[:, r])
+    assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
+
+
+@BATCHED
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("mode", ["greedy", "beams", "sample"])
+def test_batched_generate_matches_the_torch_path(mode, grad_mode, monkeypatch):
+    """generate() over a padded batch: greedy, beam search (the cache is reordered between
+    steps) and sampling take the same tokens with the batched layer as with the torch path."""
+    model = _inject(_model("llama_d64", seed=2))
+    ids, mask = _padded_batch(3, 6, seed=8)
+    kwargs = {"max_new_tokens": 8, "disable_compile": True, "pad_token_id": 0,
+              "attention_mask": mask, "do_sample": mode == "sample"}
+    if mode == "beams":
+        kwargs.update(num_beams=2, early_stopping=False)
+    context = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    before = _row_calls(model)  # init_inference's parity check ran a batched step
+    with context():
+        torch.manual_seed(0)
+        native = model.generate(ids, **kwargs)
+        calls = _row_calls(model) - before
+        monkeypatch.setenv(_native.ENV_VAR, "0")
+        torch.manual_seed(0)
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 7 * len(model.model.layers)  # a prefill and 7 one-token steps
+    assert torch.equal(native, torch_path)
+
+
+@BATCHED
+def test_batched_layer_against_float64_and_batch_one():
+    """attn_out_rows on 3 rows with their own keep rows (one row keeps nothing): each row as
+    close to float64 as the torch path is, and equal to the batch-1 layer on that row up to
+    the last bits (sums in another order)."""
+    model = _inject(_model("llama"))
+    block = model.model.layers[1].forward
+    layer = block.decode_layer()
+    assert layer.rows_why is None
+    torch.manual_seed(4)
+    x = torch.randn(3, 1, 128).bfloat16()
+    q, k, v = torch.randn(3, 1, 4, 32).bfloat16().transpose(1, 2), *(
+        torch.randn(3, 2, 70, 32).bfloat16() for _ in range(2))
+    keep = torch.rand(3, 70) > 0.3
+    keep[2] = False
+    with torch.inference_mode():
+        rows = layer.attn_out_rows(x, q, k, v, keep.view(torch.uint8))
+        for r in range(3):
+            one = layer.attn_out(x[r:r + 1].contiguous(), q[r:r + 1].contiguous(), k[r:r + 1],
+                                 v[r:r + 1], keep[r].contiguous().view(torch.uint8))
+            assert (rows[r] - one[0]).abs().max() <= 0.02 * one.abs().max()
+            if r == 2:
+                assert torch.isfinite(rows[r]).all()
+                continue
+            named = {"attention_mask": keep[r].view(1, 1, 1, 70)}
+            attn = block._attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], named, 1, 1)
+            torch_path = block._sequential(x[r:r + 1], {}, attn=attn)
+            ref = _layer_rest_fp64(block, x[r:r + 1], q[r:r + 1], k[r:r + 1], v[r:r + 1],
+                                   keep[r])
+            err_rows = (rows[r].double() - ref).abs().max()
+            err_torch = (torch_path.double() - ref).abs().max()
+            assert err_rows <= 2 * err_torch + 1e-3 * ref.abs().max(), (err_rows, err_torch)
+        # q, k, v of a batch against the batch-1 projections of each row
+        cos, sin = torch.randn(2, 3, 32).bfloat16()
+        qb, kb, vb = layer.attn_in_rows(x, cos, sin)
+        for r in range(3):
+            q1, k1, v1 = layer.attn_in(x[r:r + 1].contiguous(), cos[r], sin[r])
+            for a, b in ((qb, q1), (kb, k1), (vb, v1)):
+                assert (a[r] - b[0]).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_keep_rows_shapes():
+    assert native_decode.keep_rows(None, 3, 5) == (True, None)
+    masked = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 1, 1, 4)
+    mask[1, 0, 0, 0] = masked
+    ok, keep = native_decode.keep_rows(mask, 2, 4)
+    assert ok and keep.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    ok, keep = native_decode.keep_rows(torch.ones(1, 1, 1, 9, dtype=torch.bool), 3, 5)
+    assert ok and keep.shape == (1, 5)  # one row for all: stride 0 in the kernel
+    assert not native_decode.keep_rows(torch.ones(3, 2, 1, 5, dtype=torch.bool), 3, 5)[0]
+    assert not native_decode.keep_rows(torch.ones(2, 1, 1, 5, dtype=torch.bool), 3, 5)[0]
+    assert not native_decode.keep_rows(mask + 0.5, 2, 4)[0]  # a bias, not a mask

@@ -107,8 +107,9 @@ def test_switched_off_with_the_native_kernels(monkeypatch):
 
 def test_batched_generate_runs_it_and_keeps_the_tokens(monkeypatch):
     """A bf16 tiny Llama, batch 3 with left padding: the decoder blocks' linears and the output
-    head run the native kernel at prefill (3 x 7 rows) and in every decode step (3 rows), and
-    greedy tokens equal the torch kernels' (HF_DSINFER_NATIVE=0)."""
+    head run the native kernel at prefill (3 x 7 rows); in every decode step (3 rows) the head
+    calls it from Python and the blocks from the batched native layer (csrc/cpu_decode.c); greedy
+    tokens equal the torch kernels' (HF_DSINFER_NATIVE=0)."""
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -128,10 +129,12 @@ def test_batched_generate_runs_it_and_keeps_the_tokens(monkeypatch):
         n = len(calls)
         monkeypatch.setenv(_native.ENV_VAR, "0")
         torch_path = model.generate(ids, **kwargs)
-    # q, k, v, o, gate, up, down per layer, and the output head (3 rows: the last positions)
-    per_forward = 7 * len(model.model.layers) + 1
-    assert n == 6 * per_forward  # prefill and 5 decode steps
+    # prefill: q, k, v, o, gate, up, down per layer, and the output head (3 rows: the last
+    # positions); then the head of each of the 5 decode steps
+    assert n == 7 * len(model.model.layers) + 1 + 5
     assert len(calls) == n
+    layers = [layer.forward._decode for layer in model.model.layers]
+    assert all(layer.row_calls >= 5 for layer in layers)  # and the parity check's step
     assert torch.equal(native, torch_path)
 
 

@@ -474,3 +474,120 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
     free(a); free(x1); free(h); free(y); free(sc); free(s.mem);
     return 0;
 }
+
+/* ---- batched decode: one token of each of `rows` sequences, every projection bf16 ----
+ *
+ * The same layer for rows > 1 (batched greedy / sampled decode, beams): the projections run on
+ * AMX tiles straight from the stored weights (hfd_linear_bf16 of cpu_moe.c, which rounds each
+ * output to bf16 after its bias, as nn.Linear does), and everything between them is the
+ * per-row code above, so a row's numerics are the batch-1 layer's. Row r's cos / sin start at
+ * cos + r * cs_stride (0: one position for every row); its keys at kc + r * kbs, its keep row
+ * at keep + r * keep_stride. Return codes: 0, -2 out of memory, -3 not computable here (a
+ * projection that is not bf16 with bf16 bias, shapes the AMX kernel does not take, no AMX). */
+
+int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads); /* cpu_moe.c */
+
+static int lin_bf16_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
+    if (L->kind != LIN_BF16 || (L->bias && L->b_dt != DT_BF16)) return -3;
+    return hfd_linear_bf16(x, (const uint16_t *)L->w, (const uint16_t *)L->bias, y, rows, L->n,
+                           L->k, nt);
+}
+
+/* out = bf16(a + b) for n bf16 elements. */
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, uint16_t *out) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), load16(b, c, DT_BF16, mk)));
+    }
+}
+
+/* a = bf16(bf16(silu(g)) * u) for n bf16 elements (g, u already rounded by their projection). */
+static void gated_silu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *a) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 gs = load16(g, c, DT_BF16, mk);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
+        __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16_bf16(a + c, mk, _mm512_mul_ps(s, load16(u, c, DT_BF16, mk)));
+    }
+}
+
+/* q [rows, heads * d], k, v [rows, kv_heads * d] (bf16, rotated q and k) from x [rows, hidden]. */
+int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                            const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+                            uint16_t *q, uint16_t *k, uint16_t *v, int nthreads) {
+    const int64_t H = L->hidden, d = L->head_dim;
+    const int64_t nq = L->heads * d, nkv = L->kv_heads * d;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);
+    if (!h) return -2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm_bf16(x + r * H, L->ln1, H, L->eps1, h + r * H);
+    int rc = lin_bf16_rows(&L->lin[L_Q], h, rows, q, nt);
+    if (!rc) rc = lin_bf16_rows(&L->lin[L_K], h, rows, k, nt);
+    if (!rc) rc = lin_bf16_rows(&L->lin[L_V], h, rows, v, nt);
+    free(h);
+    if (rc) return rc;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        rotate_bf16(q + r * nq, L->heads, d, cos + r * cs_stride, sin + r * cs_stride);
+        rotate_bf16(k + r * nkv, L->kv_heads, d, cos + r * cs_stride, sin + r * cs_stride);
+    }
+    return 0;
+}
+
+/* The rest of the layer for each row: out [rows, hidden] from x, the rotated q [rows, heads * d]
+   and the cache: row r's element (h, s, c) at kc[r * kbs + h * khs + s * kss + c] (likewise vc)
+   for s < sk; keep (uint8, NULL: every key) masks key s of row r where keep[r * keep_stride + s]
+   is 0. */
+int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                             const uint16_t *q, const uint16_t *kc, int64_t kbs, int64_t khs,
+                             int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
+                             int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
+                             uint16_t *out, int nthreads) {
+    const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
+    const int64_t nq = L->heads * d, wide = I > nq ? I : nq;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    uint16_t *a = (uint16_t *)malloc((size_t)(rows * wide) * 2); /* attention, then the act */
+    uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
+    uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);    /* o_proj, norm, down out */
+    uint16_t *g = (uint16_t *)malloc((size_t)(rows * I) * 2);
+    uint16_t *u = (uint16_t *)malloc((size_t)(rows * I) * 2);
+    float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
+    int rc = (!a || !x1 || !h || !g || !u || !sc) ? -2 : 0;
+    if (!rc) {
+#pragma omp parallel num_threads(nt)
+        {
+            float *mine = sc + (int64_t)omp_get_thread_num() * sk;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * L->heads; t++) {
+                int64_t r = t / L->heads, hq = t % L->heads;
+                attend(q + r * nq + hq * d, kc + r * kbs + (hq / rep) * khs, kss,
+                       vc + r * vbs + (hq / rep) * vhs, vss, sk, d,
+                       keep ? keep + r * keep_stride : NULL, L->scale, mine, a + r * nq + hq * d);
+            }
+        }
+        rc = lin_bf16_rows(&L->lin[L_O], a, rows, h, nt);
+    }
+    if (!rc) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            add_bf16(x + r * H, h + r * H, H, x1 + r * H);
+            rms_norm_bf16(x1 + r * H, L->ln2, H, L->eps2, h + r * H);
+        }
+        rc = lin_bf16_rows(&L->lin[L_GATE], h, rows, g, nt);
+    }
+    if (!rc) rc = lin_bf16_rows(&L->lin[L_UP], h, rows, u, nt);
+    if (!rc) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
+        rc = lin_bf16_rows(&L->lin[L_DOWN], a, rows, h, nt);
+    }
+    if (!rc) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) add_bf16(x1 + r * H, h + r * H, H, out + r * H);
+    }
+    free(a); free(x1); free(h); free(g); free(u); free(sc);
+    return rc;
+}
