@@ -79,13 +79,19 @@ def _random(name: str, shape, gen) -> torch.Tensor:
 # -- the cgroup ------------------------------------------------------------------------------------
 def setup_cgroup(limit: int) -> None:
     CGROUP.mkdir(exist_ok=True)
-    (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
-    swap = CGROUP / "memory.memsw.limit_in_bytes"
-    if swap.exists():
-        try:
-            swap.write_text(str(limit))
-        except OSError:
-            pass
+    memory, swap = CGROUP / "memory.limit_in_bytes", CGROUP / "memory.memsw.limit_in_bytes"
+    # memory + swap may never be below memory: raising the limit above an earlier run's
+    # memsw limit writes memsw first, lowering it writes memory first
+    order = [swap, memory] if swap.exists() and int(swap.read_text()) < limit else [memory, swap]
+    for path in order:
+        if path is swap:
+            if swap.exists():
+                try:
+                    swap.write_text(str(limit))
+                except OSError:
+                    pass
+        else:
+            memory.write_text(str(limit))
 
 
 def wait_for_quiet(max_load: float, patience_s: int) -> float:

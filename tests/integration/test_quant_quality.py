@@ -21,7 +21,10 @@ INT8_GAP = ("int8 (per output channel, input-equalized) shifts SmolLM2's logits 
             "'What is the capital of France?' has a first-token gap of 0.08 in fp32 HF ('The' "
             "25.325 vs 'L' 25.243), so int8 answers 'L'Étoile...'. Measured: same 24-token "
             "answer as bf16 on 2 of 5 prompts (bf16 itself matches fp32 HF on 3 of 5). "
-            "int4 g32 reproduces these Q4_1-derived weights exactly and matches.")
+            "int4 g32 reproduces these Q4_1-derived weights exactly and matches. No int8 "
+            "scheme tried matches: group-wise int8 (32/64, symmetric or min-max, even g32 "
+            "min-max, which holds the Q4_1 grid to ~1/34 of a step) also gives 2 of 5; moving "
+            "10% of the bf16 weights by one bf16 ulp, no quantization at all, gives 2-4 of 5.")
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
