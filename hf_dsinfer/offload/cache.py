@@ -34,6 +34,7 @@ from hf_dsinfer.offload.files import DIRECT_ALIGN, aligned_size, aligned_view
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 Component = tuple[str, int, torch.dtype]  # name, width (last dim), dtype
+_STATS_LOCK = threading.Lock()
 
 
 def cache_group(head_dim: int, group_size: int) -> int:
@@ -299,7 +300,7 @@ class MicroKV:
         self.capacity = capacity  # tokens the read buffers are sized for
         self.length = 0
         self._pending: tuple[int, Future] | None = None
-        self.stats = stats  # the BlockCache's: kv_read_s (on any thread), kv_wait_s
+        self.stats = stats  # the BlockCache's: kv_read_s (summed over threads), kv_wait_s
 
     def prefetch(self, executor: Executor,
                  into: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -359,7 +360,8 @@ class MicroKV:
             out = into if into is not None else self._buffers(stop - start + extra)
             self._read_into((out[0][:, :, :stop - start], out[1][:, :, :stop - start]), start,
                             stop)
-        self.stats["kv_read_s"] += time.perf_counter() - began
+        with _STATS_LOCK:  # reads run on several threads
+            self.stats["kv_read_s"] += time.perf_counter() - began
         return out
 
     def _buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

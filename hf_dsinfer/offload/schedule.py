@@ -14,7 +14,7 @@ two instance-level changes make its forward passes FlexGen's schedule:
    block, and the I/O of step n+1 overlaps the compute of step n (FlexGen's loop order).
 
 Threads, not processes: disk reads (`os.preadv`) and torch kernels release the GIL, so one I/O
-thread for weights and one for the cache overlap the compute thread on the CPU. On CUDA the
+thread for weights and KV_READ_THREADS for the cache overlap the compute thread on the CPU. On CUDA the
 loader copies through pinned buffers on a side stream and synchronises that stream before
 handing the layer over, so the compute stream never waits on a copy it did not need.
 """
@@ -42,6 +42,14 @@ from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 from hf_dsinfer.offload.store import WeightStore
 
 CACHE_ARGS = ("past_key_values", "layer_past", "past_key_value")
+# Threads reading KV caches ahead. A whole-block decode step reads one cache file per
+# micro-batch (5 MB each for OPT-2.7B's 16 micro-batches of one sequence at prompt 512) and
+# copies it into the block's [rows, heads, tokens, D] tensor. Traced with one thread
+# (benchmarks/offload.py, dense block 16): each read took 3.4 ms (1.6 GB/s) and the copy and
+# bookkeeping after it 1.4 ms, during which the disk sat idle whenever the weight reader was
+# between layers: 21.6 s of a 148 s decode. With several threads one copies while another reads.
+# Each micro-batch's read fills its own rows, so they need no ordering.
+KV_READ_THREADS = 4
 _KV_DIRS = itertools.count()
 
 
@@ -56,7 +64,8 @@ class OffloadEngine:
         self.policy = policy
         self.device = device
         self.weight_io = ThreadPoolExecutor(1, "dsinfer-weights") if policy.overlap else None
-        self.cache_io = ThreadPoolExecutor(1, "dsinfer-cache") if policy.overlap else None
+        self.cache_io = (ThreadPoolExecutor(KV_READ_THREADS, "dsinfer-cache") if policy.overlap
+                         else None)
         self._pending: dict[int, tuple[torch.Tensor, Future]] = {}  # prefetches in flight
         self._bound: dict[int, torch.Tensor] = {}  # layer -> the buffer its weights live in
         self._free: list[torch.Tensor] = []  # layer buffers not in use (at most two exist)
@@ -65,7 +74,8 @@ class OffloadEngine:
                        for block in blocks]
         # load_s: weight reads (+ decode) on the I/O thread; wait_s: compute waiting for them;
         # compute_s: inside the layer forwards (includes waiting for the KV cache reads)
-        # kv_read_s: KV cache reads (any thread); kv_wait_s: compute waiting for them
+        # kv_read_s: KV cache reads (summed over the threads that read, so it can exceed the
+        # wall time); kv_wait_s: compute waiting for them
         self.stats = {"loads": 0, "load_s": 0.0, "wait_s": 0.0, "compute_s": 0.0,
                       "kv_read_s": 0.0, "kv_wait_s": 0.0}
         self._lock = threading.Lock()
