@@ -102,3 +102,53 @@ def test_overlap_total_is_max_not_sum(tmp_path):
     first_load = io / LAYERS  # exposed: nothing to hide it behind
     excess = window - max(io, compute) - first_load
     assert excess <= 0.3 * min(io, compute), overlapped  # with overlap: about the max
+
+
+
+def test_decode_step_reads_micro_batch_caches_concurrently(tmp_path, monkeypatch):
+    """A whole-block decode step reads each micro-batch's KV file ahead; with each read slowed
+    by 50 ms, reads of one layer are in flight together (on several threads), and the tokens
+    equal those of a run without overlap (one read at a time, on the compute thread)."""
+    import threading
+
+    from hf_dsinfer.offload import cache as kv
+    from hf_dsinfer.offload.schedule import KV_READ_THREADS
+
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = 2
+    ids, mask = prompts(4, (6, 5, 7, 4))
+    outs = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        hf_dsinfer.init_inference(model, parity_check=False, offload={
+            "weights": (0, 100, 0), "cache": (0, 0, 100), "micro_batch_size": 1,
+            "num_micro_batches": 4, "overlap": overlap,
+            "offload_dir": str(tmp_path / str(overlap))})
+        inflight, most, threads, lock = [0], [0], set(), threading.Lock()
+        read = kv.FileStorage.read
+
+        def slow_read(self, start, stop, read=read, inflight=inflight, most=most,
+                      threads=threads, lock=lock):
+            with lock:
+                inflight[0] += 1
+                most[0] = max(most[0], inflight[0])
+                threads.add(threading.current_thread().name)
+            time.sleep(0.05)
+            try:
+                return read(self, start, stop)
+            finally:
+                with lock:
+                    inflight[0] -= 1
+
+        with monkeypatch.context() as m:
+            m.setattr(kv.FileStorage, "read", slow_read)
+            with torch.inference_mode():
+                outs[overlap] = model.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                               do_sample=False, pad_token_id=0)
+        readers = {t for t in threads if t.startswith("dsinfer-cache")}
+        if overlap:  # the compute thread itself reads a cache nothing read ahead
+            assert 2 <= most[0] <= KV_READ_THREADS + 1 and len(readers) > 1, (most, threads)
+        else:
+            assert most[0] == 1 and not readers
+    assert torch.equal(outs[True], outs[False])
