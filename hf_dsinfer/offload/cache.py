@@ -35,6 +35,14 @@ from hf_dsinfer.offload.policy import OffloadPolicy
 
 Component = tuple[str, int, torch.dtype]  # name, width (last dim), dtype
 _STATS_LOCK = threading.Lock()
+# Threads reading KV caches ahead. A whole-block decode step reads one cache file per
+# micro-batch (5 MB each for OPT-2.7B's 16 micro-batches of one sequence at prompt 512) and
+# copies it into the block's [rows, heads, tokens, D] tensor. Traced with one thread
+# (benchmarks/offload.py, dense block 16): each read took 3.4 ms (1.6 GB/s) and the copy and
+# bookkeeping after it 1.4 ms, during which the disk sat idle whenever the weight reader was
+# between layers: 21.6 s of a 148 s decode. With several threads one copies while another reads.
+# Each micro-batch's read fills its own rows, so they need no ordering.
+KV_READ_THREADS = 4
 
 
 def cache_group(head_dim: int, group_size: int) -> int:

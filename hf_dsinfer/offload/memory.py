@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.offload.cache import KV_READ_THREADS
 from hf_dsinfer.offload.compression import compressed_nbytes
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 
@@ -136,8 +137,11 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     others = shape.other_numel * b
     if not cuda:
         # decode runs the whole block at once: its K/V assembled, the next layer's read ahead,
-        # and a file read's raw copy
-        kv_read = 3 * batch * seq * 2 * shape.kv_heads * shape.head_dim * b
+        # and the raw copies of the file reads in flight: one per reader thread, each of one
+        # micro-batch, over at most two layers (at least a whole block's worth, as before)
+        block_kv = batch * seq * 2 * shape.kv_heads * shape.head_dim * b
+        micro = -(-batch // mb)
+        kv_read = 2 * block_kv + max(1, min(KV_READ_THREADS, 2 * micro) / micro) * block_kv
         host = {"non-block weights": others, "resident layers": shape.num_layers * stored
                 * (w_dev + w_cpu), "streamed layers": streamed, "kv cache": kv_all * (c_dev + c_cpu),
                 "kv read": kv_read, "activations": work,

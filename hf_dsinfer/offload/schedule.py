@@ -35,21 +35,13 @@ from torch import nn
 
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS
-from hf_dsinfer.offload.cache import BlockCache
+from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
 from hf_dsinfer.offload.packed import PackedInt4Linear, PackedWeight
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 from hf_dsinfer.offload.store import WeightStore
 
 CACHE_ARGS = ("past_key_values", "layer_past", "past_key_value")
-# Threads reading KV caches ahead. A whole-block decode step reads one cache file per
-# micro-batch (5 MB each for OPT-2.7B's 16 micro-batches of one sequence at prompt 512) and
-# copies it into the block's [rows, heads, tokens, D] tensor. Traced with one thread
-# (benchmarks/offload.py, dense block 16): each read took 3.4 ms (1.6 GB/s) and the copy and
-# bookkeeping after it 1.4 ms, during which the disk sat idle whenever the weight reader was
-# between layers: 21.6 s of a 148 s decode. With several threads one copies while another reads.
-# Each micro-batch's read fills its own rows, so they need no ordering.
-KV_READ_THREADS = 4
 _KV_DIRS = itertools.count()
 
 
