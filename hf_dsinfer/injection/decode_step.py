@@ -12,15 +12,15 @@ Llama-1.1B int4 spent ~2 ms of a ~36 ms step there (measured with the native cal
                     x = attn_out(x, q, k, v, keep)
     return norm(x)
 
-for one sequence, and with the batched layer calls (attn_in_rows / attn_out_rows, per-row
-positions and padding) for up to DECODE_MAX_ROWS sequences when every layer's projections are
-bf16 on AMX.
-with the HF cache's own `update` (any Cache class) and every check done once per step. The
-embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot
-prove equal goes to HF's forward unchanged (which still runs the native layer through each fused
-block): more than one token, a batch the batched layer does not take, inputs_embeds, outputs or hooks asked of the layers, a
-mask other than "every cached key" or plain padding, sliding-window attention, a layer whose
-native path is not built, grad, torch.compile tracing. `reason()` says which.
+with the HF cache's own `update` (any Cache class) and every check done once per step: for one
+sequence with the batch-1 layer calls, and for up to DECODE_MAX_ROWS sequences with the batched
+ones (attn_in_rows / attn_out_rows: per-row positions and padding) when every layer's
+projections are bf16 on AMX. The embedding, rotary and norm modules are called as modules
+(their hooks run). Any call it cannot prove equal goes to HF's forward unchanged (which still
+runs the native layer through each fused block): more than one token, a batch the batched
+layer does not take, inputs_embeds, outputs or hooks asked of the layers, a mask other than
+"every cached key" or plain padding, sliding-window attention, a layer whose native path is not
+built, grad, torch.compile tracing. `reason()` says which.
 """
 
 from __future__ import annotations

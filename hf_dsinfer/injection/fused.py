@@ -149,7 +149,7 @@ class FusedBlock:
         if policy.qk_norm is not None:
             self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
             self._eps.update({id(n): _norm_eps(n) for n in (self._q_norm, self._k_norm)})
-        # the native batch-1 decode layer (kernels.decode), built on the first decode call
+        # the native one-token decode layer (kernels.decode), built on the first decode call
         self._decode: native_decode.DecodeLayer | None = None
         self._decode_key: tuple | None = None  # weights the last failed build looked at
         self._decode_build_why: str | None = None
@@ -158,7 +158,7 @@ class FusedBlock:
     @property
     def decode_why(self) -> str | None:
         """Why one-token steps of this block do not run the native decode layer (None: they
-        do, where the call allows: batch 1, bf16, CPU, no grad)."""
+        do, where the call allows: bf16, CPU, no grad; batches also need `rows_why` None)."""
         return self._decode_layout_why or self._decode_build_why or (
             None if _native.lib() is not None else f"native kernels unavailable "
                                                     f"({_native.why_unavailable()})")
@@ -250,7 +250,7 @@ class FusedBlock:
         out, _ = self._norm_add(self._ln2, mlp_out, h, mlp_bias)
         return out
 
-    # -- native batch-1 decode (kernels.decode) ------------------------------------------------
+    # -- native one-token decode (kernels.decode) ------------------------------------------------
     def decode_layer(self) -> native_decode.DecodeLayer | None:
         """The native layer for this block's current weights (built, or rebuilt after the
         weights moved), or None with the reason in `decode_why`."""
@@ -275,7 +275,7 @@ class FusedBlock:
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not
-        sharded). The caller checks the call itself (one bf16 token of one sequence, no grad)
+        sharded). The caller checks the call itself (one bf16 token per sequence, no grad)
         and that the library is loaded: a build without it would be remembered as failed."""
         if (not self.enabled or self.block.training or self.reduce is not None
                 or self.sharded_qk_norm is not None):

@@ -138,7 +138,7 @@ class DecodeLayer:
         self.hidden = struct.hidden
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
-        self.rows_why = _rows_why(struct)  # why attn_in_rows / attn_out_rows cannot run
+        self._rows_why = _rows_why(struct)
 
     @classmethod
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
@@ -173,6 +173,14 @@ class DecodeLayer:
             watched += used
         return cls(lib, struct, watched)
 
+    @property
+    def rows_why(self) -> str | None:
+        """Why attn_in_rows / attn_out_rows cannot run (None: they can). HF_DSINFER_NATIVE_AMX=0
+        is read at every call, as the torch path's linears read it."""
+        if not _native.amx_allowed():
+            return f"AMX switched off ({_native.AMX_ENV_VAR}=0)"
+        return self._rows_why
+
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
         return all(d.get(name) is t and t.data_ptr() == p for d, name, t, p in self._watch)
@@ -205,11 +213,22 @@ class DecodeLayer:
         self.calls += 1
         return out
 
+    def _check_rows_x(self, x: torch.Tensor, who: str) -> None:
+        if (x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != self.hidden
+                or x.dtype != torch.bfloat16 or not x.is_contiguous()):
+            raise ValueError(f"{who}: x must be contiguous bf16 [B, 1, {self.hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
 
     def attn_in_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, 1, hidden] bf16 (contiguous), cos / sin [B or 1, d] -> q [B, heads, 1, d],
         k, v [B, kv_heads, 1, d] (rotated): transposed views of [B, 1, heads, d] buffers."""
         b, d = x.shape[0], self.head_dim
+        for name, t in (("cos", cos), ("sin", sin)):
+            if (t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != d
+                    or t.dtype != torch.bfloat16 or not t.is_contiguous()):
+                raise ValueError(f"attn_in_rows: {name} must be contiguous bf16 [1 or {b}, {d}], "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        self._check_rows_x(x, "attn_in_rows")
         q = torch.empty(b, 1, self.heads, d, dtype=torch.bfloat16)
         k = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
         v = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
@@ -227,9 +246,20 @@ class DecodeLayer:
         k, v [B, kv_heads, Sk, d] from the cache (last dim contiguous; see cache_kv_usable),
         keep [B or 1, Sk] uint8 or None."""
         b, sk = x.shape[0], k.shape[2]
-        if not q.transpose(1, 2).is_contiguous():
-            raise ValueError("attn_out_rows: q must be the [B, heads, 1, d] view attn_in_rows "
-                             f"returns (strides {q.stride()})")
+        self._check_rows_x(x, "attn_out_rows")
+        if (q.shape != (b, self.heads, 1, self.head_dim) or q.dtype != torch.bfloat16
+                or not q.transpose(1, 2).is_contiguous()):
+            raise ValueError("attn_out_rows: q must be the [B, heads, 1, d] bf16 view "
+                             f"attn_in_rows returns, got {q.dtype} {tuple(q.shape)} strides "
+                             f"{q.stride()}")
+        if not cache_kv_usable(k, v, self.head_dim, b) or k.shape[1] != self.kv_heads:
+            raise ValueError(f"attn_out_rows: k, v must be bf16 CPU [{b}, {self.kv_heads}, Sk, "
+                             f"{self.head_dim}] with contiguous rows, got {tuple(k.shape)}")
+        if keep is not None and (keep.dim() != 2 or keep.shape[0] not in (1, b)
+                                 or keep.shape[1] < sk or keep.dtype != torch.uint8
+                                 or keep.stride(1) != 1):
+            raise ValueError(f"attn_out_rows: keep must be uint8 [1 or {b}, >= {sk}] with "
+                             f"contiguous rows, got {keep.dtype} {tuple(keep.shape)}")
         out = torch.empty_like(x)
         keep_stride = 0 if keep is None or keep.shape[0] == 1 else keep.stride(0)
         code = self.lib.hfd_decode_attn_out_rows(

@@ -14,8 +14,8 @@ two instance-level changes make its forward passes FlexGen's schedule:
    block, and the I/O of step n+1 overlaps the compute of step n (FlexGen's loop order).
 
 Threads, not processes: disk reads (`os.preadv`) and torch kernels release the GIL, so one I/O
-thread for weights and KV_READ_THREADS for the cache overlap the compute thread on the CPU. On CUDA the
-loader copies through pinned buffers on a side stream and synchronises that stream before
+thread for weights and KV_READ_THREADS for the cache overlap the compute thread on the CPU. On
+CUDA the loader copies through pinned buffers on a side stream and synchronises that stream before
 handing the layer over, so the compute stream never waits on a copy it did not need.
 """
 

@@ -402,3 +402,34 @@ def test_keep_rows_shapes():
     assert not native_decode.keep_rows(torch.ones(3, 2, 1, 5, dtype=torch.bool), 3, 5)[0]
     assert not native_decode.keep_rows(torch.ones(2, 1, 1, 5, dtype=torch.bool), 3, 5)[0]
     assert not native_decode.keep_rows(mask + 0.5, 2, 4)[0]  # a bias, not a mask
+
+
+@BATCHED
+def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch):
+    """HF_DSINFER_NATIVE_AMX=0 set after the layer was built sends batches to the torch path
+    (as it does the torch path's linears); wrong shapes raise instead of reading past a
+    buffer."""
+    model = _inject(_model("llama"))
+    ids, mask = _padded_batch(2, 5)
+    before = _row_calls(model)
+    _step_logits(model, ids, mask, True, monkeypatch, steps=1)
+    assert _row_calls(model) == before + len(model.model.layers)
+    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    _step_logits(model, ids, mask, True, monkeypatch, steps=1)
+    assert _row_calls(model) == before + len(model.model.layers)
+    assert "batched steps: torch ops (AMX switched off" in hf_dsinfer.explain(model)
+    monkeypatch.delenv(_native.AMX_ENV_VAR)
+    layer = model.model.layers[0].forward.decode_layer()
+    x = torch.randn(2, 1, 128).bfloat16()
+    cos, sin = torch.randn(2, 2, 32).bfloat16()
+    with pytest.raises(ValueError, match="cos must be"):
+        layer.attn_in_rows(x, cos[0, 0], sin[0, 0])  # the batch-1 [d] convention
+    with pytest.raises(ValueError, match="x must be"):
+        layer.attn_in_rows(x.float(), cos, sin)
+    q = layer.attn_in_rows(x, cos, sin)[0]
+    keys = torch.randn(2, 2, 5, 32).bfloat16()
+    with pytest.raises(ValueError, match="keep must be"):
+        layer.attn_out_rows(x, q, keys, keys, torch.ones(5, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="k, v must be"):
+        layer.attn_out_rows(x, q, keys[:1], keys[:1], None)
+    assert layer.attn_out_rows(x, q, keys, keys, None).shape == x.shape
