@@ -178,12 +178,10 @@ def worker(spec: dict) -> dict:
 
     torch.manual_seed(0)
     if spec["kind"] == "hardware":
-        from hf_dsinfer.offload.cost import layer_probe, measure_hardware
-        from hf_dsinfer.offload.search import model_shape
+        from hf_dsinfer.offload.cost import measure_hardware
 
-        layer = layer_probe(model_shape(spec["model"], torch.bfloat16), spec["prompt_len"])
         return json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu",
-                                           sample=spec["model"], layer=layer).to_json())
+                                           sample=spec["model"]).to_json())
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
@@ -402,7 +400,7 @@ def main(argv=None) -> int:
     setup_cgroup(args.limit)
     wait_for_quiet(args.max_load, args.patience)
     hardware = run_limited({"kind": "hardware", "offload_dir": str(args.work / "ours"),
-                            "model": str(model), "prompt_len": args.prompt_len}, 600)
+                            "model": str(model)}, 600)
     if "error" in hardware:
         print(f"measuring the hardware failed: {hardware['error']}")
         return 1

@@ -26,7 +26,6 @@ with a linear program.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -82,21 +81,20 @@ CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h
 
 def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cpu", disk_mib: int = 512, cache: bool = False,
-                     sample: str | Path | None = None, layer: Layer | None = None) -> Hardware:
+                     sample: str | Path | None = None) -> Hardware:
     """Measure the constants the cost model needs (~10-20 s: every probe is repeated and its
     median kept, because this machine is shared and one short probe once read the disk at a
     quarter of its speed). `sample`: a checkpoint (file or folder) whose data the disk read
-    probe reads, see measure_disk. `layer`: the model's projections and prefill rows, on which
-    FLOP/s are measured (see measure_flops; layer_probe builds it). With `cache`, a result
-    measured before for the same machine, folder file system, device, dtype, probe size, kind of
-    read probe and layer is reused (hardware.json under ~/.cache)."""
+    probe reads, see measure_disk. With `cache`, a result measured before for the same machine,
+    folder file system, device, dtype, probe size and kind of read probe is reused
+    (hardware.json under ~/.cache)."""
     old = old_data_windows(sample, Path(folder), disk_mib)
-    key = _cache_key(Path(folder), dtype, device, disk_mib, bool(old), layer)
+    key = _cache_key(Path(folder), dtype, device, disk_mib, bool(old))
     if cache and (hit := _cached(key)) is not None:
         return hit
     dev = torch.device(device)
     read, write = measure_disk(Path(folder), disk_mib, old=old)
-    hw = Hardware(device=str(dev), flops=measure_flops(dtype, dev, layer=layer),
+    hw = Hardware(device=str(dev), flops=measure_flops(dtype, dev),
                   memory_bw=read_bandwidth(dev, 0.5) * 1e9, disk_read=read, disk_write=write,
                   h2d=measure_h2d(dev), decompress=measure_decompress(dtype, dev),
                   int4_mm=measure_int4_mm(dtype, dev), kv_decompress=measure_kv_decompress(dtype, dev),
@@ -110,18 +108,9 @@ def _existing(folder: Path) -> Path:
 
 
 def _cache_key(folder: Path, dtype: torch.dtype, device: str, disk_mib: int,
-               old_data: bool, layer: Layer | None = None) -> str:
+               old_data: bool) -> str:
     return json.dumps([os.uname().nodename, os.cpu_count(), os.stat(_existing(folder)).st_dev,
-                       str(dtype), device, disk_mib, torch.get_num_threads(), old_data]
-                      + ([] if layer is None else [layer[0], [list(w) for w in layer[1]]]))
-
-
-def layer_probe(shape: ModelShape, prompt_len: int) -> Layer | None:
-    """measure_flops's `layer` for a model: its nn.Linear projections ([out, in]) at one
-    prompt's rows; None when the layer has none (GPT-2's Conv1D): the square product then."""
-    weights = tuple((s[0], s[1]) for s, linear in zip(shape.param_shapes, shape.linear_params)
-                    if linear and len(s) == 2)
-    return (max(prompt_len, 1), weights) if weights else None
+                       str(dtype), device, disk_mib, torch.get_num_threads(), old_data])
 
 
 def _cached(key: str) -> Hardware | None:
@@ -145,33 +134,11 @@ def _store(key: str, hw: Hardware) -> None:
         pass  # a cache that cannot be written only costs a re-measurement
 
 
-Layer = tuple[int, tuple[tuple[int, int], ...]]  # (rows, [(out, in) of each projection])
-PROBE_WEIGHT_BYTES = 32 << 20  # a probed projection keeps at most this much of its output rows
-
-
-def measure_flops(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                  layer: Layer | None = None) -> float:
-    """FLOP/s of dense products: an n x n by n x n product, or with `layer` the model's own
-    projections on `rows` rows (a prefill micro-batch of one prompt), which is what a prefill
-    runs. Here one OPT-2.7B layer on 512 tokens ran ~35% slower than the 2048^2 product the
-    cost model priced it with. A projection larger than PROBE_WEIGHT_BYTES is probed on a
-    slice of its output rows (the rate depends on rows and the input size)."""
-    if layer is None:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        seconds = median_time(lambda i: a @ b, 5, device)
-        return 2 * n**3 / seconds
-    rows, weights = layer
-    size = torch.empty((), dtype=dtype).element_size()
-    flops = seconds = 0.0
-    for (out, inp), count in collections.Counter(weights).items():
-        kept = max(min(out, PROBE_WEIGHT_BYTES // (inp * size)), 1)
-        w = torch.randn(kept, inp, device=device).to(dtype)
-        x = torch.randn(rows, inp, device=device).to(dtype)
-        seconds += count * median_time(lambda i, x=x, w=w: torch.nn.functional.linear(x, w), 5,
-                                       device)
-        flops += count * 2 * rows * kept * inp
-    return flops / seconds
+def measure_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = median_time(lambda i: a @ b, 5, device)
+    return 2 * n**3 / seconds
 
 
 def old_data_windows(sample: str | Path | None, folder: Path, mib: int,

@@ -191,12 +191,12 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
          hardware: Hardware | None = None) -> Candidate:
     """The best policy for a checkpoint and workload under the budgets (measures the machine
     unless `hardware` is given)."""
-    from hf_dsinfer.offload.cost import layer_probe, measure_hardware
+    from hf_dsinfer.offload.cost import measure_hardware
 
     shape = model_shape(path, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True,
-                                      sample=path, layer=layer_probe(shape, prompt_len))
+                                      sample=path)
     found = search(shape, hw, Workload(prompt_len, gen_len), parse_bytes(memory, "memory"),
                    offload_dir, parse_bytes(device_memory, "device_memory"), compress)
     if not found:
@@ -229,14 +229,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from hf_dsinfer.config import parse_dtype
-    from hf_dsinfer.offload.cost import layer_probe, measure_hardware
+    from hf_dsinfer.offload.cost import measure_hardware
 
     dtype = parse_dtype(args.dtype)
     shape = model_shape(args.model, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib,
-                          cache=not args.remeasure, sample=args.model,
-                          layer=layer_probe(shape, args.prompt_len))
+                          cache=not args.remeasure, sample=args.model)
     work = Workload(args.prompt_len, args.gen_len)
     found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
                    parse_bytes(args.device_memory, "device_memory"), args.compress)
