@@ -159,8 +159,8 @@ class NativeDecodeStep:
 
     @staticmethod
     def _keep(mask: torch.Tensor | None, rows: int, sk: int) -> torch.Tensor | None | bool:
-        """None: every one of the sk keys may be attended; the 2-D padding mask as uint8 [sk]
-        (one sequence) or [rows, sk]; False: a mask this path does not take."""
+        """None: every one of the sk keys may be attended; the 2-D padding mask as uint8
+        [rows, sk]; False: a mask this path does not take."""
         if mask is None:
             return None
         if (mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] != sk
@@ -169,8 +169,7 @@ class NativeDecodeStep:
         keep = mask if mask.dtype == torch.bool else mask != 0
         if bool(keep.all()):
             return None
-        return keep.contiguous().view(torch.uint8)[0] if rows == 1 else (
-            keep.contiguous().view(torch.uint8))
+        return keep.contiguous().view(torch.uint8)
 
     # -- the step ------------------------------------------------------------------------------
     def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
@@ -188,21 +187,16 @@ class NativeDecodeStep:
             self.last_reason = "not bf16, or positions of another shape"
             return self.hf_forward(**kwargs)
         x = x.contiguous()
-        if rows == 1:
-            cos, sin = cos.reshape(d).contiguous(), sin.reshape(d).contiguous()
-            attn_in, attn_out = "attn_in", "attn_out"
-        else:
-            cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
-            attn_in, attn_out = "attn_in_rows", "attn_out_rows"
+        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
         for fused, layer in zip(self.blocks, layers):
-            q, k, v = getattr(layer, attn_in)(x, cos, sin)
+            q, k, v = layer.step_in(x, cos, sin)
             k, v = cache.update(k, v, fused.spec.layer_idx)
             if k.shape[2] != sk:  # a static cache: its keys past this token are unused
                 k, v = k[:, :, :sk], v[:, :, :sk]
             if not cache_kv_usable(k, v, d, rows):  # a cache layout the kernel does not read
                 x = fused.finish_decode(x, q, k, v, keep)
             else:
-                x = getattr(layer, attn_out)(x, q, k, v, keep)
+                x = layer.step_out(x, q, k, v, keep)
             fused.calls += 1
         self.calls += 1
         return BaseModelOutputWithPast(last_hidden_state=inner.norm(x), past_key_values=cache)

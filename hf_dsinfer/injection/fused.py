@@ -285,9 +285,9 @@ class FusedBlock:
     def finish_decode(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       keep: torch.Tensor | None) -> torch.Tensor:
         """The layer after the cache update on the torch path (keys the kernel does not read):
-        q attends to every key of k / v where keep (uint8 [sk], [B, sk] or None) allows."""
+        q attends to every key of k / v where keep (uint8 [B or 1, sk] or None) allows."""
         b = x.shape[0]
-        mask = None if keep is None else keep.bool().view(b if keep.dim() == 2 else 1, 1, 1, -1)
+        mask = None if keep is None else keep.bool().unsqueeze(1).unsqueeze(1)
         named = {"attention_mask": mask}
         return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
 
@@ -313,23 +313,13 @@ class FusedBlock:
         if layer is None or (b > 1 and layer.rows_why is not None):
             return None
         x = x.contiguous()
-        if b == 1:
-            cos, sin = (t.reshape(d).contiguous() for t in cos_sin)
-            q, k, v = layer.attn_in(x, cos, sin)
-        else:
-            cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
-            q, k, v = layer.attn_in_rows(x, cos, sin)
+        cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
+        q, k, v = layer.step_in(x, cos, sin)
         k, v = cache.update(k, v, self.spec.layer_idx)
         if native_decode.cache_kv_usable(k, v, d, b):
-            if b == 1:
-                usable, keep = native_decode.keep_vector(named.get("attention_mask"), k.shape[2])
-                if usable:
-                    return layer.attn_out(x, q, k, v, keep)
-            else:
-                usable, keep = native_decode.keep_rows(named.get("attention_mask"), b,
-                                                       k.shape[2])
-                if usable:
-                    return layer.attn_out_rows(x, q, k, v, keep)
+            usable, keep = native_decode.keep_rows(named.get("attention_mask"), b, k.shape[2])
+            if usable:
+                return layer.step_out(x, q, k, v, keep)
         # a cache or mask the kernel does not read: the torch path from the attention on
         return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
 

@@ -138,7 +138,7 @@ class DecodeLayer:
         self.hidden = struct.hidden
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
-        self._rows_why = _rows_why(struct)
+        self._rows_why = _rows_why(lib, struct)  # the layer and the CPU; the switch: rows_why
 
     @classmethod
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
@@ -213,6 +213,21 @@ class DecodeLayer:
         self.calls += 1
         return out
 
+    def step_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """attn_in for one sequence, attn_in_rows for several: x [B, 1, hidden] contiguous,
+        cos / sin [B or 1, d]."""
+        if x.shape[0] == 1:
+            d = self.head_dim
+            return self.attn_in(x, cos.reshape(d), sin.reshape(d))
+        return self.attn_in_rows(x, cos, sin)
+
+    def step_out(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keep: torch.Tensor | None) -> torch.Tensor:
+        """attn_out for one sequence, attn_out_rows for several; keep as keep_rows gives it."""
+        if x.shape[0] == 1:
+            return self.attn_out(x, q, k, v, None if keep is None else keep.reshape(-1))
+        return self.attn_out_rows(x, q, k, v, keep)
+
     def _check_rows_x(self, x: torch.Tensor, who: str) -> None:
         if (x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != self.hidden
                 or x.dtype != torch.bfloat16 or not x.is_contiguous()):
@@ -273,11 +288,12 @@ class DecodeLayer:
         return out
 
 
-def _rows_why(struct: _Layer) -> str | None:
+def _rows_why(lib: ctypes.CDLL, struct: _Layer) -> str | None:
     """Why the batched calls (csrc/cpu_decode.c: hfd_decode_attn_in_rows) cannot compute this
-    layer: they run every projection on the AMX kernel of hfd_linear_bf16."""
-    if not _native.amx_available():
-        return "no AMX-BF16 here (or HF_DSINFER_NATIVE_AMX=0)"
+    layer on this CPU: they run every projection on the AMX kernel of hfd_linear_bf16.
+    HF_DSINFER_NATIVE_AMX is read per call by DecodeLayer.rows_why, not here."""
+    if not lib.hfd_amx_available():
+        return "no AMX-BF16 on this CPU (or Linux refuses its tile state)"
     for lin in struct.lin:
         if lin.kind != LIN_BF16:
             return "quantized projections (batched decode layers are bf16 only)"
@@ -289,8 +305,10 @@ def _rows_why(struct: _Layer) -> str | None:
 
 
 def keep_rows(mask: torch.Tensor | None, rows: int, sk: int) -> tuple[bool, torch.Tensor | None]:
-    """keep_vector for B single-query rows: (usable, keep) with keep [B or 1, sk] uint8, or None
-    when every key of every row may be attended."""
+    """(usable, keep) for the HF mask of `rows` single-query rows: keep [rows or 1, sk] uint8
+    (1 = may attend), or None when every key of every row may be attended. Not usable for
+    per-head masks, nor for float masks holding values other than 0 and "masked" (a bias the
+    kernel does not add)."""
     if mask is None:
         return True, None
     if (mask.dim() != 4 or mask.shape[0] not in (1, rows) or mask.shape[1] != 1
@@ -299,29 +317,10 @@ def keep_rows(mask: torch.Tensor | None, rows: int, sk: int) -> tuple[bool, torc
     block = mask[:, 0, 0, :sk]
     if block.dtype == torch.bool:
         return True, block.contiguous().view(torch.uint8)
-    keep = block > torch.finfo(block.dtype).min
-    if bool((block[keep] != 0).any()):
+    keep = block > torch.finfo(block.dtype).min  # HF's additive masks: 0 or the dtype's min
+    if bool((block[keep] != 0).any()):  # other values add to the scores: the torch path does it
         return False, None
     return True, keep.contiguous().view(torch.uint8)
-
-
-def keep_vector(mask: torch.Tensor | None, sk: int) -> tuple[bool, torch.Tensor | None]:
-    """(usable, keep) for a batch-1 single-query HF mask: keep [sk] uint8 (1 = may attend), or
-    None when every key may be attended. Not usable for per-head masks, nor for float masks
-    holding values other than 0 and "masked" (a bias the kernel does not add)."""
-    if mask is None:
-        return True, None
-    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != 1:
-        return False, None
-    row = mask[0, 0, 0, :sk]
-    if row.shape[0] != sk:
-        return False, None
-    if row.dtype == torch.bool:
-        return True, row.contiguous().view(torch.uint8)
-    keep = row > torch.finfo(row.dtype).min  # HF's additive masks: 0 or the dtype's min
-    if bool((row[keep] != 0).any()):  # other values add to the scores: the torch path does it
-        return False, None
-    return True, keep.view(torch.uint8)
 
 
 def cache_kv_usable(k: Any, v: Any, d: int, rows: int = 1) -> bool:

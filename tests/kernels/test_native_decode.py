@@ -286,17 +286,6 @@ def test_native_layer_against_float64():
     assert torch.isfinite(none_kept).all()  # a fully masked row attends nothing, never NaN
 
 
-def test_keep_vector_shapes():
-    assert native_decode.keep_vector(None, 5) == (True, None)
-    masked = torch.finfo(torch.float32).min
-    ok, keep = native_decode.keep_vector(torch.tensor([[[[0.0, masked, 0.0]]]]), 3)
-    assert ok and keep.tolist() == [1, 0, 1]
-    assert not native_decode.keep_vector(torch.tensor([[[[0.0, -1e30, 0.5]]]]), 3)[0]  # a bias
-    ok, keep = native_decode.keep_vector(torch.ones(1, 1, 1, 8, dtype=torch.bool), 5)  # static
-    assert ok and keep.shape == (5,)
-    assert not native_decode.keep_vector(torch.ones(1, 2, 1, 5, dtype=torch.bool), 5)[0]
-
-
 def _padded_batch(b: int, s: int, seed: int = 3):
     """B prompts of s tokens; row r is left-padded by r tokens (row 0 unpadded)."""
     ids = torch.randint(3, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
@@ -393,6 +382,11 @@ def test_batched_layer_against_float64_and_batch_one():
 def test_keep_rows_shapes():
     assert native_decode.keep_rows(None, 3, 5) == (True, None)
     masked = torch.finfo(torch.float32).min
+    ok, keep = native_decode.keep_rows(torch.tensor([[[[0.0, masked, 0.0]]]]), 1, 3)
+    assert ok and keep.tolist() == [[1, 0, 1]]
+    assert not native_decode.keep_rows(torch.tensor([[[[0.0, -1e30, 0.5]]]]), 1, 3)[0]  # a bias
+    ok, keep = native_decode.keep_rows(torch.ones(1, 1, 1, 8, dtype=torch.bool), 1, 5)  # static
+    assert ok and keep.shape == (1, 5)
     mask = torch.zeros(2, 1, 1, 4)
     mask[1, 0, 0, 0] = masked
     ok, keep = native_decode.keep_rows(mask, 2, 4)
