@@ -56,6 +56,9 @@ def test_prefetched_decode_steps_read_what_was_stored(compress, tmp_path):
 
     k, v = layer.update_micro(0, ks[:, :, :prompt], vs[:, :, :prompt])
     assert torch.equal(k, stored(ks, prompt)) and torch.equal(v, stored(vs, prompt))
+    # the prompt's cache is the prompt itself: nothing is read back (from disk that read would
+    # first flush the pages just written)
+    assert cache.stats["kv_read_s"] == 0
     kept = []
     with ThreadPoolExecutor(1) as io:
         for n in range(prompt + 1, prompt + steps + 1):
@@ -85,7 +88,12 @@ def test_block_prefetch_reads_micro_batches_into_one_tensor(compress, tmp_path):
         folder.mkdir()
         cache = BlockCache(1, rows, policy, CPU, folder, prompt + steps)
         layer, got = cache.layers[0], []
-        layer.update(ks[:, :, :prompt], vs[:, :, :prompt])
+        k, v = layer.update(ks[:, :, :prompt], vs[:, :, :prompt])
+        first = (quantize_kv_int4(ks[:, :, :prompt].permute(2, 0, 1, 3).contiguous(), 16)
+                 if compress else None)
+        want = (dequantize_kv_int4(first, torch.bfloat16).permute(1, 2, 0, 3) if compress
+                else ks[:, :, :prompt])
+        assert torch.equal(k, want) and cache.stats["kv_read_s"] == 0
         with ThreadPoolExecutor(1) as io:
             for n in range(prompt, prompt + steps):
                 if ahead:
