@@ -41,6 +41,10 @@ from hf_dsinfer.offload.compression import (
 from hf_dsinfer.offload.packed import PackedWeight, pack_weight
 from hf_dsinfer.offload.policy import OffloadPolicy
 
+# Bumped when what a layer file holds changes. A folder written by an older layout (4-bit linears
+# as FlexGen codes before the packed int4 layout, under the same slots) was reused by its
+# fingerprint and failed deep in the first load with a KeyError.
+STORE_FORMAT = 2
 Source = Callable[[int, str], torch.Tensor]  # (layer index, name in block) -> CPU tensor
 
 
@@ -144,8 +148,9 @@ def fingerprint(model_config: dict, slots: list[Slot], num_layers: int, policy: 
                 source_id: str) -> str:
     """Identity of a disk tier: what was written, from what, in which format."""
     data = {"config": model_config, "layers": num_layers, "group": policy.group_size,
-            "source": source_id,
-            "slots": [(s.name, s.shape, str(s.dtype), s.tier, s.compressed) for s in slots]}
+            "source": source_id, "format": STORE_FORMAT,
+            "slots": [(s.name, s.shape, str(s.dtype), s.tier, s.compressed, s.packed)
+                      for s in slots]}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 

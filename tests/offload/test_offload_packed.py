@@ -62,3 +62,18 @@ def test_packed_weights_match_dequantized_hf(tiers, tmp_path):
     if tiers[2]:  # codes read from disk for every layer, every step
         assert engine.stats["loads"] >= NEW * len(model.model.layers)
     assert all(m.weight_codes is None for m in packed) == bool(tiers[2])  # dropped after use
+
+
+def test_store_fingerprint_tells_packed_from_flexgen_codes():
+    """A disk tier is reused by its fingerprint: a folder holding 4-bit linears as FlexGen codes
+    must not be taken for one holding them packed (the same slots otherwise), or the first load
+    finds no `.int4` tensors."""
+    from hf_dsinfer.offload.policy import OffloadPolicy
+    from hf_dsinfer.offload.store import Slot, fingerprint
+
+    policy = OffloadPolicy(weights=(0, 0, 100), compress_weights=True, group_size=64,
+                           offload_dir="/tmp/unused")
+    codes = [Slot("fc1.weight", (128, 64), torch.bfloat16, "disk", True, False)]
+    packed = [Slot("fc1.weight", (128, 64), torch.bfloat16, "disk", True, True)]
+    assert fingerprint({}, codes, 2, policy, "src") != fingerprint({}, packed, 2, policy, "src")
+    assert fingerprint({}, packed, 2, policy, "src") == fingerprint({}, packed, 2, policy, "src")
