@@ -178,10 +178,12 @@ def worker(spec: dict) -> dict:
 
     torch.manual_seed(0)
     if spec["kind"] == "hardware":
-        from hf_dsinfer.offload.cost import measure_hardware
+        from hf_dsinfer.offload.cost import measure_hardware, measure_prefill_layer
 
-        return json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu",
-                                           sample=spec["model"]).to_json())
+        hw = json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu",
+                                         sample=spec["model"]).to_json())
+        layer = measure_prefill_layer(spec["model"], torch.bfloat16, "cpu", spec["prompt_len"])
+        return {**hw, "prefill_layer_s": layer}
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
@@ -221,13 +223,13 @@ def accelerate_runs(args, model: str) -> list[dict]:
     return rows
 
 
-def ours_runs(args, model: str, hardware: dict) -> list[dict]:
+def ours_runs(args, model: str, hardware: dict, prefill_layer_s: float) -> list[dict]:
     from hf_dsinfer.offload.cost import Hardware, Workload
     from hf_dsinfer.offload.search import model_shape, search
 
     hw = Hardware(**hardware)
     shape = model_shape(model, torch.bfloat16)
-    work = Workload(args.prompt_len, args.gen_len)
+    work = Workload(args.prompt_len, args.gen_len, prefill_layer_s)
     rows = []
     budget = args.limit - args.runtime_reserve
     for compress in args.compress:
@@ -400,21 +402,22 @@ def main(argv=None) -> int:
     setup_cgroup(args.limit)
     wait_for_quiet(args.max_load, args.patience)
     hardware = run_limited({"kind": "hardware", "offload_dir": str(args.work / "ours"),
-                            "model": str(model)}, 600)
+                            "model": str(model), "prompt_len": args.prompt_len}, 600)
     if "error" in hardware:
         print(f"measuring the hardware failed: {hardware['error']}")
         return 1
+    layer_s = hardware.pop("prefill_layer_s")
     from hf_dsinfer.offload.cost import Hardware
     from hf_dsinfer.offload.search import describe_hardware
 
     header = (f"model: OPT-2.7B shape, {args.layers} layers, {size / 1e9:.2f} GB fp16 "
               f"safetensors; limit {args.limit / 2**30:.2f} GiB (cgroup v1, page cache "
               f"included); prompt {args.prompt_len}, {args.gen_len} new tokens; bf16 compute on "
-              f"{os.cpu_count()} CPU cores\n{describe_hardware(Hardware(**hardware))} "
-              "(inside the limit)")
+              f"{os.cpu_count()} CPU cores\n{describe_hardware(Hardware(**hardware))}, "
+              f"prefill of one layer {layer_s * 1e3:.1f} ms per sequence (inside the limit)")
     print(header, flush=True)
     rows = json.loads(args.previous.read_text())["rows"] if args.previous else []
-    rows += accelerate_runs(args, str(model)) + ours_runs(args, str(model), hardware)
+    rows += accelerate_runs(args, str(model)) + ours_runs(args, str(model), hardware, layer_s)
     print(table(rows))
     print()
     print(phase_table(rows))

@@ -4,7 +4,9 @@ Per decoder layer and block of `bs` sequences (prompt s, n new tokens, KV bytes 
 
     prefill  T_pre >= disk reads   w_disk * W / disk_read                 (+ host->device
              T_pre >= cache writes c_disk * bs*s*k / disk_write            copies on CUDA)
-             T_pre >= compute      2*bs*s*P / flops + attention + decompression
+             T_pre >= compute      2*bs*s*P / flops + attention + decompression, or, with
+                                   the model's own layer timed (measure_prefill_layer),
+                                   bs * that time + decompression
     decode   T_dec >= disk reads   (w_disk * W + c_disk * bs*(s+n/2)*k) / disk_read
              T_dec >= cache writes c_disk * bs*k / disk_write
              T_dec >= compute      max(2*bs*P / flops, resident bytes / memory bandwidth)
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hf_dsinfer.hardware import median_time, read_bandwidth
+from hf_dsinfer.hardware import median_time, read_bandwidth, synchronize
 from hf_dsinfer.kernels.kv_quant import dequantize_kv_int4_tokens, quantize_kv_int4
 from hf_dsinfer.kernels.quant import (
     QUANT_PACK_MAX_ROWS,
@@ -75,6 +77,8 @@ class Hardware:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
+# bumped when a probe changes what it measures, so that ~/.cache's older results are not reused
+PROBES_VERSION = 2
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_dsinfer" \
     / "hardware.json"
 
@@ -110,7 +114,8 @@ def _existing(folder: Path) -> Path:
 def _cache_key(folder: Path, dtype: torch.dtype, device: str, disk_mib: int,
                old_data: bool) -> str:
     return json.dumps([os.uname().nodename, os.cpu_count(), os.stat(_existing(folder)).st_dev,
-                       str(dtype), device, disk_mib, torch.get_num_threads(), old_data])
+                       str(dtype), device, disk_mib, torch.get_num_threads(), old_data,
+                       PROBES_VERSION])
 
 
 def _cached(key: str) -> Hardware | None:
@@ -270,11 +275,17 @@ def measure_int4_mm(dtype: torch.dtype, device: torch.device, rows: int = 8) -> 
 def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
     """Dense bytes/s of decoding a 4-bit KV cache (token-major, groups along head_dim) into the
     layout attention reads, as the offloaded cache does (all threads: on the I/O thread it
-    shares the cores with the compute team)."""
-    kv = torch.randn(512, 8, 32, 80, device=device).to(dtype)  # [tokens, rows, heads, D]
-    codes = quantize_kv_int4(kv, 80)
-    out = torch.empty(8, 32, 512, 80, dtype=dtype, device=device)
-    seconds = median_time(lambda i: dequantize_kv_int4_tokens(codes, dtype, out), 5, device)
+    shares the cores with the compute team). A decode step decodes a whole block's cache, far
+    larger than the CPU's caches, so the probe rotates over three caches of 16 sequences x 512
+    tokens (42 MB dense each): one cache of 8 sequences decoded again and again stayed in cache
+    and read 12.8 GB/s here, where a block's cache decodes at 7.4-8.6."""
+    sets = []
+    for _ in range(3):
+        kv = torch.randn(512, 16, 32, 80, device=device).to(dtype)  # [tokens, rows, heads, D]
+        sets.append((quantize_kv_int4(kv, 80),
+                     torch.empty(16, 32, 512, 80, dtype=dtype, device=device)))
+    seconds = median_time(lambda i: dequantize_kv_int4_tokens(sets[i % 3][0], dtype,
+                                                              sets[i % 3][1]), 7, device)
     return kv.numel() * kv.element_size() / seconds
 
 
@@ -293,11 +304,78 @@ def measure_attn_decode(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * k.numel() * k.element_size() / seconds
 
 
+def measure_prefill_layer(model: str | Path | object, dtype: torch.dtype, device: str,
+                          prompt_len: int, reps: int = 3) -> float:
+    """Seconds of one of the model's own decoder layers prefilling one sequence of `prompt_len`
+    tokens, as the engine runs it (the fused block where one is injected, else HF's).
+
+    `model`: a checkpoint folder or a transformers config. A one-layer copy of the model (random
+    weights, a vocabulary cut to the special tokens) is built, injected and run; hooks on its
+    layer time the layer alone. Memory: one decoder layer in `dtype` for a few seconds.
+    Pricing a prefill by FLOPs at a square matmul's rate was 30-40% short on OPT-2.7B's layer
+    at 512 tokens (attention, norms, bias adds and the activation are the rest), and the square
+    probe itself read 1.1-2.5 TFLOP/s on this machine on different days."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dsinfer.api import init_inference
+    from hf_dsinfer.offload.attach import find_blocks
+
+    config = (AutoConfig.from_pretrained(model) if isinstance(model, (str, Path))
+              else copy.deepcopy(model))
+    text = getattr(config, "get_text_config", lambda: config)()
+    text.num_hidden_layers = 1
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:1]
+    special = [i for name in ("pad_token_id", "bos_token_id", "eos_token_id")
+               for i in _ints(getattr(text, name, None))]
+    text.vocab_size = min(text.vocab_size, max([256] + [i + 1 for i in special]))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = AutoModelForCausalLM.from_config(config).to(device)
+    init_inference(net, dtype=dtype, parity_check=False)
+    layer = find_blocks(net)[1][0]
+    times: list[float] = []
+    start = [0.0]
+
+    def before(*_):
+        synchronize(device)
+        start[0] = time.perf_counter()
+
+    def after(*_):
+        synchronize(device)
+        times.append(time.perf_counter() - start[0])
+
+    handles = [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+    ids = torch.randint(0, text.vocab_size, (1, prompt_len), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    try:
+        with torch.inference_mode():
+            for _ in range(reps + 1):  # the first is a warm-up
+                net(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return statistics.median(times[1:])
+
+
+def _ints(value) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, (list, tuple)) else []
+
+
 # -- the model -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Workload:
+    """What is run: prompt and generated lengths, and optionally the measured prefill of one
+    layer for one sequence of this prompt (measure_prefill_layer; `plan` measures it). Without
+    it the prefill's compute is priced by FLOPs at the matmul probe's rate."""
+
     prompt_len: int
     gen_len: int
+    prefill_layer_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,14 +425,20 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     write = [0.0] * 6
     write[5] = new_tokens * kv_tok / hw.disk_write
     flops = 2 * new_tokens * shape.layer_numel + 4 * new_tokens * ctx * shape.hidden
-    compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense)
+    compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense,
+                               work.prefill_layer_s)
     compute = [0.0] * 6
     if not prefill:  # attention reads the whole cache, at the measured rate of the kernel;
         # on the CPU a dense cache read from disk is first copied into attention's layout (one
-        # more pass; RAM gives views, and a 4-bit cache is decoded straight into it, priced below)
+        # more pass; a 4-bit cache is decoded straight into it, priced below). RAM gives views
+        # only to a block of one micro-batch: the CPU decode step runs the whole block at once,
+        # so several micro-batches' RAM caches are copied into one block tensor (2-layer
+        # OPT-2.7B shape, 2 x 16 rows at 512 tokens: 25 ms of a 48 ms layer step)
         compute0 += batch * ctx * kv_dense / min(hw.attn_decode, hw.memory_bw)
         if not cuda and not compress_c:
             compute[5] += batch * ctx * kv_dense / hw.memory_bw
+            if batch > micro:
+                compute[4] += batch * ctx * kv_dense / hw.memory_bw
     if compress_c and not prefill:  # decoding the whole cache of the step, wherever it lives
         rate = hw.decompress if cuda else hw.kv_decompress
         compute0 += batch * ctx * kv_dense / rate
@@ -363,7 +447,8 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
 
 
 def _matmul_seconds(shape: ModelShape, hw: Hardware, batch: int, micro: int, prefill: bool,
-                    compress_w: bool, flops: float, dense: float) -> float:
+                    compress_w: bool, flops: float, dense: float,
+                    prefill_layer_s: float | None = None) -> float:
     """The layer's matrix products for one step of the block.
 
     Every pass over the weights is compute-bound or bound by reading them from the compute
@@ -371,10 +456,13 @@ def _matmul_seconds(shape: ModelShape, hw: Hardware, batch: int, micro: int, pre
     a CPU decode step runs the whole block in one pass. 4-bit weights: on CUDA they are
     decompressed per use; on the CPU a decode step of at most QUANT_PACK_MAX_ROWS rows
     multiplies by the packed codes (int4_mm), and more rows (a prefill) dequantize the layer
-    once."""
+    once. A prefill measured on the model's own layer (`prefill_layer_s`, one sequence) is
+    priced as that time per sequence: it includes the layer's attention and other work."""
     cuda = hw.device.startswith("cuda")
     passes = -(-batch // micro) if (prefill or cuda) else 1
-    one_pass = max(flops / passes / hw.flops, dense / hw.memory_bw)
+    work = (batch * prefill_layer_s if prefill and prefill_layer_s is not None
+            else flops / hw.flops)
+    one_pass = max(work / passes, dense / hw.memory_bw)
     if compress_w and not cuda and not prefill and batch <= QUANT_PACK_MAX_ROWS:
         return max(flops / hw.flops, shape.layer_numel * batch / hw.int4_mm)
     decode = dense / hw.decompress if compress_w else 0.0

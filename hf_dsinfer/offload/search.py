@@ -197,7 +197,9 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True,
                                       sample=path)
-    found = search(shape, hw, Workload(prompt_len, gen_len), parse_bytes(memory, "memory"),
+    work = workload(path, shape, dtype or torch.bfloat16, device, prompt_len, gen_len,
+                    parse_bytes(memory, "memory"), probe=hardware is None)
+    found = search(shape, hw, work, parse_bytes(memory, "memory"),
                    offload_dir, parse_bytes(device_memory, "device_memory"), compress)
     if not found:
         from hf_dsinfer.offload.memory import OffloadBudgetError
@@ -206,6 +208,20 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
             f"hf_dsinfer plan: no placement of {path} fits memory={memory} (even one sequence "
             "with everything on disk). Fix: raise the budget or allow compression.")
     return found[0]
+
+
+def workload(path: str, shape: ModelShape, dtype: torch.dtype, device: str, prompt_len: int,
+             gen_len: int, memory: int | None, probe: bool = True) -> Workload:
+    """The workload, with the prefill of one of the model's layers measured
+    (cost.measure_prefill_layer, ~1-3 s) when `probe` and one layer fits in half the memory
+    budget; otherwise the prefill is priced by FLOPs."""
+    layer_bytes = shape.layer_numel * shape.dtype_bytes
+    if not probe or (memory is not None and 2 * layer_bytes > memory):
+        return Workload(prompt_len, gen_len)
+    from hf_dsinfer.offload.cost import measure_prefill_layer
+
+    return Workload(prompt_len, gen_len,
+                    measure_prefill_layer(path, dtype, device, prompt_len))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -236,10 +252,14 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib,
                           cache=not args.remeasure, sample=args.model)
-    work = Workload(args.prompt_len, args.gen_len)
+    work = workload(args.model, shape, dtype, device, args.prompt_len, args.gen_len,
+                    parse_bytes(args.memory, "memory"))
     found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
                    parse_bytes(args.device_memory, "device_memory"), args.compress)
     print(describe_hardware(hw))
+    if work.prefill_layer_s is not None:
+        print(f"measured prefill of one decoder layer, one sequence of {work.prompt_len} tokens: "
+              f"{work.prefill_layer_s * 1e3:.1f} ms")
     if not found:
         print(f"no feasible policy under memory={args.memory}")
         return 1

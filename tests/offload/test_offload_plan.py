@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tiny_models import prompts
 
 import hf_dsinfer
 from hf_dsinfer.cli import main
+from hf_dsinfer.offload import cost
 from hf_dsinfer.offload.cost import Hardware, Workload, predict
 from hf_dsinfer.offload.memory import footprint
 from hf_dsinfer.offload.search import model_shape, search
@@ -60,6 +62,45 @@ def test_plan_cli(llama_dir, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0
     assert "measured cpu: matmul" in out and "chosen policy" in out and "tok/s" in out
+    assert "measured prefill of one decoder layer, one sequence of 32 tokens" in out
+
+
+@pytest.mark.parametrize("name", ["llama_dir", "opt_dir", "gpt2_dir"])
+def test_prefill_layer_probe_times_the_models_own_layer(name, request, monkeypatch):
+    """The probe builds a one-layer copy of the model, injected as the engine runs it, and times
+    that layer alone (hooks on it): one warm-up and `reps` calls of the fused block. It leaves the
+    caller's random state as it was."""
+    from hf_dsinfer.injection.fused import FusedBlock
+    from hf_dsinfer.offload import cost
+
+    calls = []
+    original = FusedBlock.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("hidden_states", args[0] if args else None).shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedBlock, "__call__", counted)
+    path = request.getfixturevalue(name)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    seconds = cost.measure_prefill_layer(path, torch.float32, "cpu", 24, reps=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert 0 < seconds < 5
+    assert len(calls) == 3 and all(tuple(c)[:2] == (1, 24) for c in calls)
+
+
+def test_measured_prefill_layer_prices_the_prefill(llama_dir, tmp_path):
+    """With the layer's prefill measured, the prefill's compute is that time per sequence and
+    layer (here far above the FLOP price, so it decides the prefill); decode is unchanged."""
+    shape = model_shape(llama_dir, torch.float32)
+    found = search(shape, HW, WORK, 1 << 30, str(tmp_path), compress="off", max_block=8)
+    policy = found[0].policy
+    plain = predict(shape, HW, policy, WORK)
+    measured = predict(shape, HW, policy, Workload(64, 8, prefill_layer_s=0.5))
+    head = cost.head_seconds(shape, HW, policy.block_size)
+    assert abs(measured.prefill_s - (shape.num_layers * policy.block_size * 0.5 + head)) < 1e-9
+    assert measured.prefill_s > plain.prefill_s and measured.decode_s == plain.decode_s
 
 
 def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
