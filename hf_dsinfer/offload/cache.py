@@ -333,14 +333,7 @@ class MicroKV:
         start = self.length
         stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
-        if self._pending is None and start:
-            return self.read(0, self.length, into=out)
-        if self._pending is None:  # the cache held nothing: it is these tokens, not read back
-            # (a prefill's cache just written to disk would be flushed and read again)
-            if out is None and not self.lossy:
-                return k, v
-            out = out if out is not None else self._buffers(self.length)
-        else:
+        if self._pending is not None:
             upto, future = self._pending
             self._pending = None
             waited = time.perf_counter()
@@ -354,6 +347,12 @@ class MicroKV:
                     out = self._buffers(self.length)
                 for dest, before in zip(out, old):
                     dest[:, :, :start] = before[:, :, :start]
+        elif start:
+            return self.read(0, self.length, into=out)
+        elif out is None and not self.lossy:
+            return k, v  # the cache held nothing: it is these tokens (see the module docstring)
+        elif out is None:
+            out = self._buffers(self.length)
         tail = (out[0][:, :, start:], out[1][:, :, start:])
         if self.lossy:  # attention sees the new tokens as stored, as later steps will read them
             for (segment, r0, r1), parts in zip(self.segments, stored):

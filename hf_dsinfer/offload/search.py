@@ -197,10 +197,11 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = hardware or measure_hardware(offload_dir, dtype or torch.bfloat16, device, cache=True,
                                       sample=path)
-    work = workload(path, shape, dtype or torch.bfloat16, device, prompt_len, gen_len,
-                    parse_bytes(memory, "memory"), probe=hardware is None)
-    found = search(shape, hw, work, parse_bytes(memory, "memory"),
-                   offload_dir, parse_bytes(device_memory, "device_memory"), compress)
+    budget = parse_bytes(memory, "memory")
+    work = workload(path, shape, dtype or torch.bfloat16, device, prompt_len, gen_len, budget,
+                    probe=hardware is None)
+    found = search(shape, hw, work, budget, offload_dir,
+                   parse_bytes(device_memory, "device_memory"), compress)
     if not found:
         from hf_dsinfer.offload.memory import OffloadBudgetError
 
@@ -252,9 +253,9 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = measure_hardware(args.offload_dir, dtype, device, args.probe_mib,
                           cache=not args.remeasure, sample=args.model)
-    work = workload(args.model, shape, dtype, device, args.prompt_len, args.gen_len,
-                    parse_bytes(args.memory, "memory"))
-    found = search(shape, hw, work, parse_bytes(args.memory, "memory"), args.offload_dir,
+    budget = parse_bytes(args.memory, "memory")
+    work = workload(args.model, shape, dtype, device, args.prompt_len, args.gen_len, budget)
+    found = search(shape, hw, work, budget, args.offload_dir,
                    parse_bytes(args.device_memory, "device_memory"), args.compress)
     print(describe_hardware(hw))
     if work.prefill_layer_s is not None:
