@@ -5,6 +5,7 @@ One process, configurations interleaved and repeated, medians reported:
     hf-compile  HF's own static cache + torch.compile'd decode step
     bf16        hf_dsinfer fused blocks, model dtype
     bf16-compile  fused blocks + static cache + compiled decode step
+    bf16-static fused blocks + HF's preallocated static cache, eager decode step
     int8 / int4 fused blocks with weight-only int8 / int4 (group-wise) linears (-compile: plus
                 static cache and compiled decode step)
     llama.cpp Q4_1  peer row for `--models smollm2` at batch 1 when llama-cpp-python is
@@ -51,6 +52,7 @@ CONFIGS = {
     "hf-compile": None,
     "bf16": {},
     "bf16-compile": {"compile": True},
+    "bf16-static": {"cache": "static"},
     "int8": {"quant": {"bits": 8}},
     "int8-compile": {"quant": {"bits": 8}, "compile": True},
     "int4": {"quant": {"bits": 4}},

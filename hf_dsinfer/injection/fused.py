@@ -164,21 +164,26 @@ class FusedBlock:
                                                     f"({_native.why_unavailable()})")
 
     def _decode_policy_why(self) -> str | None:
-        """Why this block's layout is not one kernels.decode computes (None: it is)."""
+        """Why this block's layout is not one kernels.decode computes (None: it is): pre-norm
+        blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
+        MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
+        fc1 -> ReLU -> fc2; biases anywhere."""
         p, spec = self.policy, self.spec
+        mlp = ("gated_silu" if p.gated and spec.activation == "silu"
+               else "relu" if not p.gated and spec.activation == "relu" else None)
         checks = [
-            (p.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
-            (p.norm == "rms", "LayerNorm"),
-            (p.positions == P.ROPE and not p.rotary_interleaved, "positions are not rotate-half RoPE"),
-            (p.qkv_layout == P.SEPARATE and not self.is_moe and p.gated
-             and spec.activation == "silu", "not separate q/k/v with a SiLU-gated MLP"),
-            (p.qk_norm is None and spec.clip_qkv is None and not spec.scale_query,
-             "q/k norm, clipping or query scaling"),
-            (self._out.bias is None and all(getattr(m, "bias", None) is None
-                                            for m in (*self._mlp_in, self._mlp_out)),
-             "biases on o_proj or the MLP"),
+            (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
+            (p.norm in ("rms", "layer"), f"{p.norm} norm"),
+            ((p.positions == P.ROPE and not p.rotary_interleaved)
+             or p.positions == P.NO_POSITIONS,
+             "positions are neither rotate-half RoPE nor added before the blocks"),
+            (p.qkv_layout == P.SEPARATE and not self.is_moe and mlp is not None,
+             "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
+            (p.qk_norm is None and spec.clip_qkv is None, "q/k norm or clipping"),
+            (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
+        self._decode_mlp = mlp
         return next((why for ok, why in checks if not ok), None)
 
     def linear_slots(self) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -264,11 +269,15 @@ class FusedBlock:
         if self._decode_key == key:
             return None  # this set of weights failed already
         self._decode, self._decode_key, self._decode_build_why = None, None, None
+        spec, gated = self.spec, self._decode_mlp == "gated_silu"
+        mlp_in = self._mlp_in if gated else [self._mlp_in[0], None]
         try:
             self._decode = native_decode.DecodeLayer.build(
                 self._ln1, self._ln2, (self._eps[id(self._ln1)], self._eps[id(self._ln2)]),
-                [*self._qkv, self._out, *self._mlp_in, self._mlp_out], self.spec.num_heads,
-                self.spec.num_kv_heads, self.spec.head_dim, self.spec.scale)
+                [*self._qkv, self._out, *mlp_in, self._mlp_out], spec.num_heads,
+                spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
+                norm=self.policy.norm, rope=self.policy.positions == P.ROPE,
+                mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None)
         except native_decode.Unsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
@@ -289,7 +298,7 @@ class FusedBlock:
         b = x.shape[0]
         mask = None if keep is None else keep.bool().unsqueeze(1).unsqueeze(1)
         named = {"attention_mask": mask}
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True))
 
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
         """The whole layer in two native calls for one token of each sequence (None: this call
@@ -303,17 +312,21 @@ class FusedBlock:
                 or self.sharded_qk_norm is not None or _native.lib() is None):
             return None
         cache = named.get(self.policy.cache_arg)
-        cos_sin = named.get("position_embeddings")
         d = self.spec.head_dim
-        if (cache is None or cos_sin is None or cos_sin[0].shape[-1] != d
-                or cos_sin[0].numel() not in (d, b * d) or cos_sin[1].shape != cos_sin[0].shape
-                or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16):
+        if cache is None:
             return None
+        cos = sin = None
+        if self.policy.positions == P.ROPE:
+            cos_sin = named.get("position_embeddings")
+            if (cos_sin is None or cos_sin[0].shape[-1] != d
+                    or cos_sin[0].numel() not in (d, b * d) or cos_sin[1].shape != cos_sin[0].shape
+                    or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16):
+                return None
+            cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
         layer = self.decode_layer()
         if layer is None or (b > 1 and layer.rows_why is not None):
             return None
         x = x.contiguous()
-        cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
         q, k, v = layer.step_in(x, cos, sin)
         k, v = cache.update(k, v, self.spec.layer_idx)
         if native_decode.cache_kv_usable(k, v, d, b):
@@ -321,7 +334,7 @@ class FusedBlock:
             if usable:
                 return layer.step_out(x, q, k, v, keep)
         # a cache or mask the kernel does not read: the torch path from the attention on
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1))
+        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True))
 
     # -- pieces --------------------------------------------------------------------------------
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -383,11 +396,12 @@ class FusedBlock:
         return self._attend(q, k, v, named, b, s)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict, b: int,
-                s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of rotated q over the (cache-updated) k, v, then the output projection."""
+                s: int, q_scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of rotated q over the (cache-updated) k, v, then the output projection.
+        q_scaled: q already carries OPT's query scaling (the native decode layer's q)."""
         scale = self.spec.scale
         if self.spec.scale_query:  # OPT scales q before QK^T; keep its rounding in half precision
-            q, scale = q * scale, 1.0
+            q, scale = (q if q_scaled else q * scale), 1.0
         mask = named.get("attention_mask")
         bias = self._alibi(named, b)
         if mask is None and s > 1 and k.shape[2] > s:

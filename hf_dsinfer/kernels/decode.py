@@ -1,5 +1,5 @@
-"""Native one-token decode of a Llama-family layer (csrc/cpu_decode.c): two calls per layer, with
-the model's own HF Cache update between them.
+"""Native one-token decode of a Llama-family or OPT layer (csrc/cpu_decode.c): two calls per
+layer, with the model's own HF Cache update between them.
 
 A batch-1 decode step reads every weight once, so it is bound by memory bandwidth, and what
 keeps it from that bound on a CPU is the ~60 torch dispatches per layer around the weight reads
@@ -52,8 +52,15 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-                ("scale", ctypes.c_float), ("unused", ctypes.c_float),
-                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("lin", _Lin * 7)]
+                ("scale", ctypes.c_float), ("q_scale", ctypes.c_float),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("ln1_b", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
+                ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
+                ("lin", _Lin * 7)]
+
+
+NORMS = {"rms": 0, "layer": 1}  # cpu_decode.c: NORM_RMS, NORM_LAYER
+MLPS = {"gated_silu": 0, "relu": 1}  # cpu_decode.c: MLP_GATED_SILU, MLP_RELU
 
 
 class Unsupported(Exception):
@@ -136,15 +143,23 @@ class DecodeLayer:
                        for owner, name in watched]
         self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
         self.hidden = struct.hidden
+        self.rope = bool(struct.rope)  # attn_in rotates q and k (needs cos, sin)
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
         self._rows_why = _rows_why(lib, struct)  # the layer and the CPU; the switch: rows_why
 
     @classmethod
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
-              linears: list[nn.Module], heads: int, kv_heads: int, head_dim: int,
-              scale: float) -> DecodeLayer:
-        """Raises Unsupported (with the reason) for a layer the kernel does not compute."""
+              linears: list[nn.Module | None], heads: int, kv_heads: int, head_dim: int,
+              scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
+              q_scale: float | None = None) -> DecodeLayer:
+        """Raises Unsupported (with the reason) for a layer the kernel does not compute.
+
+        linears: q, k, v, o, then gate, up, down (mlp "gated_silu": Llama) or fc1, None, fc2
+        (mlp "relu": OPT). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
+        bias); rope False: positions enter before the layers (OPT's learned embeddings);
+        q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
+        to q . k (1.0 for OPT)."""
         lib = _native.lib()
         if lib is None:
             raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -152,23 +167,40 @@ class DecodeLayer:
             raise Unsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
         if heads % kv_heads:
             raise Unsupported(f"{heads} query heads over {kv_heads} kv heads")
+        if norm not in NORMS or mlp not in MLPS:
+            raise Unsupported(f"norm {norm!r} / MLP {mlp!r} (kernels: {sorted(NORMS)} / "
+                              f"{sorted(MLPS)})")
         hidden = ln1.weight.shape[0]
-        for norm in (ln1, ln2):
-            w = norm.weight
+        biases = []
+        for module in (ln1, ln2):
+            w = module.weight
             if w.dtype != torch.bfloat16:
                 raise Unsupported(f"bf16 models only (weights are {w.dtype})")
             if w.shape != (hidden,):
                 raise Unsupported(f"norm weight of shape {tuple(w.shape)}")
+            b = getattr(module, "bias", None) if norm == "layer" else None
+            if b is not None and (b.dtype != torch.bfloat16 or b.shape != (hidden,)):
+                raise Unsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
+            biases.append(b)
+        gated = mlp == "gated_silu"
+        if (linears[5] is None) == gated:
+            raise Unsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
         inter = getattr(linears[4], "out_features", None)
         if inter is None:
             raise Unsupported(f"{type(linears[4]).__name__} projection")
         shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
                   (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
                   (inter, hidden), (inter, hidden), (hidden, inter)]
-        struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale, 0.0,
-                        ln1.weight.data_ptr(), ln2.weight.data_ptr())
+        struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale,
+                        q_scale or 0.0, ln1.weight.data_ptr(), ln2.weight.data_ptr(),
+                        *(None if b is None else b.data_ptr() for b in biases), NORMS[norm],
+                        int(rope), MLPS[mlp])
         watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
+        watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
         for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
+            if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
+                struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)
+                continue
             struct.lin[i], used = _linear(module, n, k)
             watched += used
         return cls(lib, struct, watched)
@@ -185,15 +217,24 @@ class DecodeLayer:
         """The weights are still the tensors (and storage) this description points into."""
         return all(d.get(name) is t and t.data_ptr() == p for d, name, t, p in self._watch)
 
-    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [1, 1, hidden] bf16 -> q [1, heads, 1, d], k, v [1, kv_heads, 1, d] (rotated)."""
+    def _cos_sin(self, cos: torch.Tensor | None, sin: torch.Tensor | None, who: str):
+        """The pointers of cos / sin: required with RoPE, ignored (None) without."""
+        if not self.rope:
+            return None, None
+        if cos is None or sin is None:
+            raise ValueError(f"{who}: this layer applies RoPE and needs cos and sin")
+        return cos.data_ptr(), sin.data_ptr()
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """x [1, 1, hidden] bf16 -> q [1, heads, 1, d], k, v [1, kv_heads, 1, d] (rotated where
+        the layer has RoPE: cos, sin [d])."""
         d = self.head_dim
         q = torch.empty(1, self.heads, 1, d, dtype=torch.bfloat16)
         k = torch.empty(1, self.kv_heads, 1, d, dtype=torch.bfloat16)
         v = torch.empty(1, self.kv_heads, 1, d, dtype=torch.bfloat16)
-        code = self.lib.hfd_decode_attn_in(self._ref, x.data_ptr(), cos.data_ptr(),
-                                           sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                           v.data_ptr(), torch.get_num_threads())
+        cos_p, sin_p = self._cos_sin(cos, sin, "attn_in")
+        code = self.lib.hfd_decode_attn_in(self._ref, x.data_ptr(), cos_p, sin_p, q.data_ptr(),
+                                           k.data_ptr(), v.data_ptr(), torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_attn_in")
         return q, k, v
@@ -213,12 +254,14 @@ class DecodeLayer:
         self.calls += 1
         return out
 
-    def step_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def step_in(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """attn_in for one sequence, attn_in_rows for several: x [B, 1, hidden] contiguous,
-        cos / sin [B or 1, d]."""
+        cos / sin [B or 1, d] (None for a layer without RoPE)."""
         if x.shape[0] == 1:
             d = self.head_dim
-            return self.attn_in(x, cos.reshape(d), sin.reshape(d))
+            if cos is not None:
+                cos, sin = cos.reshape(d), sin.reshape(d)
+            return self.attn_in(x, cos, sin)
         return self.attn_in_rows(x, cos, sin)
 
     def step_out(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -234,11 +277,12 @@ class DecodeLayer:
             raise ValueError(f"{who}: x must be contiguous bf16 [B, 1, {self.hidden}], got "
                              f"{x.dtype} {tuple(x.shape)}")
 
-    def attn_in_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, 1, hidden] bf16 (contiguous), cos / sin [B or 1, d] -> q [B, heads, 1, d],
-        k, v [B, kv_heads, 1, d] (rotated): transposed views of [B, 1, heads, d] buffers."""
+    def attn_in_rows(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """x [B, 1, hidden] bf16 (contiguous), cos / sin [B or 1, d] (None without RoPE) ->
+        q [B, heads, 1, d], k, v [B, kv_heads, 1, d] (rotated): transposed views of
+        [B, 1, heads, d] buffers."""
         b, d = x.shape[0], self.head_dim
-        for name, t in (("cos", cos), ("sin", sin)):
+        for name, t in (("cos", cos), ("sin", sin)) if self.rope else ():
             if (t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != d
                     or t.dtype != torch.bfloat16 or not t.is_contiguous()):
                 raise ValueError(f"attn_in_rows: {name} must be contiguous bf16 [1 or {b}, {d}], "
@@ -247,10 +291,11 @@ class DecodeLayer:
         q = torch.empty(b, 1, self.heads, d, dtype=torch.bfloat16)
         k = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
         v = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
-        cs_stride = 0 if cos.shape[0] == 1 else d
+        cs_stride = 0 if cos is None or cos.shape[0] == 1 else d
+        cos_p, sin_p = self._cos_sin(cos, sin, "attn_in_rows")
         code = self.lib.hfd_decode_attn_in_rows(
-            self._ref, b, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cs_stride, q.data_ptr(),
-            k.data_ptr(), v.data_ptr(), torch.get_num_threads())
+            self._ref, b, x.data_ptr(), cos_p, sin_p, cs_stride, q.data_ptr(), k.data_ptr(),
+            v.data_ptr(), torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_attn_in_rows")
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -15,6 +15,7 @@ from transformers import (
     DynamicCache,
     LlamaConfig,
     MistralConfig,
+    OPTConfig,
     Qwen2Config,
 )
 
@@ -57,13 +58,18 @@ def _inject(model, quant=None):
     return hf_dsinfer.init_inference(model, dtype=torch.bfloat16, quant=quant)
 
 
+def _layers(model):
+    inner = model.model
+    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers  # OPT: decoder
+
+
 def _native_calls(model) -> int:
-    return sum(layer.forward._decode.calls for layer in model.model.layers
+    return sum(layer.forward._decode.calls for layer in _layers(model)
                if layer.forward._decode is not None)
 
 
 def _row_calls(model) -> int:
-    return sum(layer.forward._decode.row_calls for layer in model.model.layers
+    return sum(layer.forward._decode.row_calls for layer in _layers(model)
                if layer.forward._decode is not None)
 
 
@@ -213,7 +219,7 @@ def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
     gpt2 = hf_dsinfer.init_inference(AutoModelForCausalLM.from_config(
         __import__("transformers").GPT2Config(n_embd=64, n_head=2, n_layer=1, vocab_size=VOCAB),
         dtype=torch.bfloat16))
-    assert "torch ops otherwise (LayerNorm)" in hf_dsinfer.explain(gpt2)
+    assert "torch ops otherwise (not separate q/k/v" in hf_dsinfer.explain(gpt2)
     monkeypatch.setenv(_native.ENV_VAR, "0")
     assert "disabled by HF_DSINFER_NATIVE=0" in hf_dsinfer.explain(model)
 
@@ -427,3 +433,138 @@ def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch)
     with pytest.raises(ValueError, match="k, v must be"):
         layer.attn_out_rows(x, q, keys[:1], keys[:1], None)
     assert layer.attn_out_rows(x, q, keys, keys, None).shape == x.shape
+
+
+# ---- OPT's layout: LayerNorm with bias, learned positions (added before the blocks), q scaled
+# after its projection, a bias on every projection, fc1 -> ReLU -> fc2 ----
+
+def _opt(seed: int = 0, **overrides):
+    config = OPTConfig(vocab_size=VOCAB, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=256,
+                       word_embed_proj_dim=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # HF starts biases at 0 and LayerNorms at (1, 0): make them matter
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                torch.nn.init.normal_(m.bias, std=0.3)
+            elif isinstance(m, torch.nn.LayerNorm):
+                torch.nn.init.normal_(m.weight, mean=1.0, std=0.2)
+                torch.nn.init.normal_(m.bias, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_opt_decode_steps_match_the_torch_path_and_hf(quant, monkeypatch):
+    """Every weight format on OPT's layout: the native layer against the torch path of the
+    same fused model, and (bf16) against HF eager itself."""
+    hf = _opt()
+    model = _inject(_opt(), QUANTS[quant])
+    assert all(layer.forward.decode_why is None for layer in _layers(model))
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(1, 9, dtype=torch.long)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    assert _native_calls(model) == 0
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) == 4 * len(_layers(model))  # every step, every layer
+    _close(native, torch_path)
+    if quant == "bf16":
+        _close(native, _step_logits(hf, ids, mask, True, monkeypatch))
+
+
+def test_opt_layer_rounds_where_hf_rounds():
+    """One decode step of one OPT layer, native against HF's own OPTDecoderLayer forward on the
+    same cache: bf16 outputs equal but for the last bit of the few elements whose sums ran in
+    another order."""
+    model = _inject(_opt(seed=1))
+    block = _layers(model)[1].forward
+    layer = block.decode_layer()
+    torch.manual_seed(6)
+    past_k, past_v = (torch.randn(1, 4, 11, 32).bfloat16() for _ in range(2))
+    x = torch.randn(1, 1, 128).bfloat16()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        cache.update(past_k, past_v, block.spec.layer_idx)
+        hf = block.hf_forward(x, attention_mask=None, past_key_values=cache)
+        q, k, v = layer.attn_in(x, None, None)
+        keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        native = layer.attn_out(x, q, keys, values, None)
+        # the new token's key / value are HF's
+        assert torch.equal(keys, cache.layers[block.spec.layer_idx].keys)
+    hf = hf[0] if isinstance(hf, tuple) else hf
+    ulp = 2.0 ** (torch.floor(torch.log2(hf.float().abs().clamp_min(1e-30))) - 7)
+    diff = (native.float() - hf.float()).abs()
+    assert (diff <= ulp).all(), (diff / ulp).max()
+    assert (diff == 0).float().mean() >= 0.9
+
+
+def test_opt_layer_against_float64():
+    """LayerNorm, the query scaling, biases and the ReLU MLP after a 70-key attention with a
+    keep mask: as close to float64 as the torch path is."""
+    model = _inject(_opt(seed=2))
+    block = _layers(model)[0].forward
+    layer = block.decode_layer()
+    torch.manual_seed(4)
+    x = torch.randn(1, 1, 128).bfloat16()
+    k, v = (torch.randn(1, 4, 70, 32).bfloat16() for _ in range(2))
+    keep = torch.rand(70) > 0.3
+    with torch.inference_mode():
+        q = layer.attn_in(x, None, None)[0]  # scaled by head_dim ** -0.5 already
+        native = layer.attn_out(x, q, k, v, keep.view(torch.uint8))
+        attn = block._attend(q, k, v, {"attention_mask": keep.view(1, 1, 1, 70)}, 1, 1,
+                             q_scaled=True)
+        torch_path = block._sequential(x, {}, attn=attn)
+    d = torch.float64
+
+    def lin(t, m):
+        return t @ m.weight.to(d).t() + m.bias.to(d)
+
+    def ln(t, norm):
+        return torch.nn.functional.layer_norm(t, (128,), norm.weight.to(d), norm.bias.to(d),
+                                              block._eps[id(norm)])
+
+    a = attention_ref(q.to(d), k.to(d), v.to(d), scale=1.0, mask=keep.view(1, 1, 1, -1))
+    x1 = x.to(d) + lin(a.transpose(1, 2).reshape(1, 1, -1), block._out)
+    ref = x1 + lin(torch.relu(lin(ln(x1, block._ln2), block._mlp_in[0])), block._mlp_out)
+    err_native = (native.double() - ref).abs().max()
+    err_torch = (torch_path.double() - ref).abs().max()
+    assert err_native <= 2 * err_torch + 1e-3 * ref.abs().max(), (err_native, err_torch)
+    with pytest.raises(ValueError, match="needs cos and sin"):
+        _layers(_inject(_model("llama")))[0].forward.decode_layer().attn_in(x, None, None)
+
+
+@BATCHED
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+def test_opt_batched_generate_matches_the_torch_path(mode, cache, monkeypatch):
+    """generate() over a left-padded OPT batch (positions from the mask, before the blocks):
+    the batched layer takes the torch path's tokens, with either cache."""
+    model = _inject(_opt(seed=3))
+    ids, mask = _padded_batch(3, 6, seed=8)
+    kwargs = {"max_new_tokens": 8, "disable_compile": True, "pad_token_id": 0,
+              "attention_mask": mask, "do_sample": False, "cache_implementation": cache}
+    if mode == "beams":
+        kwargs.update(num_beams=2, early_stopping=False)
+    assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
+    before = _row_calls(model)
+    with torch.inference_mode():
+        native = model.generate(ids, **kwargs)
+        calls = _row_calls(model) - before
+        monkeypatch.setenv(_native.ENV_VAR, "0")
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 7 * len(_layers(model))
+    assert torch.equal(native, torch_path)
+
+
+def test_opt_layouts_the_kernel_does_not_compute_take_the_torch_path(monkeypatch):
+    """OPT-350m's post-LN blocks and a GELU MLP run the torch path, and explain says why."""
+    post_ln = _inject(_opt(do_layer_norm_before=False))
+    gelu = _inject(_opt(activation_function="gelu"))
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    for model, why in ((post_ln, "not a pre-norm block"),
+                       (gelu, "not separate q/k/v with a SiLU-gated or a ReLU MLP")):
+        _step_logits(model, ids, mask, True, monkeypatch, steps=2)
+        assert _native_calls(model) == 0
+        assert all(layer.forward.decode_why == why for layer in _layers(model))
+        assert why in hf_dsinfer.explain(model)

@@ -1,5 +1,5 @@
-/* One Llama-family decoder layer for one token (batch-1 decode) in two calls, on x86 CPUs with
- * AVX-512 BF16 / VNNI.
+/* One Llama-family or OPT decoder layer for one token (batch-1 decode) in two calls, on x86
+ * CPUs with AVX-512 BF16 / VNNI.
  *
  * A batch-1 decode step reads each weight once, so it is bound by memory bandwidth; what
  * separates it from the bandwidth limit is the work between the weight reads. Computed with
@@ -13,6 +13,11 @@
  *                        q, k rotated (rotate-half RoPE with the model's own cos / sin)
  *   hfd_decode_attn_out: a = softmax(q k^T * scale, keep) v over the cache's keys;
  *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
+ *
+ * OPT's layout is the same two calls with LayerNorm (weight and bias) for rms_norm, no RoPE
+ * (its learned positions are added before the layers), q = bf16(q * q_scale) after the
+ * projection with scale 1 in the softmax (HF's order), a bias on every projection, and
+ * out = x1 + relu(h W_fc1^T + b) W_fc2^T + b (hfd_layer: norm, rope, q_scale, mlp).
  *
  * Weights are read where the model keeps them (no copy): bf16 [N, K] rows (vdpbf16ps), int8
  * rows with per-row scales and input equalization (three byte planes of x, vpdpbusd: see
@@ -51,10 +56,18 @@ typedef struct {
 
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
 
+/* norm: RMSNorm (Llama) or LayerNorm with optional bias (OPT); mlp: SiLU-gated (gate, up,
+   down) or fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2). */
+enum { NORM_RMS = 0, NORM_LAYER = 1 };
+enum { MLP_GATED_SILU = 0, MLP_RELU = 1 };
+
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
-    float eps1, eps2, scale, unused;
-    const uint16_t *ln1, *ln2; /* bf16 [hidden] */
+    float eps1, eps2, scale; /* scale: of q . k in the softmax */
+    float q_scale;           /* OPT: q = bf16(q_proj(h) * q_scale) before attention; 0: none */
+    const uint16_t *ln1, *ln2;     /* bf16 [hidden] */
+    const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
+    int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
     hfd_lin lin[L_COUNT];
 } hfd_layer;
 
@@ -280,6 +293,59 @@ static void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float
     }
 }
 
+/* torch's CPU LayerNorm in bf16: mean and biased variance in fp32, then
+   out = bf16((x * rstd + (-mean * rstd)) * w + b), one rounding (b NULL: no bias). */
+static void layer_norm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, int64_t n,
+                            float eps, uint16_t *out) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) s = _mm512_add_ps(s, load16(x, c, DT_BF16, mask16(n - c)));
+    const float mean = _mm512_reduce_add_ps(s) / (float)n;
+    __m512 ss = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(mean);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 dv = _mm512_maskz_sub_ps(mk, load16(x, c, DT_BF16, mk), mv);
+        ss = _mm512_fmadd_ps(dv, dv, ss);
+    }
+    const float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
+    const __m512 r = _mm512_set1_ps(rstd), shift = _mm512_set1_ps(-mean * rstd);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(load16(x, c, DT_BF16, mk), r, shift),
+                                 load16(w, c, DT_BF16, mk));
+        if (b) y = _mm512_add_ps(y, load16(b, c, DT_BF16, mk));
+        store16_bf16(out + c, mk, y);
+    }
+}
+
+/* The layer's first (which 1) or second (2) norm of one row. */
+static void norm_bf16(const hfd_layer *L, int which, const uint16_t *x, uint16_t *out) {
+    const uint16_t *w = which == 1 ? L->ln1 : L->ln2;
+    const float eps = which == 1 ? L->eps1 : L->eps2;
+    if (L->norm == NORM_LAYER)
+        layer_norm_bf16(x, w, which == 1 ? L->ln1_b : L->ln2_b, L->hidden, eps, out);
+    else
+        rms_norm_bf16(x, w, L->hidden, eps, out);
+}
+
+/* q = bf16(q * s) for n elements (OPT's query scaling, after the projection's rounding). */
+static void scale_bf16(uint16_t *q, int64_t n, float s) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        store16_bf16(q + c, mk, _mm512_mul_ps(load16(q, c, DT_BF16, mk), sv));
+    }
+}
+
+/* a[c] = bf16(relu(bf16(y[c]))) for c < n (y fp32: fc1's output with its bias). */
+static void relu_row(const float *y, uint16_t *a, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 v = _mm512_maskz_loadu_ps(mk, y + c); /* NaN stays NaN, as torch.relu */
+        store16_bf16(a + c, mk, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps()));
+    }
+}
+
 /* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding). */
 static void residual_bf16(const uint16_t *a, const float *b, int64_t n, uint16_t *out) {
     for (int64_t c = 0; c < n; c += 16) {
@@ -360,7 +426,7 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
         free(h); free(y);
         return -2;
     }
-    rms_norm_bf16(x, L->ln1, H, L->eps1, h);
+    norm_bf16(L, 1, x, h);
     const hfd_lin *lin[3] = {&L->lin[L_Q], &L->lin[L_K], &L->lin[L_V]};
     lin_input in[3];
     inputs_for(lin, 3, h, &s, in);
@@ -370,8 +436,11 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
     round_row(ys[0], q, nq);
     round_row(ys[1], k, nkv);
     round_row(ys[2], v, nkv);
-    rotate_bf16(q, L->heads, d, cos, sin);
-    rotate_bf16(k, L->kv_heads, d, cos, sin);
+    if (L->q_scale != 0.f) scale_bf16(q, nq, L->q_scale);
+    if (L->rope) {
+        rotate_bf16(q, L->heads, d, cos, sin);
+        rotate_bf16(k, L->kv_heads, d, cos, sin);
+    }
     free(h);
     free(y);
     free(s.mem);
@@ -430,7 +499,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
                         uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d;
-    const int nt = nthreads > 0 ? nthreads : 1;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp == MLP_GATED_SILU;
     scratch s;
     int64_t kmax = I > H ? I : (H > nq ? H : nq);
     uint16_t *a = (uint16_t *)malloc((size_t)kmax * 2);  /* attention out, then the MLP act */
@@ -459,13 +528,16 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
 #pragma omp single
         {
             residual_bf16(x, y, H, x1);
-            rms_norm_bf16(x1, L->ln2, H, L->eps2, h);
-            inputs_for(gu, 2, h, &s, in);
+            norm_bf16(L, 2, x1, h);
+            inputs_for(gu, gated ? 2 : 1, h, &s, in);
         }
-        lin_rows(gu, in, 2, gy);
+        lin_rows(gu, in, gated ? 2 : 1, gy);
 #pragma omp single
         {
-            gated_silu_row(y, y + I, a, I);
+            if (gated)
+                gated_silu_row(y, y + I, a, I);
+            else
+                relu_row(y, a, I);
             inputs_for(dn, 1, a, &s, in);
         }
         lin_rows(dn, in, 1, dy);
@@ -513,6 +585,15 @@ static void gated_silu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uin
     }
 }
 
+/* a = relu(a) in place for n bf16 elements (exact: fc1 already rounded with its bias). */
+static void relu_bf16(uint16_t *a, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 v = load16(a, c, DT_BF16, mk); /* NaN stays NaN, as torch.relu */
+        store16_bf16(a + c, mk, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps()));
+    }
+}
+
 /* q [rows, heads * d], k, v [rows, kv_heads * d] (bf16, rotated q and k) from x [rows, hidden]. */
 int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
                             const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
@@ -523,12 +604,14 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);
     if (!h) return -2;
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) rms_norm_bf16(x + r * H, L->ln1, H, L->eps1, h + r * H);
+    for (int64_t r = 0; r < rows; r++) norm_bf16(L, 1, x + r * H, h + r * H);
     int rc = lin_bf16_rows(&L->lin[L_Q], h, rows, q, nt);
     if (!rc) rc = lin_bf16_rows(&L->lin[L_K], h, rows, k, nt);
     if (!rc) rc = lin_bf16_rows(&L->lin[L_V], h, rows, v, nt);
     free(h);
     if (rc) return rc;
+    if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
+    if (!L->rope) return 0;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         rotate_bf16(q + r * nq, L->heads, d, cos + r * cs_stride, sin + r * cs_stride);
@@ -548,14 +631,14 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d, wide = I > nq ? I : nq;
-    const int nt = nthreads > 0 ? nthreads : 1;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp == MLP_GATED_SILU;
     uint16_t *a = (uint16_t *)malloc((size_t)(rows * wide) * 2); /* attention, then the act */
     uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
     uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);    /* o_proj, norm, down out */
-    uint16_t *g = (uint16_t *)malloc((size_t)(rows * I) * 2);
-    uint16_t *u = (uint16_t *)malloc((size_t)(rows * I) * 2);
+    uint16_t *g = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
+    uint16_t *u = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
     float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
-    int rc = (!a || !x1 || !h || !g || !u || !sc) ? -2 : 0;
+    int rc = (!a || !x1 || !h || (gated && (!g || !u)) || !sc) ? -2 : 0;
     if (!rc) {
 #pragma omp parallel num_threads(nt)
         {
@@ -574,14 +657,18 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             add_bf16(x + r * H, h + r * H, H, x1 + r * H);
-            rms_norm_bf16(x1 + r * H, L->ln2, H, L->eps2, h + r * H);
+            norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
-        rc = lin_bf16_rows(&L->lin[L_GATE], h, rows, g, nt);
+        rc = lin_bf16_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
     }
-    if (!rc) rc = lin_bf16_rows(&L->lin[L_UP], h, rows, u, nt);
+    if (!rc && gated) rc = lin_bf16_rows(&L->lin[L_UP], h, rows, u, nt);
     if (!rc) {
+        if (gated) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
+            for (int64_t r = 0; r < rows; r++) gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
+        } else {
+            relu_bf16(a, rows * I);
+        }
         rc = lin_bf16_rows(&L->lin[L_DOWN], a, rows, h, nt);
     }
     if (!rc) {
