@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock
+from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.decode import cache_kv_usable
 
@@ -190,7 +190,7 @@ class NativeDecodeStep:
         cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
         for fused, layer in zip(self.blocks, layers):
             q, k, v = layer.step_in(x, cos, sin)
-            k, v = cache.update(k, v, fused.spec.layer_idx)
+            k, v = append_kv(cache, k, v, fused.spec.layer_idx)
             if k.shape[2] != sk:  # a static cache: its keys past this token are unused
                 k, v = k[:, :, :sk], v[:, :, :sk]
             if not cache_kv_usable(k, v, d, rows):  # a cache layout the kernel does not read
