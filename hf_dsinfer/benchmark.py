@@ -65,7 +65,8 @@ class Row:
     model: str
     batch: int
     config: str
-    weight_bytes: int
+    weight_bytes: int  # the model's footprint without the input-embedding table
+    read_bytes: int  # of those, the bytes one decode step reads (see _read_bytes)
     prefill: list[float] = dataclasses.field(default_factory=list)
     decode: list[float] = dataclasses.field(default_factory=list)  # seconds per decode step
     match: str = "-"
@@ -73,11 +74,24 @@ class Row:
 
 
 def _weight_bytes(model) -> int:
-    """Bytes read per decode step: every parameter/buffer but the input-embedding table."""
+    """Every parameter/buffer but the input-embedding table (an untied one is not read by a
+    decode step)."""
     total = model.get_memory_footprint()
     emb = model.get_input_embeddings().weight
     tied = emb is getattr(model.get_output_embeddings(), "weight", None)
     return total if tied else total - emb.numel() * emb.element_size()
+
+
+# An int4 linear on CPU keeps its codes twice: `packed` (scales, mins), which the batch-1 native
+# layer reads, and torch's int4 layout for 2-32 rows (kernels/quant.py). A step reads one of them.
+_SECOND_INT4_COPY = ("cpu_packed", "cpu_scales_zeros")
+
+
+def _read_bytes(model) -> int:
+    """Bytes one decode step reads: _weight_bytes less the int4 copy it does not read."""
+    second = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                 if name.rsplit(".", 1)[-1] in _SECOND_INT4_COPY)
+    return _weight_bytes(model) - second
 
 
 def base_model(name: str, dtype: torch.dtype):
@@ -166,7 +180,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         for batch in args.batch:
             ids = torch.randint(3, vocab, (batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(batch))
-            group = [Row(name, batch, c, _weight_bytes(variants[c])) for c in args.configs]
+            group = [Row(name, batch, c, _weight_bytes(variants[c]), _read_bytes(variants[c]))
+                     for c in args.configs]
             peer = _peer(args, name, batch, group)
             _check_tokens(variants, group, ids, args.new_tokens, peer)
             for _ in tqdm(range(args.repeats), desc=f"{name} batch {batch}", leave=False):
@@ -188,7 +203,8 @@ def _peer(args: argparse.Namespace, name: str, batch: int, group: list[Row]):
     if args.no_peer or not LlamaCppPeer.available(name, batch):
         return None
     peer = LlamaCppPeer(torch.get_num_threads())
-    group.append(Row(name, batch, LlamaCppPeer.config, peer.path.stat().st_size))
+    size = peer.path.stat().st_size
+    group.append(Row(name, batch, LlamaCppPeer.config, size, size))
     return peer
 
 
@@ -222,7 +238,7 @@ def format_table(rows: list[Row], bandwidth: float) -> str:
         if row.config == "hf":
             base[(row.model, row.batch)] = tok_s
         ratio = tok_s / base.get((row.model, row.batch), tok_s)
-        gbs = row.weight_bytes / step / 1e9
+        gbs = row.read_bytes / step / 1e9
         lines.append(
             f"| {row.model} | {row.batch} | {row.config} | "
             f"{statistics.median(row.prefill) * 1e3:.0f} | {tok_s:.2f} | {ratio:.2f}x | "
