@@ -271,8 +271,10 @@ def predicted_terms(shape, hw, policy, work) -> dict:
 
 def phase_table(rows: list[dict]) -> str:
     """Predicted vs measured per phase, all layers: reads (weights by the loader thread, KV by
-    the cache thread) and compute (inside the layer forwards)."""
-    lines = [("| system | batch | phase | wall s | pred. read s | weight read s | KV read s | "
+    the cache's reader threads, their times summed, so it can exceed the wall time) and compute
+    (inside the layer forwards)."""
+    lines = [("| system | batch | phase | wall s | pred. read s | weight read s | "
+              "KV read s (sum over reader threads) | "
               "waited for weights s | pred. compute s | compute s |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

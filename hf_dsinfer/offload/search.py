@@ -284,15 +284,17 @@ def describe_hardware(hw: Hardware) -> str:
 
 
 def format_candidates(found: list[Candidate]) -> str:
-    rows = [("| block | weights % d/c/disk | cache % d/c/disk | 4-bit | pred. tok/s | "
+    rows = [("| block | weights % d/c/disk | cache % d/c/disk | 4-bit | overlap | pred. tok/s | "
             "prefill s | decode s | host RAM |"),
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cand in found:
         pol, pred = cand.policy, cand.prediction
+        packed = [what for what, on in (("weights", pol.compress_weights),
+                                        ("KV", pol.compress_cache)) if on]
         rows.append(
             f"| {pol.micro_batch_size} x {pol.num_micro_batches} | "
             f"{'/'.join(f'{v:g}' for v in pol.weights)} | "
-            f"{'/'.join(f'{v:g}' for v in pol.cache)} | {'yes' if pol.compress_weights else 'no'}"
-            f" | {pred.throughput:.2f} | {pred.prefill_s:.1f} | {pred.decode_s:.1f} | "
-            f"{format_bytes(cand.host_bytes)} |")
+            f"{'/'.join(f'{v:g}' for v in pol.cache)} | {' + '.join(packed) or 'no'} | "
+            f"{'yes' if pol.overlap else 'no'} | {pred.throughput:.2f} | {pred.prefill_s:.1f} | "
+            f"{pred.decode_s:.1f} | {format_bytes(cand.host_bytes)} |")
     return "\n".join(rows)

@@ -63,6 +63,8 @@ def test_plan_cli(llama_dir, tmp_path, capsys, monkeypatch):
     assert code == 0
     assert "measured cpu: matmul" in out and "chosen policy" in out and "tok/s" in out
     assert "measured prefill of one decoder layer, one sequence of 32 tokens" in out
+    # the candidates table tells policies apart that differ only in overlap or KV packing
+    assert "| 4-bit | overlap |" in out
 
 
 @pytest.mark.parametrize("name", ["llama_dir", "opt_dir", "gpt2_dir"])
