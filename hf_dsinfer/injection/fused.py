@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
@@ -153,6 +154,10 @@ class FusedBlock:
         self._decode: native_decode.DecodeLayer | None = None
         self._decode_key: tuple | None = None  # weights the last failed build looked at
         self._decode_build_why: str | None = None
+        # the MLP kind as kernels.decode names it (None: one it does not compute)
+        act, gated = self.spec.activation, self.policy.gated
+        self._decode_mlp = ("gated_silu" if gated and act == "silu"
+                            else "relu" if not gated and act == "relu" else None)
         self._decode_layout_why: str | None = self._decode_policy_why()
 
     @property
@@ -168,9 +173,7 @@ class FusedBlock:
         blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
         MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
         fc1 -> ReLU -> fc2; biases anywhere."""
-        p, spec = self.policy, self.spec
-        mlp = ("gated_silu" if p.gated and spec.activation == "silu"
-               else "relu" if not p.gated and spec.activation == "relu" else None)
+        p, spec, mlp = self.policy, self.spec, self._decode_mlp
         checks = [
             (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
             (p.norm in ("rms", "layer"), f"{p.norm} norm"),
@@ -183,7 +186,6 @@ class FusedBlock:
             (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
-        self._decode_mlp = mlp
         return next((why for ok, why in checks if not ok), None)
 
     def linear_slots(self) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -474,13 +476,12 @@ def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
     rebinds them (a beam reorder, a batch selection, HF's own update) is noticed, because they
     no longer view the buffer, and the buffer is rebuilt from them. Any other cache, layer
     class or shape: HF's update, unchanged."""
-    layers = getattr(cache, "layers", None)
-    if (type(cache).__name__ != "DynamicCache" or getattr(cache, "offloading", False)
-            or layers is None or layer_idx >= len(layers)):
+    if (type(cache) is not DynamicCache or cache.offloading or layer_idx >= len(cache.layers)
+            or torch.compiler.is_compiling()):
         return cache.update(k, v, layer_idx)
-    layer = layers[layer_idx]
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    if (type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False)
+    layer = cache.layers[layer_idx]
+    keys, values = layer.keys, layer.values
+    if (type(layer) is not DynamicLayer or not layer.is_initialized
             or not isinstance(keys, torch.Tensor) or keys.dim() != 4
             or not isinstance(values, torch.Tensor) or values.shape != keys.shape
             or k.shape != (keys.shape[0], keys.shape[1], 1, keys.shape[3]) or v.shape != k.shape

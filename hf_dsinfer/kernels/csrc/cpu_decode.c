@@ -337,12 +337,17 @@ static void scale_bf16(uint16_t *q, int64_t n, float s) {
     }
 }
 
+/* max(v, 0) with NaN kept NaN, as torch.relu (vmaxps would return 0 for NaN). */
+static inline __m512 relu_ps(__m512 v) {
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ),
+                              _mm512_setzero_ps());
+}
+
 /* a[c] = bf16(relu(bf16(y[c]))) for c < n (y fp32: fc1's output with its bias). */
 static void relu_row(const float *y, uint16_t *a, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        __m512 v = _mm512_maskz_loadu_ps(mk, y + c); /* NaN stays NaN, as torch.relu */
-        store16_bf16(a + c, mk, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps()));
+        store16_bf16(a + c, mk, relu_ps(_mm512_maskz_loadu_ps(mk, y + c)));
     }
 }
 
@@ -589,8 +594,7 @@ static void gated_silu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uin
 static void relu_bf16(uint16_t *a, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        __m512 v = load16(a, c, DT_BF16, mk); /* NaN stays NaN, as torch.relu */
-        store16_bf16(a + c, mk, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps()));
+        store16_bf16(a + c, mk, relu_ps(load16(a, c, DT_BF16, mk)));
     }
 }
 
@@ -667,7 +671,8 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
 #pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t r = 0; r < rows; r++) gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
         } else {
-            relu_bf16(a, rows * I);
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int64_t r = 0; r < rows; r++) relu_bf16(a + r * I, I);
         }
         rc = lin_bf16_rows(&L->lin[L_DOWN], a, rows, h, nt);
     }
