@@ -32,9 +32,9 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv
+from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv, commit_kv, kv_rooms
 from hf_dsinfer.kernels import _native
-from hf_dsinfer.kernels.decode import cache_kv_usable
+from hf_dsinfer.kernels.decode import LayerChain, Unsupported, cache_kv_usable
 
 try:  # transformers' output capture: which collector (if any) its layer hooks fill now
     from transformers.utils.output_capturing import _active_collector
@@ -76,6 +76,8 @@ class NativeDecodeStep:
         self.blocks = blocks
         self.layers = [b.block for b in blocks]
         self.calls = 0  # steps taken natively
+        self.chained = 0  # of those, steps run as one native call over every layer
+        self._layer_chain: LayerChain | None = None
         self._why_static = self._static_reason()
         self.last_reason: str | None = None  # why the last call went to HF's forward
 
@@ -172,6 +174,15 @@ class NativeDecodeStep:
         return keep.contiguous().view(torch.uint8)
 
     # -- the step ------------------------------------------------------------------------------
+    def _chain(self, layers: list) -> LayerChain | None:
+        """The one-call chain of these layers (rebuilt when a layer was)."""
+        if self._layer_chain is None or not self._layer_chain.matches(layers):
+            try:
+                self._layer_chain = LayerChain(layers)
+            except Unsupported:
+                return None
+        return self._layer_chain
+
     def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
         inner, cache = self.inner, kwargs["past_key_values"]
         x = inner.embed_tokens(kwargs["input_ids"])
@@ -188,6 +199,18 @@ class NativeDecodeStep:
             return self.hf_forward(**kwargs)
         x = x.contiguous()
         cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        chain = self._chain(layers) if rows == 1 else None
+        got = None if chain is None else kv_rooms(cache, len(layers), chain.kv_heads, d)
+        if got is not None and got[1] == sk - 1:  # one native call for every layer
+            rooms, n = got
+            x = chain.step(x, cos, sin, rooms, n, None if keep is None else keep.reshape(-1))
+            commit_kv(cache, rooms, n)
+            for fused in self.blocks:
+                fused.calls += 1
+            self.calls += 1
+            self.chained += 1
+            return BaseModelOutputWithPast(last_hidden_state=inner.norm(x),
+                                           past_key_values=cache)
         for fused, layer in zip(self.blocks, layers):
             q, k, v = layer.step_in(x, cos, sin)
             k, v = append_kv(cache, k, v, fused.spec.layer_idx)

@@ -489,7 +489,17 @@ def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
             or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
         return cache.update(k, v, layer_idx)
     n = keys.shape[2]
-    room = layer.__dict__.get("_hfd_room")  # (key buffer, value buffer)
+    room = _room(layer, keys, values, n)
+    room[0][:, :, n:n + 1].copy_(k)
+    room[1][:, :, n:n + 1].copy_(v)
+    layer.keys, layer.values = room[0][:, :, :n + 1], room[1][:, :, :n + 1]
+    return layer.keys, layer.values
+
+
+def _room(layer: Any, keys: torch.Tensor, values: torch.Tensor, n: int):
+    """The layer's (key buffer, value buffer) whose [:, :, :n] its keys / values view, with
+    room for token n: the one it has, or a new one holding a copy of them."""
+    room = layer.__dict__.get("_hfd_room")
     # a buffer made under torch.inference_mode() cannot be written outside it: a new one
     if room is None or not (_views(keys, room[0]) and _views(values, room[1])
                             and room[0].shape[2] > n) or (
@@ -500,10 +510,40 @@ def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
         room[0][:, :, :n].copy_(keys)
         room[1][:, :, :n].copy_(values)
         layer._hfd_room = room
-    room[0][:, :, n:n + 1].copy_(k)
-    room[1][:, :, n:n + 1].copy_(v)
-    layer.keys, layer.values = room[0][:, :, :n + 1], room[1][:, :, :n + 1]
-    return layer.keys, layer.values
+    return room
+
+
+def kv_rooms(cache: Any, count: int, kv_heads: int, head_dim: int):
+    """For a batch-1 step that writes each layer's new key and value straight into the cache
+    (kernels.decode.decode_layers): the (key buffer, value buffer) of layers 0..count-1 of a
+    plain DynamicCache, made and checked as append_kv makes them, each with room for token n
+    after the n cached ones, and n (the same in every layer). None where append_kv itself
+    would take HF's update, or the layers hold something other than one sequence of bf16
+    [1, kv_heads, n, head_dim] on the CPU. `commit_kv` then makes token n part of the cache."""
+    if (type(cache) is not DynamicCache or cache.offloading or len(cache.layers) != count
+            or torch.compiler.is_compiling()):
+        return None
+    rooms, n = [], None
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if (type(layer) is not DynamicLayer or not layer.is_initialized
+                or not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor)
+                or keys.dim() != 4 or values.shape != keys.shape
+                or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
+                or keys.device.type != "cpu" or values.device.type != "cpu"
+                or tuple(keys.shape[:2]) != (1, kv_heads) or keys.shape[3] != head_dim
+                or (n is not None and keys.shape[2] != n)):
+            return None
+        n = keys.shape[2]
+        rooms.append(_room(layer, keys, values, n))
+    return rooms, n
+
+
+def commit_kv(cache: Any, rooms: list, n: int) -> None:
+    """After decode_layers wrote token n into every room: the layers' keys / values become
+    [:, :, :n + 1] of their buffers, as append_kv leaves them."""
+    for layer, (kb, vb) in zip(cache.layers, rooms):
+        layer.keys, layer.values = kb[:, :, :n + 1], vb[:, :, :n + 1]
 
 
 def _views(t: torch.Tensor, buffer: torch.Tensor) -> bool:

@@ -376,3 +376,76 @@ def cache_kv_usable(k: Any, v: Any, d: int, rows: int = 1) -> bool:
             and k.device.type == "cpu" and v.device.type == "cpu"
             and k.dim() == 4 and k.shape[0] == rows and v.shape == k.shape and k.shape[3] == d
             and k.stride(3) == 1 and v.stride(3) == 1)
+
+
+class LayerChain:
+    """A model's batch-1 decode layers as one native call per step (csrc/cpu_decode.c:
+    hfd_decode_layers): every layer's attn_in, the write of its key and value into its cache
+    buffer, and its attn_out, with the same numerics as the per-layer calls. Build it again when
+    any layer is rebuilt (`matches`)."""
+
+    def __init__(self, layers: list[DecodeLayer]):
+        if not layers:
+            raise ValueError("LayerChain: no layers")
+        self.layers = list(layers)
+        self.lib = layers[0].lib
+        self._structs = (ctypes.c_void_p * len(layers))(
+            *(ctypes.addressof(layer.struct) for layer in layers))
+        self.kv_heads, self.head_dim = layers[0].kv_heads, layers[0].head_dim
+        self.rope = layers[0].rope
+        if any((layer.kv_heads, layer.head_dim, layer.rope)
+               != (self.kv_heads, self.head_dim, self.rope) for layer in layers):
+            raise Unsupported("layers of different KV shapes or RoPE")
+
+    def matches(self, layers: list[DecodeLayer]) -> bool:
+        return len(layers) == len(self.layers) and all(
+            a is b for a, b in zip(layers, self.layers))
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+             rooms: list[tuple[torch.Tensor, torch.Tensor]], n: int,
+             keep: torch.Tensor | None) -> torch.Tensor:
+        """x [1, 1, hidden] bf16 -> the last layer's output. rooms: per layer the key / value
+        buffers [1, kv_heads, >n, head_dim] (bf16, contiguous last dim) whose first n tokens are
+        the cache; token n is written there. keep: [n + 1] uint8 or None (every key)."""
+        count, d = len(self.layers), self.head_dim
+        hidden = self.layers[0].hidden
+        if (x.dtype != torch.bfloat16 or x.numel() != hidden or not x.is_contiguous()
+                or x.device.type != "cpu"):
+            raise ValueError(f"LayerChain.step: x must be {hidden} contiguous bf16 CPU values, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        if len(rooms) != count:
+            raise ValueError(f"LayerChain.step: {len(rooms)} cache layers for {count} layers")
+        strides, kp, vp = [], [], []
+        for kb, vb in rooms:
+            if not (kb.dtype == vb.dtype == torch.bfloat16 and kb.dim() == vb.dim() == 4
+                    and kb.shape[0] == 1 and kb.shape[1] == self.kv_heads
+                    and kb.shape[3] == d and vb.shape[:2] == kb.shape[:2]
+                    and vb.shape[3] == d and min(kb.shape[2], vb.shape[2]) > n
+                    and kb.stride(3) == 1 and vb.stride(3) == 1
+                    and kb.device.type == vb.device.type == "cpu"):
+                raise ValueError(
+                    f"LayerChain.step: a cache buffer {tuple(kb.shape)} / {tuple(vb.shape)} "
+                    f"{kb.dtype}; expected bf16 CPU [1, {self.kv_heads}, >{n}, {d}] with a "
+                    "contiguous last dim")
+            strides += [kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2)]
+            kp.append(kb.data_ptr())
+            vp.append(vb.data_ptr())
+        if keep is not None and (keep.dtype != torch.uint8 or keep.numel() != n + 1
+                                 or not keep.is_contiguous()):
+            raise ValueError(f"LayerChain.step: keep must be {n + 1} contiguous uint8")
+        if self.rope:
+            cos_p, sin_p = self.layers[0]._cos_sin(cos, sin, "LayerChain.step")
+            if cos.numel() != d or sin.numel() != d:
+                raise ValueError(f"LayerChain.step: cos / sin of {cos.numel()} values, not {d}")
+        else:
+            cos_p = sin_p = None
+        out = torch.empty_like(x)
+        code = self.lib.hfd_decode_layers(
+            self._structs, count, x.data_ptr(), cos_p, sin_p, (ctypes.c_void_p * count)(*kp),
+            (ctypes.c_void_p * count)(*vp), (ctypes.c_int64 * (4 * count))(*strides), n,
+            None if keep is None else keep.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if code:
+            _native.check(code, "hfd_decode_layers")
+        for layer in self.layers:
+            layer.calls += 1
+        return out

@@ -56,15 +56,87 @@ def test_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
     assert step is not None and step.reason() is None
     ids = torch.tensor([[0, 0, 17, 33, 41, 9]]) if padded else torch.tensor([[17, 33, 41, 9]])
     mask = (ids != 0).long()
-    native = _steps(model, ids, mask, _cache(cache, model))
+    native_cache = _cache(cache, model)
+    native = _steps(model, ids, mask, native_cache)
     assert step.calls == 5 and step.last_reason is None
+    # a plain DynamicCache: every step one native call over all layers (LayerChain)
+    assert step.chained == (5 if cache == "dynamic" else 0)
     layer_calls = [f.calls for f in get_report(model).blocks.values()]
     monkeypatch.setattr(step, "_why_static", "off in this test")
-    hf_loop = _steps(model, ids, mask, _cache(cache, model))
+    hf_cache = _cache(cache, model)
+    hf_loop = _steps(model, ids, mask, hf_cache)
     assert step.calls == 5 and step.last_reason == "off in this test"
     # the HF loop ran the same native layers (their own counters), and gave the same logits
     assert all(f.calls > c for f, c in zip(get_report(model).blocks.values(), layer_calls))
     assert torch.equal(native, hf_loop)
+    for ours, theirs in zip(native_cache.layers, hf_cache.layers):  # the same cache, too
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def _crop_steps(model, ids):
+    """Greedy steps with a crop of the last 2 tokens in between (as assisted decoding does):
+    the chain then writes into the same buffers from the shorter length."""
+    cache = DynamicCache(config=model.config)
+    out = _steps(model, ids, torch.ones_like(ids), cache, steps=4)
+    cache.crop(-2)
+    n = cache.get_seq_length()
+    with torch.inference_mode():
+        tok = out[1].argmax(-1, keepdim=True)
+        mask = torch.ones(1, n + 1, dtype=torch.long)
+        logits = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    return out, logits, cache
+
+
+@pytest.mark.parametrize("quant", [None, {"bits": 4, "group_size": 32}])
+def test_chained_steps_equal_the_layer_loop(quant, monkeypatch):
+    """Chained steps against the per-layer native loop: greedy generate, a crop, and beams
+    (batched rows, which do not chain) in between, with the same tokens, logits and cache."""
+    from hf_dsinfer.injection import decode_step
+
+    model = _model(quant)
+    step = get_report(model).step
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        chained = [model.generate(ids, **kw), model.generate(ids, num_beams=3, **kw)]
+    chained_crop = _crop_steps(model, ids)
+    assert step.chained == 5 + 5  # greedy generate, then 4 steps and one after the crop
+    monkeypatch.setattr(decode_step, "kv_rooms", lambda *a: None)  # the per-layer loop
+    calls = step.calls
+    with torch.inference_mode():
+        loop = [model.generate(ids, **kw), model.generate(ids, num_beams=3, **kw)]
+    loop_crop = _crop_steps(model, ids)
+    assert step.chained == 10 and step.calls > calls
+    assert all(torch.equal(a, b) for a, b in zip(chained, loop))
+    assert torch.equal(chained_crop[0], loop_crop[0])
+    assert torch.equal(chained_crop[1], loop_crop[1])
+    for ours, theirs in zip(chained_crop[2].layers, loop_crop[2].layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_layer_chain_refuses_a_cache_buffer_it_cannot_write():
+    """LayerChain.step checks every buffer before the one native call: a buffer without room
+    for the token, or of the wrong head count, is a ValueError naming what it expected."""
+    from hf_dsinfer.kernels.decode import LayerChain
+
+    model = _model()
+    layers = [f.decode_ready() for f in get_report(model).blocks.values()]
+    chain = LayerChain(layers)
+    x = torch.zeros(1, 1, _BASE["hidden_size"], dtype=torch.bfloat16)
+    d = _BASE["hidden_size"] // _BASE["num_attention_heads"]
+    cos, sin = torch.ones(d, dtype=torch.bfloat16), torch.zeros(d, dtype=torch.bfloat16)
+    full = [(torch.zeros(1, 2, 4, d, dtype=torch.bfloat16),) * 2 for _ in layers]
+    with pytest.raises(ValueError, match=r"expected bf16 CPU \[1, 2, >4"):
+        chain.step(x, cos, sin, full, 4, None)  # no room for token 4
+    heads = [(torch.zeros(1, 3, 8, d, dtype=torch.bfloat16),) * 2 for _ in layers]
+    with pytest.raises(ValueError, match="expected bf16 CPU"):
+        chain.step(x, cos, sin, heads, 4, None)
+    room = [(torch.zeros(1, 2, 8, d, dtype=torch.bfloat16),
+             torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)) for _ in layers]
+    with pytest.raises(ValueError, match="keep must be 5"):
+        chain.step(x, cos, sin, room, 4, torch.ones(4, dtype=torch.uint8))
+    out = chain.step(x, cos, sin, room, 4, None)  # a valid call writes token 4 of each layer
+    assert out.shape == x.shape and all(layer.calls > 0 for layer in layers)
 
 
 @pytest.mark.skipif(not _native.amx_available(), reason="no AMX-BF16: batches take HF's loop")
@@ -104,6 +176,7 @@ def test_generate_takes_the_step_under_no_grad_and_inference_mode():
         b = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(a, b)
     assert step.calls == 10  # 5 one-token steps per call
+    assert step.chained == 10  # a cache made under inference_mode is rebuilt under no_grad
     hf_dsinfer.revert(model)
     assert "forward" not in model.model.__dict__  # revert removes it
     with torch.inference_mode():
