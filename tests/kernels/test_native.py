@@ -94,13 +94,16 @@ def test_int8_tiles_hold_the_row_major_codes(monkeypatch):
 
 def test_int4_tiles_hold_the_row_major_codes(monkeypatch):
     """quantize_int4 stores whole-tile shapes as tiles, with the codes it packs row-major when
-    the library is off; a tiled weight still computes with the library switched off."""
-    w, x = _gaussian(40, 256), _gaussian(40, 256, seed=1)  # 40 rows of x: the chunked path
+    the library is off (two 512-column runs in the tiles' column order, then 128 columns in
+    row order); a tiled weight still computes with the library switched off, and the C
+    dequantization (40 rows of x: the chunked path) reads the tiles' order as Python wrote it."""
+    w, x = _gaussian(40, 1152), _gaussian(40, 1152, seed=1)
     tiled = Q.quantize_int4(w, 32)
     y = Q.linear_int4(x, tiled, backend="cpu")
     monkeypatch.setenv(_native.ENV_VAR, "0")
     row_major = Q.quantize_int4(w, 32)
-    assert tiled.tiled and not row_major.tiled and tiled.packed.shape == (10, 2, 4, 64)
+    assert tiled.tiled and not row_major.tiled and tiled.packed.shape == (10, 9, 4, 64)
+    assert not torch.equal(Q.untile_rows(tiled.packed), row_major.packed)  # reordered runs
     assert torch.equal(Q.int4_codes(tiled), row_major.packed)
     assert torch.equal(Q.linear_int4(x, tiled, backend="cpu"), y)
     assert torch.equal(Q.linear_int4_ref(x, tiled), Q.linear_int4_ref(x, row_major))

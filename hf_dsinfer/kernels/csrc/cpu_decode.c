@@ -123,6 +123,10 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
             }
         }
         const int64_t half = in->kp / 2;
+        /* tiles: the codes' whole 512-column runs are in the super-chunk order (hfd_simd.h:
+           int4_order), and so are the planes: the 16 row bytes k / 2 .. k / 2 + 15 of a run
+           (one j) go to 4 runs of 4 bytes, 64 apart */
+        const int64_t ordered = L->kind == LIN_INT4_TILED ? K / 512 * 512 : 0;
         uint8_t *plane = in->planes;
         const __m512i byte = _mm512_set1_epi32(255);
         const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -132,10 +136,22 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
             __m512i b = _mm512_maskz_loadu_epi32(mask16(K - k - 16), v32 + k + 16);
             __m512i eo[2] = {_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b)};
             for (int p = 0; p < 2; p++) { /* columns k + 2j + p, j < 16 */
-                uint8_t *o = plane + p * half + k / 2;
-                _mm_storeu_si128((__m128i *)o, _mm512_cvtepi32_epi8(_mm512_and_si512(eo[p], byte)));
-                _mm_storeu_si128((__m128i *)(o + 2 * half), _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(eo[p], 8), byte)));
-                _mm_storeu_si128((__m128i *)(o + 4 * half), _mm512_cvtepi32_epi8(_mm512_srai_epi32(eo[p], 16)));
+                __m128i bytes[3] = {
+                    _mm512_cvtepi32_epi8(_mm512_and_si512(eo[p], byte)),
+                    _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(eo[p], 8), byte)),
+                    _mm512_cvtepi32_epi8(_mm512_srai_epi32(eo[p], 16))};
+                for (int t = 0; t < 3; t++) {
+                    uint8_t *o = plane + (2 * t + p) * half;
+                    if (k < ordered) {
+                        const int64_t run = k / 2 & ~(int64_t)(INT4_SUPER - 1);
+                        const int64_t j = (k / 2 & (INT4_SUPER - 1)) >> 4;
+                        uint32_t w[4];
+                        _mm_storeu_si128((__m128i *)w, bytes[t]);
+                        for (int i = 0; i < 4; i++) memcpy(o + run + 64 * i + 4 * j, &w[i], 4);
+                    } else {
+                        _mm_storeu_si128((__m128i *)(o + k / 2), bytes[t]);
+                    }
+                }
             }
         }
     }
@@ -187,7 +203,8 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
        interleaved runs: 20.9-21.8 -> 20.0-21.0 ms; the model's 22 layers, 3 interleaved runs:
        31.6-37.7 -> 29.3-36.2 ms (0.7-2.3 ms less in each pair). A 16-bit x (two planes) was
        no faster and flipped the bf16 rounding of up to 16% of outputs on inputs spanning 5
-       decades within a group. */
+       decades within a group. Tiles hold whole 512-column runs in an order of their own, so
+       that those lanes are combined and scaled once per run (see below). */
     const int64_t group = L->group, G = K / group, half = in->kp / 2;
     const int tiled = L->kind == LIN_INT4_TILED; /* whole 128-column chunks */
     const int64_t step = tiled ? ROWS : 1;        /* bytes of a row's stream per code byte */
@@ -226,7 +243,44 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
         _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
         gshift < 7 ? gshift : 7);
     const uint8_t *xe = in->planes, *xo = xe + half; /* lo, mid, hi planes 2 * half apart */
-    for (int64_t c = 0; c < (K + 127) / 128; c++) {
+    /* Tiles: whole 512-column runs first, in the super-chunk order (hfd_simd.h: int4_order):
+       lane j of load i (chunk 4s + i) holds columns 512s + 32j + 8i .. + 7, so each lane sums
+       its run's 32 products as integers over the 4 loads (|lo|, |mid| <= 32 * 15 * 255,
+       |hi| <= 32 * 15 * 128) and is scaled once: lo + 256 mid exactly, then + 65536 hi in
+       fp32. Lane j's group is (512s + 32j) / group. */
+    const int64_t runs = tiled ? K / 512 : 0;
+    const __m512i lidx = _mm512_srli_epi32(
+        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 5),
+        gshift);
+    for (int64_t s = 0; s < runs; s++) {
+        __m512i lo[ROWS], mid[ROWS], hi[ROWS];
+        for (int r = 0; r < ROWS; r++) lo[r] = mid[r] = hi[r] = _mm512_setzero_si512();
+        for (int64_t c = 4 * s; c < 4 * s + 4; c++) {
+            const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
+            const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
+            const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
+            const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
+            const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
+            prefetch_tiles(wr[0] + c * 64 * step, end);
+            for (int r = 0; r < ROWS; r++) {
+                __m512i v = _mm512_loadu_si512(wr[r] + c * 64 * step);
+                __m512i even = _mm512_and_si512(v, nibble);
+                __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                lo[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[r], xel, even), xol, odd);
+                mid[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(mid[r], xem, even), xom, odd);
+                hi[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi[r], even, xeh), odd, xoh);
+            }
+        }
+        const int64_t gb = (512 * s) >> gshift;
+        for (int r = 0; r < ROWS; r++) {
+            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], _mm512_slli_epi32(mid[r], 8)));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(65536.f), t);
+            __m512 sc = _mm512_loadu_ps(scale[r] + gb);
+            if (gshift != 5) sc = _mm512_permutexvar_ps(lidx, sc);
+            acc[r] = _mm512_fmadd_ps(t, sc, acc[r]);
+        }
+    }
+    for (int64_t c = 4 * runs; c < (K + 127) / 128; c++) {
         const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
         const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
         const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
@@ -409,9 +463,10 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
         in[j].planes = s->planes + j * 3 * s->kp;
         in[j].gsum = s->gsum + j * s->kp;
         in[j].gunit = s->gunit + j * s->kp;
-        int shared = -1; /* int4 inputs depend on x and the group only: q|k|v and gate|up share */
+        int shared = -1; /* int4 inputs depend on x, the group and the layout only: q|k|v and
+                            gate|up share */
         for (int i = 0; i < j && is_int4(lin[j]); i++)
-            if (is_int4(lin[i]) && lin[i]->group == lin[j]->group) shared = i;
+            if (lin[i]->kind == lin[j]->kind && lin[i]->group == lin[j]->group) shared = i;
         if (shared >= 0)
             in[j] = in[shared];
         else

@@ -111,9 +111,20 @@ static inline __m512 codes16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15)));
 }
 
+/* The 16 codes of row bytes o .. o + 7 (o a multiple of 8) of a stored row: row-major, or
+   tiles in the super-chunk order (hfd_simd.h: int4_order), where they are two runs of 4. */
+static inline __m512 codes16_at(const uint8_t *row, int64_t o, int64_t row_bytes, int tiled) {
+    if (!tiled) return codes16(row + o);
+    uint8_t b[8];
+    memcpy(b, row + tile_at(int4_order(o, row_bytes), 1), 4);
+    memcpy(b + 4, row + tile_at(int4_order(o + 4, row_bytes), 1), 4);
+    return codes16(b);
+}
+
 /* out[r, :] (dtype o_dt) = q * scale + min (fp32: the product rounded, then the sum) for rows
-   [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble; row-major, or tiles:
-   tiled = 1, see tile_row), groups of `group` columns; out holds row1 - row0 rows of K.
+   [row0, row1) of a 4-bit weight packed two per byte (column 2b low nibble; row-major, or tiles
+   in the super-chunk order: tiled = 1, see tile_row and int4_order), groups of `group`
+   columns; out holds row1 - row0 rows of K.
    fp-contract off: gcc would fuse the product and the sum into one fma (differently rounded
    from torch's two ops). */
 __attribute__((optimize("fp-contract=off")))
@@ -129,7 +140,7 @@ int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void 
             const __m512 m = _mm512_set1_ps(load_f32(mins, r * G + g, s_dt));
             for (int64_t c = g * group; c < (g + 1) * group; c += 16)
                 store16_dt(out, (r - row0) * K + c, o_dt,
-                           _mm512_add_ps(_mm512_mul_ps(codes16(row + tile_at(c / 2, tiled)), s),
+                           _mm512_add_ps(_mm512_mul_ps(codes16_at(row, c / 2, K / 2, tiled), s),
                                          m));
         }
     }

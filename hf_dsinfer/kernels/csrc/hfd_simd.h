@@ -50,6 +50,23 @@ static inline int64_t tile_at(int64_t b, int tiled) {
     return tiled ? (b & ~(int64_t)63) * TILE_ROWS + (b & 63) : b;
 }
 
+/* 4-bit codes in tiles also take a column order of their own within each row (quant.py's
+   int4_super_order): a row's codes are packed two per byte, column 2o in the low nibble of byte
+   o, and each whole 256-byte run of a row (512 columns, a "super-chunk") is stored with its
+   bytes as [4][16][4] instead of [16][4][4]: stored byte 64i + 4j + b holds row byte
+   16j + 4i + b. A 64-byte load i then gives dword lane j the 8 columns 512s + 32j + 8i + ...,
+   so across the super-chunk's 4 loads each lane keeps to one 32-column run, inside one group
+   (groups are 32-256 columns): cpu_decode.c's int4 kernel sums a lane's 32 products in
+   integers and scales once per super-chunk, not once per load. Bytes past the last whole
+   super-chunk keep their order. int4_order: where row byte o is stored (before tiling). */
+#define INT4_SUPER 256
+
+static inline int64_t int4_order(int64_t o, int64_t row_bytes) {
+    if (o >= row_bytes / INT4_SUPER * INT4_SUPER) return o;
+    const int64_t w = o & (INT4_SUPER - 1);
+    return (o - w) + ((w >> 2) & 3) * 64 + (w >> 4) * 4 + (w & 3);
+}
+
 /* Bytes ahead of the current position that a thread streaming tiles prefetches. 22 Llama-1.1B
    MLPs from DRAM, 2 threads, int8, 3 interleaved runs: row-major rows with the next block
    prefetched 21.7-22.2 GB/s; tiles with 0 / 512 / 1024 / 2048 / 3072 / 4096 bytes ahead
