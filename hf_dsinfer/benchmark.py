@@ -82,8 +82,9 @@ def _weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-# An int4 linear on CPU keeps its codes twice: `packed` (scales, mins), which the batch-1 native
-# layer reads, and torch's int4 layout for 2-32 rows (kernels/quant.py). A step reads one of them.
+# An int4 linear whose codes are not tiles (where the native kernels do not run, or the shape is
+# not whole tiles) also keeps torch's int4 layout for 2-32 rows (kernels/quant.py); a step reads
+# one of the two copies. Tiled weights keep one copy: the native kernel reads it for 1-32 rows.
 _SECOND_INT4_COPY = ("cpu_packed", "cpu_scales_zeros")
 
 

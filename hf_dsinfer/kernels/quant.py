@@ -26,7 +26,9 @@ Shapes and layouts:
                .scales / .mins [out, in // group_size]
                .cpu_packed / .cpu_scales_zeros: the same values in the layout of
                torch.ops.aten._weight_int4pack_mm_for_cpu, built once at quantize time on CPU
-               (None when the shape does not fit that kernel: out % 16 != 0)
+               where the codes are not tiles (the native kernels read tiles for any number
+               of rows) or when asked for (torch_layout=True); None when the shape does not
+               fit that kernel (out % 16 != 0)
     out     [..., out] in x.dtype
 
 CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_ops.py):
@@ -240,18 +242,26 @@ def _cpu_int4_layout(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
 
 
 def quantize_int4(
-    weight: torch.Tensor, group_size: int = 128, symmetric: bool = False
+    weight: torch.Tensor, group_size: int = 128, symmetric: bool = False,
+    torch_layout: bool | None = None,
 ) -> Int4Weight:
-    """4-bit group-wise quantization of a [out, in] weight (see the module docstring)."""
+    """4-bit group-wise quantization of a [out, in] weight (see the module docstring).
+
+    torch_layout: also keep the codes in torch's int4 CPU layout (cpu_packed), a second copy.
+    None (default): only where the codes are not tiles, i.e. where the native kernels do not
+    run (they read the tiles for any number of rows); True: wherever torch's kernel takes the
+    shape (the offload engine stores that layout)."""
     _check_int4_shape(weight, group_size)
     out_f, in_f = weight.shape
     wg = weight.detach().float().reshape(out_f, in_f // group_size, group_size)  # [out, G, g]
     scales, mins = _int4_scales_mins(wg, symmetric, weight.dtype)
     q = torch.round((wg - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
     q = q.reshape(out_f, in_f).to(torch.uint8)  # [out, in]
-    cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
     packed = pack_int4(q)
     tiled = _tiles_fit(packed)
+    cpu_packed = cpu_scales_zeros = None
+    if torch_layout or (torch_layout is None and not tiled):
+        cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
     stored = tile_rows(int4_super_order(packed)) if tiled else packed
     return Int4Weight(stored, scales, mins, group_size, symmetric, cpu_packed, cpu_scales_zeros,
                       tiled)
@@ -504,13 +514,43 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
     return y.reshape(*x.shape[:-1], n)
 
 
+def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
+    """x2 [M, in] times the weight by the native int4 kernel (csrc/cpu_decode.c:
+    hfd_int4_linear) in fp32, or None where it does not run (no library, dtypes or shapes it
+    does not take)."""
+    lib, dtypes = _native.lib(), _native.DTYPE_CODES
+    scales, mins = qweight.scales, qweight.mins
+    if (lib is None or x2.device.type != "cpu" or x2.dtype not in dtypes
+            or scales.dtype not in dtypes or mins.dtype != scales.dtype
+            or not (scales.is_contiguous() and mins.is_contiguous())):
+        return None
+    m, k = x2.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    code = lib.hfd_int4_linear(x2.data_ptr(), dtypes[x2.dtype], m, qweight.packed.data_ptr(),
+                               scales.data_ptr(), mins.data_ptr(), dtypes[scales.dtype],
+                               qweight.group_size, n, k, int(qweight.tiled), y.data_ptr(),
+                               torch.get_num_threads())
+    if code == -3:  # a shape the kernel does not take
+        return None
+    _native.check(code, "hfd_int4_linear")
+    return y
+
+
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
-    """_weight_int4pack_mm_for_cpu up to QUANT_PACK_MAX_ROWS rows, chunked dequantize above."""
+    """Up to QUANT_PACK_MAX_ROWS rows: the native int4 kernel where it runs (it reads the codes
+    as stored, so a tiled weight keeps one copy of them), else _weight_int4pack_mm_for_cpu on
+    torch's layout where the weight has it; chunked dequantize + GEMM otherwise. The product
+    is rounded to x's dtype, then the bias added, as torch's kernel and nn.Linear order it."""
     n, g = qweight.scales.shape[0], qweight.group_size
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+    y = _native_int4(x2, qweight) if x2.shape[0] <= QUANT_PACK_MAX_ROWS else None
+    if y is not None:
+        y = y.to(x.dtype)
+        y = y if bias is None else y + bias
+    elif x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None:
         sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), qweight.cpu_packed, g, sz)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight.cpu_packed, g, sz)
         y = y if bias is None else y + bias
     else:
         y = _chunked_dequant_linear(x2, n, functools.partial(_int4_rows, qweight, x.dtype), bias)

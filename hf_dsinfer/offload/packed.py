@@ -37,7 +37,7 @@ class PackedWeight(NamedTuple):
 
 def pack_weight(weight: torch.Tensor, group_size: int) -> PackedWeight:
     """[out, in] weight -> min-max 4-bit groups along `in`, in torch's CPU int4 layout."""
-    q = quantize_int4(weight, group_size)
+    q = quantize_int4(weight, group_size, torch_layout=True)
     return PackedWeight(q.cpu_packed, q.cpu_scales_zeros)
 
 

@@ -109,6 +109,42 @@ def test_int4_tiles_hold_the_row_major_codes(monkeypatch):
     assert torch.equal(Q.linear_int4_ref(x, tiled), Q.linear_int4_ref(x, row_major))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,group", [(64, 1152, 32), (48, 384, 128), (40, 1024, 256),
+                                       (22, 320, 64)])
+@pytest.mark.parametrize("rows", (1, 2, 7, 32))
+def test_native_int4_rows_against_float64(monkeypatch, dtype, n, k, group, rows):
+    """1-32 rows of x times a 4-bit weight by the native kernel (hfd_int4_linear): tiles with
+    whole 512-column runs and a rest (1152, 1024), tiles without a run (384), row-major rows
+    (22 rows, not whole tiles) with a partial last chunk (320). Against the dequantized weight
+    in float64: within half an ulp of the output dtype plus 1e-4 of the largest output (x as
+    24-bit fixed point per group, integer sums). A tiled weight keeps no second copy of its
+    codes in torch's layout."""
+    w = (_gaussian(n, k) * 0.05).to(dtype)
+    x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
+    x[:, ::7] *= 100.0  # groups spanning 4 decades
+    qw = Q.quantize_int4(w, group)
+    assert qw.tiled == (n % 4 == 0 and k % 128 == 0) and (qw.cpu_packed is None or not qw.tiled)
+    calls = _count(monkeypatch, "_native_int4")
+    out = Q.linear_int4(x, qw, bias, backend="cpu")
+    assert len(calls) == 1 and out.dtype == dtype
+    ref = _exact(x, Q.dequantize_int4(qw, torch.float32)) + bias.double()
+    ulp = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    # the product is rounded to dtype, then the bias added in dtype (as nn.Linear rounds)
+    bound = (ref.abs() + bias.double().abs()) * 2 * ulp + 1e-4 * ref.abs().max()
+    assert ((out.double() - ref).abs() <= bound).all(), (out.double() - ref).abs().max()
+
+
+def test_native_int4_rows_read_the_codes_streamed_once(monkeypatch):
+    """32 rows and 1 row give the same per-row result: a row of x is computed the same way
+    whatever the batch around it (the batch-1 numerics, row by row)."""
+    w, x = _gaussian(64, 1152) * 0.05, _gaussian(32, 1152, seed=1).bfloat16()
+    qw = Q.quantize_int4(w.bfloat16(), 32)
+    many = Q.linear_int4(x, qw, backend="cpu")
+    one = torch.cat([Q.linear_int4(x[i:i + 1], qw, backend="cpu") for i in range(32)])
+    assert torch.equal(many, one)
+
+
 def test_native_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(_native.ENV_VAR, "0")
     assert not _native.available() and "disabled" in _native.why_unavailable()
@@ -212,7 +248,7 @@ def test_native_int4pack_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
     w = (_gaussian(256, 512) * 0.05).to(dtype)
     lib, calls = _native.lib(), []
     for group in (32, 64, 128):
-        qw = Q.quantize_int4(w, group)
+        qw = Q.quantize_int4(w, group, torch_layout=True)
         codes, scales_zeros = qw.cpu_packed, qw.cpu_scales_zeros
         monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a, g=group: calls.append(g) or lib)
         got = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)

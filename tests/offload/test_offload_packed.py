@@ -33,7 +33,7 @@ def _dequantized_reference() -> torch.nn.Module:
     model = _model()
     for module in model.model.layers.modules():
         if isinstance(module, torch.nn.Linear):
-            q = Q.quantize_int4(module.weight.detach(), GROUP)
+            q = Q.quantize_int4(module.weight.detach(), GROUP, torch_layout=True)
             w = Q.dequantize_int4pack_rows(q.cpu_packed, q.cpu_scales_zeros, GROUP,
                                            torch.float32, 0, module.out_features)
             module.weight.data.copy_(w)

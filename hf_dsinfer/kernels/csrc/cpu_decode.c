@@ -88,11 +88,14 @@ static inline int is_int4(const hfd_lin *L) {
     return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED;
 }
 
-static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
-    in->x = x;
+/* x (K values of dtype x_dt: bf16 in the decode layer) as the linear L reads it: kp floats of
+   scratch in xf; for int4, in->gsum and in->gunit hold kp floats each. */
+static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_input *in,
+                             float *xf) {
+    in->x = (const uint16_t *)x;
     if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
         in->kp = (L->k + 63) / 64 * 64;
-        in->unit = int8_planes(x, DT_BF16, L->in_scale, L->k, in->kp, xf, in->planes);
+        in->unit = int8_planes(x, x_dt, L->in_scale, L->k, in->kp, xf, in->planes);
     } else if (is_int4(L)) {
         /* x per group g as 24-bit fixed point v = round(x / gunit[g]), |v| < 2^23 (gunit[g] =
            absmax / (2^23 - 1): the int8 kernel's precision), split v = 65536 hi + 256 mid + lo
@@ -108,7 +111,7 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
         for (int64_t g = 0; g < G; g++) {
             __m512 sum = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
             for (int64_t c = 0; c < group; c += 16) {
-                __m512 v = load16(x, g * group + c, DT_BF16, 0xFFFF);
+                __m512 v = load16(x, g * group + c, x_dt, 0xFFFF);
                 sum = _mm512_add_ps(sum, v);
                 mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
             }
@@ -117,11 +120,14 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
             in->gunit[g] = amax > 0.f ? amax / 8388607.f : 0.f;
             const __m512 inv = _mm512_set1_ps(amax > 0.f ? 8388607.f / amax : 0.f);
             for (int64_t c = 0; c < group; c += 16) {
-                __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, g * group + c, DT_BF16, 0xFFFF), inv));
+                __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, g * group + c, x_dt, 0xFFFF), inv));
                 /* fp32 rounding may reach 2^23 */
                 _mm512_storeu_si512(v32 + g * group + c, _mm512_max_epi32(_mm512_min_epi32(i, lim), nlim));
             }
         }
+        /* past the last group: 0 (a partial last chunk's lanes past K read 16 of these) */
+        _mm512_storeu_ps(in->gsum + G, _mm512_setzero_ps());
+        _mm512_storeu_ps(in->gunit + G, _mm512_setzero_ps());
         const int64_t half = in->kp / 2;
         /* tiles: the codes' whole 512-column runs are in the super-chunk order (hfd_simd.h:
            int4_order), and so are the planes: the 16 row bytes k / 2 .. k / 2 + 15 of a run
@@ -154,6 +160,138 @@ static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, fl
                 }
             }
         }
+    }
+}
+
+static void prepare_input(const hfd_lin *L, const uint16_t *x, lin_input *in, float *xf) {
+    prepare_input_dt(L, x, DT_BF16, in, xf);
+}
+
+/* ---- int4 rows (see lin_block for the numerics) ---- */
+
+/* A block of ROWS int4 weight rows: where each row's codes start, and its scales as fp32
+   (padded with 16 zeros: a partial last chunk's lanes past K meet them). */
+typedef struct {
+    const uint8_t *wr[ROWS];
+    float scale[ROWS][MAX_GROUPS + 16];
+} int4_block;
+
+static void int4_setup(const hfd_lin *L, int64_t n0, int rows, int4_block *b) {
+    const int64_t K = L->k, G = K / L->group;
+    const int tiled = L->kind == LIN_INT4_TILED;
+    for (int r = 0; r < ROWS; r++) {
+        int64_t row = n0 + (r < rows ? r : 0);
+        b->wr[r] = tile_row(L->w, row, K / 2, tiled);
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 mk = mask16(G - g);
+            _mm512_mask_storeu_ps(b->scale[r] + g, mk, load16(L->scales, row * G + g, (int)L->s_dt, mk));
+        }
+        _mm512_storeu_ps(b->scale[r] + G, _mm512_setzero_ps());
+    }
+    /* The threads take consecutive blocks: the next block's scales and mins are prefetched
+       now (its codes one line per 64 bytes read, in int4_dots). */
+    const int sz = L->s_dt == DT_F32 ? 4 : 2;
+    for (int64_t c = 0; n0 + ROWS < L->n && c < ROWS * G * sz; c += 64) {
+        _mm_prefetch((const char *)L->scales + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
+        _mm_prefetch((const char *)L->mins + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
+    }
+}
+
+/* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows, x as prepared in `in`. */
+static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, const int4_block *b,
+                                                            const lin_input *in, int64_t n0,
+                                                            int rows, float *out) {
+    const int64_t K = L->k, group = L->group, G = K / group, half = in->kp / 2;
+    const int tiled = L->kind == LIN_INT4_TILED; /* whole 128-column chunks */
+    const int64_t step = tiled ? ROWS : 1;        /* bytes of a row's stream per code byte */
+    const uint8_t *const *wr = b->wr;
+    const char *next = n0 + ROWS < L->n ? (const char *)L->w + (n0 + ROWS) * (K / 2) : NULL;
+    const char *end = (const char *)L->w + L->n * (K / 2);
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    /* dword j's group within its chunk; group is 32, 64, 128 or 256 (decode.py checks), so
+       divisions by it are shifts (an idiv per chunk was ~25 cycles of ~80) */
+    const int gshift = __builtin_ctzll(group);
+    const __m512i gidx = _mm512_srli_epi32(
+        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
+        gshift < 7 ? gshift : 7);
+    const uint8_t *xe = in->planes, *xo = xe + half; /* lo, mid, hi planes 2 * half apart */
+    /* Tiles: whole 512-column runs first, in the super-chunk order (hfd_simd.h: int4_order):
+       lane j of load i (chunk 4s + i) holds columns 512s + 32j + 8i .. + 7, so each lane sums
+       its run's 32 products as integers over the 4 loads (|lo|, |mid| <= 32 * 15 * 255,
+       |hi| <= 32 * 15 * 128) and is scaled once: lo + 256 mid exactly, then + 65536 hi in
+       fp32. Lane j's group is (512s + 32j) / group. */
+    const int64_t runs = tiled ? K / 512 : 0;
+    const __m512i lidx = _mm512_srli_epi32(
+        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 5),
+        gshift);
+    for (int64_t s = 0; s < runs; s++) {
+        __m512i lo[ROWS], mid[ROWS], hi[ROWS];
+        for (int r = 0; r < ROWS; r++) lo[r] = mid[r] = hi[r] = _mm512_setzero_si512();
+        for (int64_t c = 4 * s; c < 4 * s + 4; c++) {
+            const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
+            const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
+            const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
+            const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
+            const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
+            prefetch_tiles(wr[0] + c * 64 * step, end);
+            for (int r = 0; r < ROWS; r++) {
+                __m512i v = _mm512_loadu_si512(wr[r] + c * 64 * step);
+                __m512i even = _mm512_and_si512(v, nibble);
+                __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                lo[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[r], xel, even), xol, odd);
+                mid[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(mid[r], xem, even), xom, odd);
+                hi[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi[r], even, xeh), odd, xoh);
+            }
+        }
+        const int64_t gb = (512 * s) >> gshift;
+        __m512 unit = _mm512_loadu_ps(in->gunit + gb);
+        if (gshift != 5) unit = _mm512_permutexvar_ps(lidx, unit);
+        for (int r = 0; r < ROWS; r++) {
+            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], _mm512_slli_epi32(mid[r], 8)));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(65536.f), t);
+            __m512 sc = _mm512_loadu_ps(b->scale[r] + gb);
+            if (gshift != 5) sc = _mm512_permutexvar_ps(lidx, sc);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(t, unit), sc, acc[r]);
+        }
+    }
+    for (int64_t c = 4 * runs; c < (K + 127) / 128; c++) {
+        const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
+        const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
+        const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
+        const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
+        const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
+        const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
+        if (tiled)
+            prefetch_tiles(wr[0] + c * 64 * step, end);
+        else
+            prefetch_next_block(next, end, ROWS * c, ROWS);
+        const int64_t g0 = (c * 128) >> gshift;
+        const __m512 unit = _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(in->gunit + g0));
+        for (int r = 0; r < ROWS; r++) {
+            __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64 * step);
+            __m512i even = _mm512_and_si512(v, nibble);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xel, even); /* u8 x s8 */
+            lo = _mm512_dpbusd_epi32(lo, xol, odd);
+            __m512i mid = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xem, even);
+            mid = _mm512_dpbusd_epi32(mid, xom, odd);
+            __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, xeh); /* s8 x */
+            hi = _mm512_dpbusd_epi32(hi, odd, xoh);
+            __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(mid, 8), _mm512_slli_epi32(hi, 16));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, sum)), unit);
+            acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(b->scale[r] + g0)), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* the mins come in through the group sums of x */
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 mk = mask16(G - g);
+            m = _mm512_fmadd_ps(load16(L->mins, (n0 + r) * G + g, (int)L->s_dt, mk),
+                                _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
+        }
+        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(m);
     }
 }
 
@@ -196,8 +334,9 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
        of x (prepare_input) in vpdpbusd: codes (0..15) times the unsigned low and middle bytes,
        and times the signed high bytes, integer sums (a lane: 8 codes times a byte per chunk),
        combined as lo + 256 mid + 65536 hi (|sum| < 2^31) and converted to fp32. Dword j's 8
-       columns lie in one group, (128 c + 8 j) / group, so one permute of the row's fp32
-       scale * gunit per chunk applies them; the mins come in through the group sums of x.
+       columns lie in one group, (128 c + 8 j) / group, so one permute each of the row's fp32
+       scales and of x's gunit per chunk applies them; the mins come in through the group sums
+       of x.
        Against decoding nibbles to bf16 for vdpbf16ps (~18 vector-port slots per 128 columns
        and row, vdpbf16ps taking two): 15 single-slot ops. 22 Llama-1.1B MLPs from DRAM, 6
        interleaved runs: 20.9-21.8 -> 20.0-21.0 ms; the model's 22 layers, 3 interleaved runs:
@@ -205,109 +344,9 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
        no faster and flipped the bf16 rounding of up to 16% of outputs on inputs spanning 5
        decades within a group. Tiles hold whole 512-column runs in an order of their own, so
        that those lanes are combined and scaled once per run (see below). */
-    const int64_t group = L->group, G = K / group, half = in->kp / 2;
-    const int tiled = L->kind == LIN_INT4_TILED; /* whole 128-column chunks */
-    const int64_t step = tiled ? ROWS : 1;        /* bytes of a row's stream per code byte */
-    const uint8_t *wr[ROWS];
-    float scale[ROWS][MAX_GROUPS + 16], mins[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-        int64_t row = n0 + (r < rows ? r : 0);
-        wr[r] = tile_row(L->w, row, K / 2, tiled);
-        __m512 m = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; g += 16) {
-            __mmask16 mk = mask16(G - g);
-            __m512 su = _mm512_mul_ps(load16(L->scales, row * G + g, (int)L->s_dt, mk),
-                                      _mm512_maskz_loadu_ps(mk, in->gunit + g));
-            _mm512_mask_storeu_ps(scale[r] + g, mk, su);
-            m = _mm512_fmadd_ps(load16(L->mins, row * G + g, (int)L->s_dt, mk),
-                                _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
-        }
-        mins[r] = _mm512_reduce_add_ps(m);
-        /* a partial last chunk's lanes past K hold 0 (x is 0 there), times these */
-        _mm512_storeu_ps(scale[r] + G, _mm512_setzero_ps());
-    }
-    /* The threads take consecutive blocks: the next block's codes are prefetched one line per
-       64 bytes read here, its scales and mins now. */
-    const char *next = n0 + ROWS < L->n ? (const char *)L->w + (n0 + ROWS) * (K / 2) : NULL;
-    const char *end = (const char *)L->w + L->n * (K / 2);
-    const int sz = L->s_dt == DT_F32 ? 4 : 2;
-    for (int64_t c = 0; n0 + ROWS < L->n && c < ROWS * G * sz; c += 64) {
-        _mm_prefetch((const char *)L->scales + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
-        _mm_prefetch((const char *)L->mins + (n0 + ROWS) * G * sz + c, _MM_HINT_T0);
-    }
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    /* dword j's group within its chunk; group is 32, 64, 128 or 256 (decode.py checks), so
-       divisions by it are shifts (an idiv per chunk was ~25 cycles of ~80) */
-    const int gshift = __builtin_ctzll(group);
-    const __m512i gidx = _mm512_srli_epi32(
-        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3),
-        gshift < 7 ? gshift : 7);
-    const uint8_t *xe = in->planes, *xo = xe + half; /* lo, mid, hi planes 2 * half apart */
-    /* Tiles: whole 512-column runs first, in the super-chunk order (hfd_simd.h: int4_order):
-       lane j of load i (chunk 4s + i) holds columns 512s + 32j + 8i .. + 7, so each lane sums
-       its run's 32 products as integers over the 4 loads (|lo|, |mid| <= 32 * 15 * 255,
-       |hi| <= 32 * 15 * 128) and is scaled once: lo + 256 mid exactly, then + 65536 hi in
-       fp32. Lane j's group is (512s + 32j) / group. */
-    const int64_t runs = tiled ? K / 512 : 0;
-    const __m512i lidx = _mm512_srli_epi32(
-        _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 5),
-        gshift);
-    for (int64_t s = 0; s < runs; s++) {
-        __m512i lo[ROWS], mid[ROWS], hi[ROWS];
-        for (int r = 0; r < ROWS; r++) lo[r] = mid[r] = hi[r] = _mm512_setzero_si512();
-        for (int64_t c = 4 * s; c < 4 * s + 4; c++) {
-            const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
-            const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
-            const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
-            const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
-            const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
-            prefetch_tiles(wr[0] + c * 64 * step, end);
-            for (int r = 0; r < ROWS; r++) {
-                __m512i v = _mm512_loadu_si512(wr[r] + c * 64 * step);
-                __m512i even = _mm512_and_si512(v, nibble);
-                __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                lo[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[r], xel, even), xol, odd);
-                mid[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(mid[r], xem, even), xom, odd);
-                hi[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi[r], even, xeh), odd, xoh);
-            }
-        }
-        const int64_t gb = (512 * s) >> gshift;
-        for (int r = 0; r < ROWS; r++) {
-            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], _mm512_slli_epi32(mid[r], 8)));
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(65536.f), t);
-            __m512 sc = _mm512_loadu_ps(scale[r] + gb);
-            if (gshift != 5) sc = _mm512_permutexvar_ps(lidx, sc);
-            acc[r] = _mm512_fmadd_ps(t, sc, acc[r]);
-        }
-    }
-    for (int64_t c = 4 * runs; c < (K + 127) / 128; c++) {
-        const __m512i xel = _mm512_loadu_si512(xe + c * 64), xol = _mm512_loadu_si512(xo + c * 64);
-        const __m512i xem = _mm512_loadu_si512(xe + 2 * half + c * 64);
-        const __m512i xom = _mm512_loadu_si512(xo + 2 * half + c * 64);
-        const __m512i xeh = _mm512_loadu_si512(xe + 4 * half + c * 64);
-        const __m512i xoh = _mm512_loadu_si512(xo + 4 * half + c * 64);
-        const __mmask64 mk = K - c * 128 >= 128 ? ~0ULL : (1ULL << ((K - c * 128) / 2)) - 1;
-        if (tiled)
-            prefetch_tiles(wr[0] + c * 64 * step, end);
-        else
-            prefetch_next_block(next, end, ROWS * c, ROWS);
-        const int64_t g0 = (c * 128) >> gshift;
-        for (int r = 0; r < ROWS; r++) {
-            __m512i v = _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64 * step);
-            __m512i even = _mm512_and_si512(v, nibble);
-            __m512i odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xel, even); /* u8 x s8 */
-            lo = _mm512_dpbusd_epi32(lo, xol, odd);
-            __m512i mid = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xem, even);
-            mid = _mm512_dpbusd_epi32(mid, xom, odd);
-            __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, xeh); /* s8 x */
-            hi = _mm512_dpbusd_epi32(hi, odd, xoh);
-            __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(mid, 8), _mm512_slli_epi32(hi, 16));
-            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, sum));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(scale[r] + g0)), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r];
+    int4_block b;
+    int4_setup(L, n0, rows, &b);
+    int4_dots(L, &b, in, n0, rows, out);
 }
 
 /* Rows of the linears lin[0..count) (all reading the same x), split in ROWS blocks over the
@@ -646,6 +685,61 @@ int hfd_decode_layers(const hfd_layer *const *L, int64_t count, const uint16_t *
     }
     free(buf);
     return rc;
+}
+
+/* y [M, N] (fp32, no bias) = x [M, K] (x_dt: DT_F32 / DT_BF16 / DT_F16) times a 4-bit weight
+   W = q * scale + min, stored as the decode layer reads it (tiled: row tiles with the
+   super-chunk order, else row-major packed codes; scales and mins [N, K / group] of s_dt):
+   the int4 linear of 2-32 rows (kernels/quant.py's linear_int4_cpu), in the batch-1 kernel's
+   numerics row by row. The threads split the weight into ROWS-row blocks; a block's codes are
+   read from memory for the first row of x and from cache for the others, so the weight is
+   streamed once whatever M is. Returns 0, -2 out of memory, -3 shapes it does not take. */
+int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
+                    const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                    float *y, int nthreads) {
+    if (M <= 0 || N <= 0 || K <= 0 || group <= 0 || group & (group - 1) || group < 32
+        || group > 256 || K % group || K / group > MAX_GROUPS
+        || (tiled && (N % ROWS || K % 128)))
+        return -3;
+    const hfd_lin L = {tiled ? LIN_INT4_TILED : LIN_INT4, N, K, group, s_dt, 0, w, scales, mins,
+                       NULL, NULL, NULL};
+    const int nt = nthreads > 0 ? nthreads : 1;
+    const int64_t kp = (K + 127) / 128 * 128, xs = x_dt == DT_F32 ? 4 : 2;
+    /* per row of x: 3 kp plane bytes, kp floats of group sums and of units; per thread kp
+       floats of scratch */
+    const int64_t per_row = 3 * kp + 8 * kp;
+    uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(M * per_row + nt * kp * 4));
+    lin_input *in = (lin_input *)malloc((size_t)M * sizeof(lin_input));
+    if (!mem || !in) {
+        free(mem); free(in);
+        return -2;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *xf = (float *)(mem + M * per_row) + (int64_t)omp_get_thread_num() * kp;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            uint8_t *base = mem + m * per_row;
+            in[m].planes = base;
+            in[m].gsum = (float *)(base + 3 * kp);
+            in[m].gunit = in[m].gsum + kp;
+            prepare_input_dt(&L, (const char *)x + m * K * xs, x_dt, &in[m], xf);
+        }
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
+            const int rows = (int)(N - n0 < ROWS ? N - n0 : ROWS);
+            int4_block b;
+            int4_setup(&L, n0, rows, &b);
+            for (int64_t m = 0; m < M; m++) {
+                float out[ROWS];
+                int4_dots(&L, &b, &in[m], n0, rows, out);
+                for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
+            }
+        }
+    }
+    free(mem);
+    free(in);
+    return 0;
 }
 
 /* ---- batched decode: one token of each of `rows` sequences, every projection bf16 ----
