@@ -1,4 +1,4 @@
-"""A one-token decode step of a Llama-family model as one loop over its native layers.
+"""A one-token decode step of a Llama-family or OPT model as one loop over its native layers.
 
 HF's `LlamaModel.forward` calls every decoder layer as a module, and each fused block then checks
 its call before the two native calls of kernels.decode. On a CPU the weight stream of each layer
@@ -12,11 +12,14 @@ Llama-1.1B int4 spent ~2 ms of a ~36 ms step there (measured with the native cal
                     x = attn_out(x, q, k, v, keep)
     return norm(x)
 
-with the HF cache's own `update` (any Cache class) and every check done once per step: for one
-sequence with the batch-1 layer calls, and for up to DECODE_MAX_ROWS sequences with the batched
-ones (attn_in_rows / attn_out_rows: per-row positions and padding) when every layer's
-projections are bf16 on AMX. The embedding, rotary and norm modules are called as modules
-(their hooks run). Any call it cannot prove equal goes to HF's forward unchanged (which still
+(OPT: x = embed_tokens(input_ids), project_in, + embed_positions(positions from the mask), no
+rotary; final_layer_norm and project_out at the end) with the HF cache's own `update` (any
+Cache class) and every check done once per step: for one sequence with the batch-1 layer calls,
+and for up to DECODE_MAX_ROWS sequences with the batched ones (attn_in_rows / attn_out_rows:
+per-row positions and padding) when every layer's projections are bf16 on AMX. One sequence in
+a plain DynamicCache runs the whole layer loop as one native call (kernels.decode.LayerChain),
+which writes each layer's key and value into the buffers append_kv keeps, with the same
+numerics. The embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot prove equal goes to HF's forward unchanged (which still
 runs the native layer through each fused block): more than one token, a batch the batched
 layer does not take, inputs_embeds, outputs or hooks asked of the layers, a mask other than
 "every cached key" or plain padding, sliding-window attention, a layer whose native path is not
@@ -43,7 +46,11 @@ except ImportError:  # another layout: every layer hook counts as live
 
 # inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
 # mask, norm (checked against transformers 5.x; Gemma-style embedding scaling is not)
-MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model")
+ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model")
+# OPT's decoder: embed, project_in, + learned positions (HF's cumsum of the mask, offset 2), the
+# layers on one causal mask, final_layer_norm, project_out (transformers 5.x)
+OPT_MODEL_CLASSES = ("OPTDecoder",)
+MODEL_CLASSES = ROPE_MODEL_CLASSES + OPT_MODEL_CLASSES
 # caches whose update appends this token's key after the `get_seq_length()` keys before it
 CACHE_CLASSES = ("DynamicCache", "StaticCache")
 CACHE_LAYER_CLASSES = ("DynamicLayer", "StaticLayer")
@@ -183,22 +190,58 @@ class NativeDecodeStep:
                 return None
         return self._layer_chain
 
-    def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
-        inner, cache = self.inner, kwargs["past_key_values"]
+    def _embed_rope(self, kwargs: dict, sk: int, d: int):
+        """Llama-family: the token embeddings and the rotary cos / sin [rows or 1, d], or None
+        where they are not bf16 of those shapes."""
+        inner = self.inner
         x = inner.embed_tokens(kwargs["input_ids"])
-        rows = x.shape[0]
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # HF's: the cache position, for every sequence
             position_ids = torch.tensor([[sk - 1]])
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)
-        d = self.blocks[0].spec.head_dim
-        if (x.dtype != torch.bfloat16 or cos.numel() not in (d, rows * d)
+        if (x.dtype != torch.bfloat16 or cos.numel() not in (d, x.shape[0] * d)
                 or cos.shape[-1] != d or cos.dtype != torch.bfloat16
                 or sin.dtype != torch.bfloat16 or sin.shape != cos.shape):
+            return None
+        return x.contiguous(), cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+
+    def _embed_opt(self, kwargs: dict, sk: int):
+        """OPT: embeddings (project_in) plus learned positions, as OPTDecoder.forward computes
+        them for one token after sk - 1 cached ones (positions from the mask's cumsum)."""
+        inner = self.inner
+        ids = kwargs["input_ids"]
+        x = inner.embed_tokens(ids)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(ids.shape[0], sk, device=x.device)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.cumsum(mask, dim=1)
+            position_ids = (position_ids * mask - 1).long()[:, sk - 1:]
+        pos = inner.embed_positions(mask, sk - 1, position_ids=position_ids)
+        if inner.project_in is not None:
+            x = inner.project_in(x)
+        x = x + pos.to(x.device)
+        return None if x.dtype != torch.bfloat16 else (x.contiguous(), None, None)
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        if type(inner).__name__ in OPT_MODEL_CLASSES:
+            if inner.final_layer_norm is not None:
+                x = inner.final_layer_norm(x)
+            return x if inner.project_out is None else inner.project_out(x)
+        return inner.norm(x)
+
+    def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
+        inner, cache = self.inner, kwargs["past_key_values"]
+        d = self.blocks[0].spec.head_dim
+        embedded = (self._embed_opt(kwargs, sk) if type(inner).__name__ in OPT_MODEL_CLASSES
+                    else self._embed_rope(kwargs, sk, d))
+        if embedded is None:
             self.last_reason = "not bf16, or positions of another shape"
             return self.hf_forward(**kwargs)
-        x = x.contiguous()
-        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        x, cos, sin = embedded
+        rows = x.shape[0]
         chain = self._chain(layers) if rows == 1 else None
         got = None if chain is None else kv_rooms(cache, len(layers), chain.kv_heads, d)
         if got is not None and got[1] == sk - 1:  # one native call for every layer
@@ -209,7 +252,7 @@ class NativeDecodeStep:
                 fused.calls += 1
             self.calls += 1
             self.chained += 1
-            return BaseModelOutputWithPast(last_hidden_state=inner.norm(x),
+            return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
                                            past_key_values=cache)
         for fused, layer in zip(self.blocks, layers):
             q, k, v = layer.step_in(x, cos, sin)
@@ -222,7 +265,7 @@ class NativeDecodeStep:
                 x = layer.step_out(x, q, k, v, keep)
             fused.calls += 1
         self.calls += 1
-        return BaseModelOutputWithPast(last_hidden_state=inner.norm(x), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self._finish(x), past_key_values=cache)
 
 
 def install_decode_step(model: nn.Module, blocks: dict[str, FusedBlock],
@@ -241,7 +284,9 @@ def install_decode_step(model: nn.Module, blocks: dict[str, FusedBlock],
     fused = [by_block.get(id(layer)) for layer in layers]
     if any(f is None or f.backend != "cpu" or f._decode_layout_why is not None for f in fused):
         return None
-    if any(not hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
+    names = (("embed_tokens", "embed_positions", "project_in", "final_layer_norm", "project_out")
+             if type(inner).__name__ in OPT_MODEL_CLASSES else ("embed_tokens", "rotary_emb", "norm"))
+    if any(not hasattr(inner, name) for name in names):
         return None
     if "forward" in inner.__dict__:  # someone else's forward is installed: leave it
         return None

@@ -157,6 +157,41 @@ def test_batched_step_equals_hf_layer_loop(cache, monkeypatch):
     assert torch.equal(native, hf_loop)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("quant", [None, {"bits": 4, "group_size": 32}])
+@pytest.mark.parametrize("padded", [False, True])
+def test_opt_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
+    """OPT's decoder as the step: embeddings plus learned positions (from the mask's cumsum, so
+    left padding shifts them), the layers, final_layer_norm; the same logits and cache as
+    OPTDecoder.forward running the same native layers."""
+    from tests.kernels.test_native_decode import _opt
+
+    model = hf_dsinfer.init_inference(_opt(), dtype=torch.bfloat16, quant=quant)
+    step = get_report(model).step
+    assert step is not None and step.reason() is None
+    ids = torch.tensor([[0, 0, 17, 33, 41, 9]]) if padded else torch.tensor([[17, 33, 41, 9]])
+    mask = (ids != 0).long()
+    native_cache = _cache(cache, model)
+    native = _steps(model, ids, mask, native_cache)
+    assert step.calls == 5 and step.last_reason is None
+    assert step.chained == (5 if cache == "dynamic" else 0)
+    monkeypatch.setattr(step, "_why_static", "off in this test")
+    hf_cache = _cache(cache, model)
+    hf_loop = _steps(model, ids, mask, hf_cache)
+    assert step.calls == 5 and step.last_reason == "off in this test"
+    assert torch.equal(native, hf_loop)
+    for ours, theirs in zip(native_cache.layers, hf_cache.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_post_ln_opt_keeps_hf_loop():
+    """OPT-350m's post-LN blocks have no native layer: no step is installed."""
+    from tests.kernels.test_native_decode import _opt
+
+    model = hf_dsinfer.init_inference(_opt(do_layer_norm_before=False), dtype=torch.bfloat16)
+    assert get_report(model).step is None
+
+
 def test_quantized_batches_go_to_hf():
     model = _model({"bits": 8})
     step = get_report(model).step
