@@ -119,7 +119,8 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
                 f"in all {native} blocks")
         step = report.step
         if step is not None and step.reason() is None:
-            line += f"; one loop over them per step ({type(step.inner).__name__}.forward)"
+            line += (f"; one loop over them per step ({type(step.inner).__name__}.forward), "
+                     "one native call per step with a DynamicCache")
         else:
             why = "not installed" if step is None else step.reason()
             line += f"; each called by HF's layer loop ({why})"

@@ -55,7 +55,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
 HEADERS = [CSRC / "hfd_simd.h"]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mf16c", "-mfma"]
+         "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mf16c", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
 # dtype codes of the C functions
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -123,6 +123,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_layers.restype = i32
     lib.hfd_int4_linear.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_linear.restype = i32
+    lib.hfd_int8_amx.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
+    lib.hfd_int8_amx.restype = i32
+    lib.hfd_amx_int8_available.argtypes = []
+    lib.hfd_amx_int8_available.restype = i32
     lib.hfd_decode_attn_in_rows.argtypes = [p, i64, p, p, p, i64, p, p, p, i32]
     lib.hfd_decode_attn_in_rows.restype = i32
     lib.hfd_decode_attn_out_rows.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64,
@@ -205,6 +209,13 @@ def amx_available() -> bool:
     tile state)."""
     library = lib()
     return library is not None and amx_allowed() and bool(library.hfd_amx_available())
+
+
+def amx_int8_available() -> bool:
+    """The int8 linear of many rows runs on AMX-INT8 tiles here (allowed, CPU has AMX-INT8,
+    Linux grants the tile state)."""
+    library = lib()
+    return library is not None and amx_allowed() and bool(library.hfd_amx_int8_available())
 
 
 def check(code: int, name: str) -> None:

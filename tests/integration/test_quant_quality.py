@@ -32,7 +32,12 @@ CHAT_PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Who wrote Romeo and Juliet?",
 ]
-SHORT_TEXT_CHARS = 1500  # CI runs on the first paragraphs; benchmarks use the whole text
+# The whole shipped text (2557 characters, ~550 tokens). On its first 1500 characters the int8
+# ratio moved with changes of rounding that leave the weights alone, by more than the bound's
+# margin: the prefill's int8 linears as bf16-dequantized weights times bf16 x +0.68%, as the
+# native kernels' exact integer sums over 24-bit x +1.09%, over 31-bit x +0.42%. On the whole
+# text the first two are +0.78% and +0.72%.
+TEXT_CHARS = None
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def smollm2_bf16():
 
 def _perplexities(smollm2_bf16) -> dict[str, float]:
     tok, base, int8, int4 = smollm2_bf16
-    text = english_text(SHORT_TEXT_CHARS)
+    text = english_text(TEXT_CHARS)
     return {name: perplexity(m, tok, text) for name, m in
             (("bf16", base), ("int8", int8), ("int4", int4))}
 

@@ -145,6 +145,48 @@ def test_native_int4_rows_read_the_codes_streamed_once(monkeypatch):
     assert torch.equal(many, one)
 
 
+AMX_INT8 = pytest.mark.skipif(not _native.amx_int8_available(),
+                              reason="no AMX-INT8 here: int8 linears keep the GEMV")
+
+
+@AMX_INT8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("equalize", (False, True))
+@pytest.mark.parametrize("rows", (4, 5, 16, 17, 40))
+def test_int8_amx_is_the_gemv_to_the_bit(monkeypatch, dtype, equalize, rows):
+    """4+ rows of x on AMX-INT8 tiles (hfd_int8_amx): the same integer sums and float
+    operations as the native GEMV, so the same bits, with and without bias and input
+    equalization, for a partial last 16-row tile of x; and it is what linear_int8 runs
+    (counted), unless HF_DSINFER_NATIVE_AMX=0."""
+    w = (_gaussian(96, 320) * 0.05).to(dtype)
+    x, bias = _gaussian(rows, 320, seed=1).to(dtype), _gaussian(96, seed=2).to(dtype)
+    qw = Q.quantize_int8(w, equalize=equalize)
+    assert qw.tiled
+    for b in (None, bias):
+        gemv = Q._native_int8(_native.lib(), x, qw, b)
+        amx = Q._native_int8_amx(x, qw, b)
+        assert amx is not None and torch.equal(amx, gemv)
+    calls = _count(monkeypatch, "_native_int8_amx")
+    out = Q.linear_int8(x.reshape(1, rows, 320), qw, bias, backend="cpu")
+    gemv = Q._native_int8(_native.lib(), x, qw, bias)
+    assert len(calls) == 1 and torch.equal(out.reshape(rows, 96), gemv)
+    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    assert Q._native_int8_amx(x, qw, bias) is None
+
+
+@AMX_INT8
+def test_int8_amx_takes_only_what_it_computes():
+    """Fewer than AMX_INT8_MIN_ROWS rows, row-major codes, or an output size not a multiple of
+    16: None (the GEMV or torch's kernels run)."""
+    w = _gaussian(96, 320) * 0.05
+    x = _gaussian(Q.AMX_INT8_MIN_ROWS - 1, 320, seed=1)
+    assert Q._native_int8_amx(x, Q.quantize_int8(w), None) is None  # too few rows
+    x = _gaussian(8, 320, seed=1)
+    assert Q._native_int8_amx(x, Q.quantize_int8(w[:, :300]), None) is None  # row-major
+    assert Q._native_int8_amx(x, Q.quantize_int8(w[:88]), None) is None  # 88 % 16
+    assert Q._native_int8_amx(x, Q.quantize_int8(w), None) is not None
+
+
 def test_native_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(_native.ENV_VAR, "0")
     assert not _native.available() and "disabled" in _native.why_unavailable()

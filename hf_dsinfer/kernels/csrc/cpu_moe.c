@@ -630,5 +630,155 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     return 0;
 }
 
+/* ---- int8 weights on AMX-INT8: the int8 linear of many rows (hfd_int8_amx) ----
+ *
+ * hfd_int8_gemv's numerics (cpu_quant.c: each row of x as 24-bit fixed point in three unsigned
+ * byte planes, exact integer sums with the int8 weight, planes combined exactly, the offset
+ * removed with the row sums, then the same float operations), with TDPBUSD doing the sums: A
+ * tiles are 16 rows of x's planes (64 columns), B tiles 16 weight rows x 64 columns of the
+ * stored row tiles (hfd_simd.h: tile_row) transposed as dwords into the order TDPBUSD reads
+ * (B[k / 4][n * 4 + k % 4]), once per 16-row weight block into a per-thread buffer. The
+ * results are the GEMV's to the bit; where the GEMV's vpdpbusd work grows with every row of x,
+ * a tile product takes 16 rows at once. */
+
+static int amx_int8_state = -1;
+
+static int amx_int8_usable(void) {
+    if (amx_int8_state < 0) {
+        unsigned a, b, c, d;
+        amx_int8_state = amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d)
+                         && (d & (1u << 25));
+    }
+    return amx_int8_state;
+}
+
+/* r[i] (16 dwords each) -> r[j] holding dword j of every input row: a 16 x 16 transpose */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4q + p] now holds dwords 4c + p' of rows 4q..4q+3 per 128-bit lane c; gather lanes */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* y [M, N] (x's dtype) = scale[n] * sum_k x[m, k] * in_scale[k] * q[n, k] + bias[n], q the
+   [N, K] int8 weight stored as row tiles; hfd_int8_gemv's arguments. Returns 0, -2 out of
+   memory, -3 not computable here (no AMX-INT8, N % 16, K % 64, K > 65536). */
+__attribute__((optimize("fp-contract=off")))
+int hfd_int8_amx(const void *x, int x_dt, const float *in_scale, const int8_t *q,
+                 const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
+                 int b_dt, void *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M <= 0 || N <= 0 || N % 16 || K <= 0 || K % 64 || K > 65536 || !amx_int8_usable())
+        return -3;
+    const int64_t Mp = (M + 15) / 16 * 16, ld = 3 * K, xs = x_dt == DT_F32 ? 4 : 2;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    uint8_t *planes = (uint8_t *)aligned_alloc(64, (size_t)(Mp * ld));
+    double *unit = (double *)malloc((size_t)Mp * sizeof(double));
+    float *xf = (float *)aligned_alloc(64, (size_t)(nt * K) * sizeof(float));
+    uint8_t *vnni = (uint8_t *)aligned_alloc(64, (size_t)(nt * 16 * K));
+    if (!planes || !unit || !xf || !vnni) {
+        free(planes); free(unit); free(xf); free(vnni);
+        return -2;
+    }
+    memset(planes + M * ld, 0, (size_t)((Mp - M) * ld)); /* padding rows: zero sums */
+#pragma omp parallel num_threads(nt)
+    {
+        const int me = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            unit[m] = int8_planes((const char *)x + m * K * xs, x_dt, in_scale, K, K,
+                                  xf + me * K, planes + m * ld);
+        amx_configure();
+        uint8_t *vb = vnni + (int64_t)me * 16 * K;
+        __attribute__((aligned(64))) int32_t c[3][16][16];
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            for (int64_t s = 0; s < K / 64; s++) { /* 16 rows x 64 columns -> B order */
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_loadu_si512(tile_row(q, n0 + i, K, 1) + 256 * s);
+                transpose16_epi32(r);
+                for (int j = 0; j < 16; j++) _mm512_store_si512(vb + s * 1024 + 64 * j, r[j]);
+            }
+            const __m512 sc = load16(scales, n0, s_dt, 0xFFFF);
+            const __m512 bi = bias ? load16(bias, n0, b_dt, 0xFFFF) : _mm512_setzero_ps();
+            const __m512i rs = _mm512_loadu_si512(rowsum + n0);
+            const __m512d rs_lo = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(rs)),
+                                                _mm512_set1_pd(8388608.0));
+            const __m512d rs_hi = _mm512_mul_pd(
+                _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(rs, 1)), _mm512_set1_pd(8388608.0));
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                const uint8_t *a = planes + m0 * ld; /* plane p of row m at a + m ld + p K */
+                for (int64_t s = 0; s < K / 64; s++) {
+                    _tile_loadd(6, vb + s * 1024, 64);
+                    _tile_loadd(3, a + 64 * s, ld);
+                    _tile_dpbusd(0, 3, 6);
+                    _tile_loadd(4, a + K + 64 * s, ld);
+                    _tile_dpbusd(1, 4, 6);
+                    _tile_loadd(5, a + 2 * K + 64 * s, ld);
+                    _tile_dpbusd(2, 5, 6);
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                for (int i = 0; i < 16 && m0 + i < M; i++) {
+                    /* exact: every term an integer below 2^53 */
+                    __m512d v[2];
+                    for (int h = 0; h < 2; h++) {
+                        __m512d p0 = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i *)(c[0][i] + 8 * h)));
+                        __m512d p1 = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i *)(c[1][i] + 8 * h)));
+                        __m512d p2 = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i *)(c[2][i] + 8 * h)));
+                        __m512d t = _mm512_add_pd(p0, _mm512_mul_pd(p1, _mm512_set1_pd(256.0)));
+                        t = _mm512_add_pd(t, _mm512_mul_pd(p2, _mm512_set1_pd(65536.0)));
+                        t = _mm512_sub_pd(t, h ? rs_hi : rs_lo);
+                        v[h] = _mm512_mul_pd(t, _mm512_set1_pd(unit[m0 + i]));
+                    }
+                    __m512 f = _mm512_castpd_ps(_mm512_insertf64x4(
+                        _mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(v[0]))),
+                        _mm256_castps_pd(_mm512_cvtpd_ps(v[1])), 1));
+                    f = _mm512_mul_ps(f, sc);
+                    if (bias) f = _mm512_add_ps(f, bi);
+                    const int64_t o = (m0 + i) * N + n0;
+                    if (x_dt == DT_F32)
+                        _mm512_storeu_ps((float *)y + o, f);
+                    else if (x_dt == DT_BF16)
+                        store16_bf16((uint16_t *)y + o, 0xFFFF, f);
+                    else
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)y + o),
+                                            _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(planes); free(unit); free(xf); free(vnni);
+    return 0;
+}
+
+/* 1 when hfd_int8_amx runs here (AMX-INT8 present and granted), else 0. */
+int hfd_amx_int8_available(void) { return amx_int8_usable(); }
+
 /* 1 when hfd_moe_bf16 may run on AMX tiles here (CPU and kernel permit it), else 0. */
 int hfd_amx_available(void) { return amx_usable(); }
