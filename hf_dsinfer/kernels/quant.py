@@ -496,15 +496,19 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 # the native GEMV's numerics to the bit) where the CPU has them. 5632 x 2048 int8 weight, 8
 # copies cycled, 2 threads, medians of 5: GEMV 0.35 / 0.44 / 0.64 / 1.16 / 2.12 / 3.87 ms at
 # 1 / 2 / 4 / 8 / 16 / 32 rows; AMX 0.65 / 0.63 / 0.62 / 0.68 / 0.72 / 1.12 ms (64 rows 1.71,
-# 128 rows 2.88).
-AMX_INT8_MIN_ROWS = 4
+# 128 rows 2.88). Above AMX_INT8_MAX_ROWS the chunked dequantize + oneDNN GEMM is faster (each
+# 16-row weight block reads every row's x planes, 3 bytes per element: at 512 rows they leave
+# L2): one 5632 x 2048 weight, AMX / chunked 1.8 / 5.0 ms at 64 rows, 5.6 / 7.9 at 256, 20.3 /
+# 17.0 at 512, 89.4 / 31.0 at 2048.
+AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS = 4, 256
 
 
 def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
     """x2 [M, in] times the weight on AMX-INT8 tiles (with the bias, in x's dtype), or None
     where that kernel does not run (too few rows, no AMX-INT8, row-major codes, shapes)."""
     dtypes = _native.DTYPE_CODES
-    if (x2.shape[0] < AMX_INT8_MIN_ROWS or not qweight.tiled or qweight.rowsum is None
+    if (not AMX_INT8_MIN_ROWS <= x2.shape[0] <= AMX_INT8_MAX_ROWS or not qweight.tiled
+            or qweight.rowsum is None
             or x2.dtype not in dtypes or qweight.scales.dtype not in dtypes
             or (qweight.in_scale is not None and qweight.in_scale.dtype != torch.float32)
             or (bias is not None and (bias.dtype not in dtypes or not bias.is_contiguous()))
@@ -527,7 +531,8 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
-    """From AMX_INT8_MIN_ROWS rows the AMX-INT8 kernel where it runs; the native GEMV up to
+    """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; the
+    native GEMV up to
     NATIVE_MAX_ROWS rows where it runs; else torch's _weight_int8pack_mm up to
     QUANT_PACK_MAX_ROWS rows (on a row-major copy of tiles: the same numerics whichever layout
     the weight has), else chunked dequantize + GEMM."""

@@ -176,11 +176,13 @@ def test_int8_amx_is_the_gemv_to_the_bit(monkeypatch, dtype, equalize, rows):
 
 @AMX_INT8
 def test_int8_amx_takes_only_what_it_computes():
-    """Fewer than AMX_INT8_MIN_ROWS rows, row-major codes, or an output size not a multiple of
-    16: None (the GEMV or torch's kernels run)."""
+    """Fewer than AMX_INT8_MIN_ROWS or more than AMX_INT8_MAX_ROWS rows, row-major codes, or an
+    output size not a multiple of 16: None (the GEMV or torch's kernels run)."""
     w = _gaussian(96, 320) * 0.05
     x = _gaussian(Q.AMX_INT8_MIN_ROWS - 1, 320, seed=1)
     assert Q._native_int8_amx(x, Q.quantize_int8(w), None) is None  # too few rows
+    x = _gaussian(Q.AMX_INT8_MAX_ROWS + 1, 320, seed=1)
+    assert Q._native_int8_amx(x, Q.quantize_int8(w), None) is None  # a prefill: oneDNN
     x = _gaussian(8, 320, seed=1)
     assert Q._native_int8_amx(x, Q.quantize_int8(w[:, :300]), None) is None  # row-major
     assert Q._native_int8_amx(x, Q.quantize_int8(w[:88]), None) is None  # 88 % 16
