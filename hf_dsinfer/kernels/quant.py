@@ -531,11 +531,10 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
-    """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; the
-    native GEMV up to
-    NATIVE_MAX_ROWS rows where it runs; else torch's _weight_int8pack_mm up to
-    QUANT_PACK_MAX_ROWS rows (on a row-major copy of tiles: the same numerics whichever layout
-    the weight has), else chunked dequantize + GEMM."""
+    """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; else the
+    native GEMV up to NATIVE_MAX_ROWS rows where it runs; else torch's _weight_int8pack_mm up
+    to QUANT_PACK_MAX_ROWS rows (on a row-major copy of tiles: the same numerics whichever
+    layout the weight has), else chunked dequantize + GEMM."""
     n = qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     y = _native_int8_amx(x2, qweight, bias)
