@@ -12,7 +12,8 @@ layer in two native calls instead:
 
 For B > 1 sequences (batched decode, beams), attn_in_rows / attn_out_rows do the same per row
 (each row its own position and keep mask) with the projections on AMX (hfd_linear_bf16 of
-csrc/cpu_moe.c): bf16 weights only, where the CPU has AMX-BF16 (`rows_why` says why not). On
+csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the CPU also has
+AMX-INT8; int4 weights take the torch path: `rows_why` says why not). On
 a Llama-1.1B shape at batch 16 this took the forward of a decode step from ~118 ms (the torch
 path: ~25 ms of ~90 torch ops per step around the same AMX linears) to ~102-105 ms.
 
@@ -335,17 +336,26 @@ class DecodeLayer:
 
 def _rows_why(lib: ctypes.CDLL, struct: _Layer) -> str | None:
     """Why the batched calls (csrc/cpu_decode.c: hfd_decode_attn_in_rows) cannot compute this
-    layer on this CPU: they run every projection on the AMX kernel of hfd_linear_bf16.
-    HF_DSINFER_NATIVE_AMX is read per call by DecodeLayer.rows_why, not here."""
+    layer on this CPU: they run every projection on AMX tiles, bf16 weights with hfd_linear_bf16
+    and int8 row tiles with hfd_int8_amx (the torch path's kernels for those rows, so the same
+    bits). HF_DSINFER_NATIVE_AMX is read per call by DecodeLayer.rows_why, not here."""
     if not lib.hfd_amx_available():
         return "no AMX-BF16 on this CPU (or Linux refuses its tile state)"
     for lin in struct.lin:
-        if lin.kind != LIN_BF16:
-            return "quantized projections (batched decode layers are bf16 only)"
+        if lin.n == 0:  # OPT's absent up projection
+            continue
+        if lin.kind == LIN_INT8_TILED:
+            if not lib.hfd_amx_int8_available():
+                return "int8 projections and no AMX-INT8 on this CPU"
+            if lin.n % 16:
+                return f"an int8 {lin.n} x {lin.k} projection (AMX-INT8 takes 16-row blocks)"
+        elif lin.kind != LIN_BF16:
+            return ("int4 or row-major int8 projections (batched decode layers take bf16 and "
+                    "int8 row tiles)")
+        elif lin.n % 32 or lin.k % 32:
+            return f"a {lin.n} x {lin.k} projection (the AMX kernel takes multiples of 32)"
         if lin.bias and lin.b_dt != _native.DTYPE_CODES[torch.bfloat16]:
             return "a projection bias that is not bf16"
-        if lin.n % 32 or lin.k % 32:
-            return f"a {lin.n} x {lin.k} projection (the AMX kernel takes multiples of 32)"
     return None
 
 

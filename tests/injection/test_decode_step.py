@@ -192,8 +192,8 @@ def test_post_ln_opt_keeps_hf_loop():
     assert get_report(model).step is None
 
 
-def test_quantized_batches_go_to_hf():
-    model = _model({"bits": 8})
+def test_int4_batches_go_to_hf():
+    model = _model({"bits": 4, "group_size": 32})
     step = get_report(model).step
     ids = torch.tensor([[12, 17, 33], [0, 17, 33]])
     _steps(model, ids, (ids != 0).long(), DynamicCache(config=model.config), steps=2)

@@ -755,10 +755,33 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
 int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int64_t M, int64_t N, int64_t K, int nthreads); /* cpu_moe.c */
 
+int hfd_int8_amx(const void *x, int x_dt, const float *in_scale, const int8_t *q,
+                 const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
+                 int b_dt, void *y, int64_t M, int64_t N, int64_t K, int nthreads); /* cpu_moe.c */
+int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *q,
+                  const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
+                  int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled,
+                  int nthreads); /* cpu_quant.c */
+
+/* Rows of x under the AMX-INT8 kernel's: kernels/quant.py's AMX_INT8_MIN_ROWS (the two give the
+   same bits; the GEMV is faster for so few rows) */
+#define INT8_AMX_MIN_ROWS 4
+
+/* y [rows, n] = bf16(x W^T + bias) for a bf16 weight (AMX-BF16) or int8 row tiles (AMX-INT8,
+   or the GEMV under 4 rows): what the torch path's linear computes for those weights, to the
+   bit. Other kinds: -3. */
 static int lin_bf16_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
-    if (L->kind != LIN_BF16 || (L->bias && L->b_dt != DT_BF16)) return -3;
-    return hfd_linear_bf16(x, (const uint16_t *)L->w, (const uint16_t *)L->bias, y, rows, L->n,
-                           L->k, nt);
+    if (L->bias && L->b_dt != DT_BF16) return -3;
+    if (L->kind == LIN_BF16)
+        return hfd_linear_bf16(x, (const uint16_t *)L->w, (const uint16_t *)L->bias, y, rows,
+                               L->n, L->k, nt);
+    if (L->kind != LIN_INT8_TILED) return -3;
+    if (rows < INT8_AMX_MIN_ROWS)
+        return hfd_int8_gemv(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum,
+                             L->scales, (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, 1,
+                             nt);
+    return hfd_int8_amx(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum, L->scales,
+                        (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
 }
 
 /* out = bf16(a + b) for n bf16 elements. */
