@@ -51,7 +51,12 @@ def _cache(kind, model):
 @pytest.mark.parametrize("quant", [None, {"bits": 8}, {"bits": 4, "group_size": 32}])
 @pytest.mark.parametrize("padded", [False, True])
 def test_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
-    model = _model(quant)
+    _step_against_hf_loop(_model(quant), cache, padded, monkeypatch)
+
+
+def _step_against_hf_loop(model, cache, padded, monkeypatch) -> None:
+    """5 one-token steps through the step, then through the model's own forward running the
+    same native layers: the same logits and the same cache."""
     step = get_report(model).step
     assert step is not None and step.reason() is None
     ids = torch.tensor([[0, 0, 17, 33, 41, 9]]) if padded else torch.tensor([[17, 33, 41, 9]])
@@ -167,21 +172,7 @@ def test_opt_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
     from tests.kernels.test_native_decode import _opt
 
     model = hf_dsinfer.init_inference(_opt(), dtype=torch.bfloat16, quant=quant)
-    step = get_report(model).step
-    assert step is not None and step.reason() is None
-    ids = torch.tensor([[0, 0, 17, 33, 41, 9]]) if padded else torch.tensor([[17, 33, 41, 9]])
-    mask = (ids != 0).long()
-    native_cache = _cache(cache, model)
-    native = _steps(model, ids, mask, native_cache)
-    assert step.calls == 5 and step.last_reason is None
-    assert step.chained == (5 if cache == "dynamic" else 0)
-    monkeypatch.setattr(step, "_why_static", "off in this test")
-    hf_cache = _cache(cache, model)
-    hf_loop = _steps(model, ids, mask, hf_cache)
-    assert step.calls == 5 and step.last_reason == "off in this test"
-    assert torch.equal(native, hf_loop)
-    for ours, theirs in zip(native_cache.layers, hf_cache.layers):
-        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    _step_against_hf_loop(model, cache, padded, monkeypatch)
 
 
 def test_post_ln_opt_keeps_hf_loop():

@@ -315,19 +315,24 @@ def _padded_batch(b: int, s: int, seed: int = 3):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama_wide"])
 def test_batched_int8_steps_equal_the_torch_path(name, monkeypatch):
     """int8 row tiles in the batched layer (hfd_int8_amx, the torch path's kernel for those
-    rows, so the projections are the same bits): three sequences, two left-padded, row by row
-    against the torch path (whose attention and norms round in another order)."""
+    rows, so the projections are the same bits; attention and norms round in another order)."""
     model = _inject(_model(name), {"bits": 8})
     assert all(layer.forward.decode_layer().rows_why is None for layer in _layers(model))
+    _batched_against_torch_path(model, monkeypatch)
+
+
+def _batched_against_torch_path(model, monkeypatch) -> None:
+    """Three sequences, two of them left-padded, one token each per step: the batched layer
+    against the torch path (counted), logits within a few bf16 ulps of their scale and the same
+    choice wherever the torch path's top two logits are further apart than that."""
     ids, mask = _padded_batch(3, 9)
-    before = _row_calls(model)
+    before = _row_calls(model)  # init_inference's parity check ran a batched step
     torch_path = _step_logits(model, ids, mask, False, monkeypatch)
     assert _row_calls(model) == before
     native = _step_logits(model, ids, mask, True, monkeypatch)
     assert _row_calls(model) - before == 4 * len(model.model.layers)
     diff = (native - torch_path).abs().max()
     assert diff <= 0.03 * torch_path.abs().max(), diff
-    # the same choice wherever the torch path's top two logits are further apart than that
     top2 = torch_path.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert clear.float().mean() > 0.5
@@ -340,19 +345,7 @@ def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""
     model = _inject(_model(name))
-    ids, mask = _padded_batch(3, 9)
-    before = _row_calls(model)  # init_inference's parity check ran a batched step
-    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
-    assert _row_calls(model) == before
-    native = _step_logits(model, ids, mask, True, monkeypatch)
-    assert _row_calls(model) - before == 4 * len(model.model.layers)
-    diff = (native - torch_path).abs().max()
-    assert diff <= 0.03 * torch_path.abs().max(), diff
-    # the same choice wherever the torch path's top two logits are further apart than that
-    top2 = torch_path.topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
-    assert clear.float().mean() > 0.5
-    assert torch.equal(native.argmax(-1)[clear], torch_path.argmax(-1)[clear])
+    _batched_against_torch_path(model, monkeypatch)
     assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
 
 
