@@ -85,6 +85,7 @@ class NativeDecodeStep:
         self.calls = 0  # steps taken natively
         self.chained = 0  # of those, steps run as one native call over every layer
         self._layer_chain: LayerChain | None = None
+        self._opt = type(inner).__name__ in OPT_MODEL_CLASSES  # learned positions, no rotary
         self._why_static = self._static_reason()
         self.last_reason: str | None = None  # why the last call went to HF's forward
 
@@ -226,17 +227,16 @@ class NativeDecodeStep:
 
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.inner
-        if type(inner).__name__ in OPT_MODEL_CLASSES:
+        if self._opt:
             if inner.final_layer_norm is not None:
                 x = inner.final_layer_norm(x)
             return x if inner.project_out is None else inner.project_out(x)
         return inner.norm(x)
 
     def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
-        inner, cache = self.inner, kwargs["past_key_values"]
+        cache = kwargs["past_key_values"]
         d = self.blocks[0].spec.head_dim
-        embedded = (self._embed_opt(kwargs, sk) if type(inner).__name__ in OPT_MODEL_CLASSES
-                    else self._embed_rope(kwargs, sk, d))
+        embedded = self._embed_opt(kwargs, sk) if self._opt else self._embed_rope(kwargs, sk, d)
         if embedded is None:
             self.last_reason = "not bf16, or positions of another shape"
             return self.hf_forward(**kwargs)

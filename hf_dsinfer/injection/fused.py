@@ -476,15 +476,14 @@ def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
     rebinds them (a beam reorder, a batch selection, HF's own update) is noticed, because they
     no longer view the buffer, and the buffer is rebuilt from them. Any other cache, layer
     class or shape: HF's update, unchanged."""
-    if (type(cache) is not DynamicCache or cache.offloading or layer_idx >= len(cache.layers)
-            or torch.compiler.is_compiling()):
+    if not _plain_cache(cache) or layer_idx >= len(cache.layers):
         return cache.update(k, v, layer_idx)
     layer = cache.layers[layer_idx]
-    keys, values = layer.keys, layer.values
-    if (type(layer) is not DynamicLayer or not layer.is_initialized
-            or not isinstance(keys, torch.Tensor) or keys.dim() != 4
-            or not isinstance(values, torch.Tensor) or values.shape != keys.shape
-            or k.shape != (keys.shape[0], keys.shape[1], 1, keys.shape[3]) or v.shape != k.shape
+    held = _plain_layer(layer)
+    if held is None:
+        return cache.update(k, v, layer_idx)
+    keys, values = held
+    if (k.shape != (keys.shape[0], keys.shape[1], 1, keys.shape[3]) or v.shape != k.shape
             or k.dtype != keys.dtype or v.dtype != keys.dtype or k.device != keys.device
             or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
         return cache.update(k, v, layer_idx)
@@ -494,6 +493,24 @@ def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
     room[1][:, :, n:n + 1].copy_(v)
     layer.keys, layer.values = room[0][:, :, :n + 1], room[1][:, :, :n + 1]
     return layer.keys, layer.values
+
+
+def _plain_cache(cache: Any) -> bool:
+    """A DynamicCache itself (not a subclass), not offloading, outside torch.compile tracing
+    (the buffers' data-pointer checks would break the graph)."""
+    return (type(cache) is DynamicCache and not cache.offloading
+            and not torch.compiler.is_compiling())
+
+
+def _plain_layer(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys, values) of an initialized DynamicLayer itself holding two 4-D tensors of one
+    shape, else None."""
+    keys, values = layer.keys, layer.values
+    if (type(layer) is not DynamicLayer or not layer.is_initialized
+            or not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor)
+            or keys.dim() != 4 or values.shape != keys.shape):
+        return None
+    return keys, values
 
 
 def _room(layer: Any, keys: torch.Tensor, values: torch.Tensor, n: int):
@@ -515,21 +532,20 @@ def _room(layer: Any, keys: torch.Tensor, values: torch.Tensor, n: int):
 
 def kv_rooms(cache: Any, count: int, kv_heads: int, head_dim: int):
     """For a batch-1 step that writes each layer's new key and value straight into the cache
-    (kernels.decode.decode_layers): the (key buffer, value buffer) of layers 0..count-1 of a
+    (kernels.decode.LayerChain): the (key buffer, value buffer) of layers 0..count-1 of a
     plain DynamicCache, made and checked as append_kv makes them, each with room for token n
     after the n cached ones, and n (the same in every layer). None where append_kv itself
     would take HF's update, or the layers hold something other than one sequence of bf16
     [1, kv_heads, n, head_dim] on the CPU. `commit_kv` then makes token n part of the cache."""
-    if (type(cache) is not DynamicCache or cache.offloading or len(cache.layers) != count
-            or torch.compiler.is_compiling()):
+    if not _plain_cache(cache) or len(cache.layers) != count:
         return None
     rooms, n = [], None
     for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        if (type(layer) is not DynamicLayer or not layer.is_initialized
-                or not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor)
-                or keys.dim() != 4 or values.shape != keys.shape
-                or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
+        held = _plain_layer(layer)
+        if held is None:
+            return None
+        keys, values = held
+        if (keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
                 or keys.device.type != "cpu" or values.device.type != "cpu"
                 or tuple(keys.shape[:2]) != (1, kv_heads) or keys.shape[3] != head_dim
                 or (n is not None and keys.shape[2] != n)):
@@ -540,7 +556,7 @@ def kv_rooms(cache: Any, count: int, kv_heads: int, head_dim: int):
 
 
 def commit_kv(cache: Any, rooms: list, n: int) -> None:
-    """After decode_layers wrote token n into every room: the layers' keys / values become
+    """After LayerChain.step wrote token n into every room: the layers' keys / values become
     [:, :, :n + 1] of their buffers, as append_kv leaves them."""
     for layer, (kb, vb) in zip(cache.layers, rooms):
         layer.keys, layer.values = kb[:, :, :n + 1], vb[:, :, :n + 1]

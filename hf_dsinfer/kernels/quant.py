@@ -35,7 +35,9 @@ CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and run at
 ~3 ms vs ~9 ms for bf16 F.linear at 1 row, but cost ~0.8 ms more per extra row; a chunked
 dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
-~17-35 ms flat. Up to QUANT_PACK_MAX_ROWS rows use the packed kernels, above it the chunked path.
+~17-35 ms flat. Up to QUANT_PACK_MAX_ROWS rows use the packed kernels, above it the chunked path,
+except where the native kernels (csrc/) run: int8 on them up to AMX_INT8_MAX_ROWS rows, int4
+on them up to QUANT_PACK_MAX_ROWS (see linear_int8_cpu, linear_int4_cpu).
 """
 
 from __future__ import annotations
@@ -132,17 +134,18 @@ def int4_codes(qweight: Int4Weight) -> torch.Tensor:
 # integers and scaled once per run instead of once per load (~11 vector ops per 64 bytes and
 # row instead of ~16). 22 Llama-1.1B gate-shaped projections (5632 x 2048, group 32), 2
 # threads, 5 runs: from DRAM (bf16 scales) 23.0-25.0 -> 25.2-26.4 GB/s of codes, scales and
-# mins; from cache (one projection, fp32 scales) 37-48 -> 43-55 GB/s.
+# mins; from cache (one projection, fp32 scales, repeats 2-5) 31-48 -> 43-55 GB/s.
 INT4_SUPER_BYTES = 256
 
 
 def int4_super_order(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Packed codes [out, row_bytes] with each whole 256-byte run of a row reordered from
-    [16][4][4] to [4][16][4] bytes (inverse: back); bytes past the last whole run stay put."""
+    [16][4][4] to [4][16][4] bytes (inverse: back); bytes past the last whole run stay put.
+    Rows without a whole run: `packed` itself."""
     n, b = packed.shape
     runs = b // INT4_SUPER_BYTES
     if runs == 0:
-        return packed.clone()
+        return packed
     head = packed[:, :runs * INT4_SUPER_BYTES].reshape(n, runs, 16, 4, 4)
     if inverse:  # stored [i][j][b] -> row [j][i][b]
         head = head.reshape(n, runs, 4, 16, 4)

@@ -770,7 +770,7 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
 /* y [rows, n] = bf16(x W^T + bias) for a bf16 weight (AMX-BF16) or int8 row tiles (AMX-INT8,
    or the GEMV under 4 rows): what the torch path's linear computes for those weights, to the
    bit. Other kinds: -3. */
-static int lin_bf16_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
+static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
     if (L->bias && L->b_dt != DT_BF16) return -3;
     if (L->kind == LIN_BF16)
         return hfd_linear_bf16(x, (const uint16_t *)L->w, (const uint16_t *)L->bias, y, rows,
@@ -822,9 +822,9 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!h) return -2;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) norm_bf16(L, 1, x + r * H, h + r * H);
-    int rc = lin_bf16_rows(&L->lin[L_Q], h, rows, q, nt);
-    if (!rc) rc = lin_bf16_rows(&L->lin[L_K], h, rows, k, nt);
-    if (!rc) rc = lin_bf16_rows(&L->lin[L_V], h, rows, v, nt);
+    int rc = lin_amx_rows(&L->lin[L_Q], h, rows, q, nt);
+    if (!rc) rc = lin_amx_rows(&L->lin[L_K], h, rows, k, nt);
+    if (!rc) rc = lin_amx_rows(&L->lin[L_V], h, rows, v, nt);
     free(h);
     if (rc) return rc;
     if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
@@ -868,7 +868,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                        keep ? keep + r * keep_stride : NULL, L->scale, mine, a + r * nq + hq * d);
             }
         }
-        rc = lin_bf16_rows(&L->lin[L_O], a, rows, h, nt);
+        rc = lin_amx_rows(&L->lin[L_O], a, rows, h, nt);
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -876,9 +876,9 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
             add_bf16(x + r * H, h + r * H, H, x1 + r * H);
             norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
-        rc = lin_bf16_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
+        rc = lin_amx_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
     }
-    if (!rc && gated) rc = lin_bf16_rows(&L->lin[L_UP], h, rows, u, nt);
+    if (!rc && gated) rc = lin_amx_rows(&L->lin[L_UP], h, rows, u, nt);
     if (!rc) {
         if (gated) {
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -887,7 +887,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
 #pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t r = 0; r < rows; r++) relu_bf16(a + r * I, I);
         }
-        rc = lin_bf16_rows(&L->lin[L_DOWN], a, rows, h, nt);
+        rc = lin_amx_rows(&L->lin[L_DOWN], a, rows, h, nt);
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)

@@ -14,12 +14,13 @@
  *   row sum. 24 bits keep every x element within 2^-16 of the row's absmax exactly (a bf16 x has
  *   8 significant bits), so the result is as accurate as an fp32 dot product.
  *
- * No standalone int4 kernel lives here: a bf16-dot-product int4 GEMV (nibbles turned into bf16 by
- * vpermw, vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at
- * one row (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above, so int4 linears
- * stay on torch's kernel (see kernels/quant.py). int4 dot products run inside the native decode
- * layer (cpu_decode.c), with x as 24-bit fixed point in byte planes (vpdpbusd): 38.7 -> 20-21
- * ms for 22 Llama-1.1B MLPs there.
+ * No int4 kernel lives here: a bf16-dot-product int4 GEMV (nibbles turned into bf16 by vpermw,
+ * vdpbf16ps, per-group scales) ran at the speed of torch's _weight_int4pack_mm_for_cpu at one row
+ * (0.39-0.44 ms for a 5632 x 2048 weight, groups 32-128) and slower above. int4 dot products run
+ * in cpu_decode.c, with x as 24-bit fixed point per group in byte planes (vpdpbusd): inside the
+ * native decode layer (38.7 -> 20-21 ms for 22 Llama-1.1B MLPs there) and as the int4 linear of
+ * 1-32 rows (hfd_int4_linear). int8 linears of 4-256 rows run on AMX-INT8 (cpu_moe.c:
+ * hfd_int8_amx) with this file's numerics.
  *
  * Dequantization (hfd_dequant_int4_rows, hfd_dequant_int8_rows): rows of a quantized weight to
  * bf16 / fp16 / fp32 for the GEMM of many rows (prefill), in the fp32 operations and order of
