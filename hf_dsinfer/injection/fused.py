@@ -330,6 +330,8 @@ class FusedBlock:
             return None
         x = x.contiguous()
         q, k, v = layer.step_in(x, cos, sin)
+        if (attn := self._attend_in_cache(cache, q, k, v, named, b, q_scaled=True)) is not None:
+            return self._sequential(x, named, attn=attn)
         k, v = append_kv(cache, k, v, self.spec.layer_idx)
         if native_decode.cache_kv_usable(k, v, d, b):
             usable, keep = native_decode.keep_rows(named.get("attention_mask"), b, k.shape[2])
@@ -394,9 +396,35 @@ class FusedBlock:
         q, k = self._rotate(q, k, named)
         cache = named.get(self.policy.cache_arg)
         if cache is not None:
+            if s == 1 and (done := self._attend_in_cache(cache, q, k, v, named, b)) is not None:
+                return done
             idx = self.spec.layer_idx
             k, v = append_kv(cache, k, v, idx) if s == 1 else cache.update(k, v, idx)
         return self._attend(q, k, v, named, b, s)
+
+    @property
+    def attends_in_cache(self) -> bool:
+        """Decode steps ask a cache that offers it (`dsinfer_attend`) to attend where its
+        K/V live: every layout but ALiBi's (whose bias the cache's kernel does not take)."""
+        return self.enabled and self.policy.positions != P.ALIBI
+
+    def _attend_in_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         named: dict, b: int, q_scaled: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """FlexGen's attention where the cache lives: a cache with `dsinfer_attend` (the
+        offload engine's 4-bit BlockCache) appends this token's k, v and attends over its stored
+        codes itself, with no dense copy of the cache. None: this cache or call does not, and
+        nothing was appended."""
+        attend = getattr(cache, "dsinfer_attend", None)
+        if attend is None or not self.attends_in_cache:
+            return None
+        scale = self.spec.scale
+        if self.spec.scale_query:  # as in _attend
+            q, scale = (q if q_scaled else q * scale), 1.0
+        out = attend(q, k, v, self.spec.layer_idx, scale, named.get("attention_mask"))
+        if out is None:
+            return None
+        return self._project_out(out, b, 1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict, b: int,
                 s: int, q_scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -416,6 +444,11 @@ class FusedBlock:
             q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
             backend=self.backend,
         )  # [B, H, S, D]
+        return self._project_out(out, b, s)
+
+    def _project_out(self, out: torch.Tensor, b: int, s: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention output [B, H, S, D] through the output projection (its bias apart)."""
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self._row_parallel(self._linear(self._out, out, with_bias=False)), self._out.bias
 

@@ -142,6 +142,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_dequant_int4pack_rows.restype = i32
     lib.hfd_quant_kv_int4.argtypes = [p, i32, i64, i64, i64, p, p, p, i32]
     lib.hfd_quant_kv_int4.restype = i32
+    lib.hfd_attend_kv_int4.argtypes = [p, i32, p, i32, i64, i64, i64, i64, i64, p, i64,
+                                       ctypes.c_float, i32, p, i32, i32]
+    lib.hfd_attend_kv_int4.restype = i32
 
 
 @functools.lru_cache(maxsize=1)

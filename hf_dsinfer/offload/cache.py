@@ -33,7 +33,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_dsinfer.errors import DSInferError
-from hf_dsinfer.kernels.kv_quant import KVInt4, dequantize_kv_int4_tokens, quantize_kv_int4
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.kv_quant import (
+    KVInt4,
+    KVSpan,
+    attend_kv_int4,
+    dequantize_kv_int4_tokens,
+    quantize_kv_int4,
+)
 from hf_dsinfer.offload.files import DIRECT_ALIGN, aligned_size, aligned_view
 from hf_dsinfer.offload.policy import OffloadPolicy
 
@@ -269,6 +276,13 @@ class KVSegment:
         self.storage.append(parts)
         return parts
 
+    def span(self, parts: dict[str, torch.Tensor]) -> KVSpan:
+        """4-bit components as `append` returns and the storage reads them, as the K and V
+        codes attention reads (`attend_kv_int4`)."""
+        k, v = (KVInt4(parts[f"{n}.packed"], parts[f"{n}.scales"], parts[f"{n}.mins"], self.group)
+                for n in ("k", "v"))
+        return KVSpan(k, v)
+
     def read(self, start: int, stop: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V [rows, heads, stop - start, D] on the compute device, written into `out`
@@ -312,6 +326,7 @@ class MicroKV:
         self.capacity = capacity  # tokens the read buffers are sized for
         self.length = 0
         self._pending: tuple[int, Future] | None = None
+        self._codes: tuple[int, Future] | None = None  # a read ahead of the stored codes
         self.stats = stats  # the BlockCache's: kv_read_s (summed over threads), kv_wait_s
 
     def prefetch(self, executor: Executor,
@@ -324,12 +339,63 @@ class MicroKV:
             self._pending = (self.length, executor.submit(_in_inference_mode, mode, self.read, 0,
                                                           self.length, 1, into))
 
+    def prefetch_codes(self, executor: Executor) -> None:
+        """Start reading the stored codes of the whole cache (before the next `attend`) on an
+        I/O thread: RAM segments give views, disk segments one read each."""
+        if self.length and self._codes is None:
+            mode = torch.is_inference_mode_enabled()
+            self._codes = (self.length, executor.submit(_in_inference_mode, mode, self.read_codes,
+                                                        0, self.length))
+
+    def read_codes(self, start: int, stop: int) -> list[dict[str, torch.Tensor]]:
+        """Each segment's stored components of tokens [start, stop), as the storage holds them."""
+        began = time.perf_counter()
+        parts = [segment.storage.read(start, stop) for segment, _, _ in self.segments]
+        with _STATS_LOCK:
+            self.stats["kv_read_s"] += time.perf_counter() - began
+        return parts
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               mask: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Append one token's k, v [rows, heads, 1, D] (4-bit) and write into out
+        [rows, heads_q, D] the attention of q [rows, heads_q, D] over the whole cache, computed
+        on the stored codes (`attend_kv_int4`): no dense copy of the cache is made. mask:
+        additive fp32 [rows, T] or None."""
+        start = self.length
+        stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
+        self.length += k.shape[2]
+        self._drop_dense_read()
+        if self._codes is not None:
+            upto, future = self._codes
+            self._codes = None
+            waited = time.perf_counter()
+            before = future.result()
+            self.stats["kv_wait_s"] += time.perf_counter() - waited
+            assert upto == start, "a prefetched cache read is stale"
+        else:
+            before = self.read_codes(0, start)
+        for (segment, r0, r1), old, new in zip(self.segments, before, stored):
+            spans = [segment.span(old), segment.span(new)] if start else [segment.span(new)]
+            attend_kv_int4(q[r0:r1], spans, scale, None if mask is None else mask[r0:r1],
+                           out[r0:r1])
+
+    def _drop_dense_read(self) -> None:
+        if self._pending is not None:
+            self._pending[1].result()
+            self._pending = None
+
+    def _drop_codes_read(self) -> None:
+        if self._codes is not None:
+            self._codes[1].result()
+            self._codes = None
+
     def update(self, k: torch.Tensor, v: torch.Tensor,
                out: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [rows, heads, s, D]; return the whole cache, dense, [rows, heads, T, D]
         (written into `out`, [rows, heads, T, D] each, when given: the whole-block update
         assembles every micro-batch's rows in one tensor without a concatenation)."""
+        self._drop_codes_read()  # read ahead for `attend`, which this step does not call
         start = self.length
         stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
@@ -392,11 +458,32 @@ class MicroKV:
             segment.read(start, stop, (out[0][r0:r1], out[1][r0:r1]))
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending[1].result()
-            self._pending = None
+        self._drop_dense_read()
+        self._drop_codes_read()
         for segment, _, _ in self.segments:
             segment.close()
+
+
+def attends_in_cache(policy: OffloadPolicy, device: torch.device) -> bool:
+    """Whether decode steps attend over the stored codes (BlockCache.dsinfer_attend): a 4-bit
+    cache, a CPU compute device and the native kernels."""
+    return policy.compress_cache and device.type == "cpu" and _native.lib() is not None
+
+
+def key_mask(mask: torch.Tensor | None, batch: int, total: int
+             ) -> tuple[bool, torch.Tensor | None]:
+    """HF's mask of a one-token step as an additive fp32 [batch, total] over the keys (bool:
+    True keeps), or None for no mask; (False, None) for any other mask."""
+    if mask is None:
+        return True, None
+    if (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
+            or mask.shape[0] not in (1, batch) or mask.shape[3] != total):
+        return False, None
+    keys = mask[:, 0, 0]
+    if keys.dtype == torch.bool:
+        keys = torch.zeros(keys.shape, dtype=torch.float32).masked_fill_(~keys.cpu(),
+                                                                          float("-inf"))
+    return True, keys.float().expand(batch, total).contiguous()
 
 
 def _in_inference_mode(mode: bool, fn, *args):
@@ -465,6 +552,23 @@ class BlockKVLayer(CacheLayerMixin):
             start += rows
         return out
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """A decode step of the whole block over the stored codes (see BlockCache.dsinfer_attend):
+        q [B, heads_q, 1, D] -> [B, heads_q, 1, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self._block = None
+        q = q[:, :, 0].contiguous()
+        out = torch.empty_like(q)
+        start = 0
+        for micro, rows in zip(self.micro, self.owner.rows):
+            stop = start + rows
+            micro.attend(q[start:stop], k[start:stop], v[start:stop], scale,
+                         None if mask is None else mask[start:stop], out[start:stop])
+            start = stop
+        return out.unsqueeze(2)
+
     def prefetch_micro(self, m: int, executor: Executor) -> None:
         if self.is_initialized:
             self.micro[m].prefetch(executor)
@@ -474,6 +578,10 @@ class BlockKVLayer(CacheLayerMixin):
         micro-batches, straight into their rows of one block tensor, which the step's update
         then returns without assembling a copy."""
         if not self.is_initialized:
+            return
+        if self.owner.attends:  # the step attends over the codes: read them, decode nothing
+            for micro in self.micro:
+                micro.prefetch_codes(executor)
             return
         if len(self.micro) == 1 or self._block is not None:
             for micro in self.micro:
@@ -513,13 +621,18 @@ class BlockCache(Cache):
 
     def __init__(self, num_layers: int, rows: list[int], policy: OffloadPolicy,
                  device: torch.device, folder: Path | None, capacity: int,
-                 stats: dict[str, float] | None = None):
+                 stats: dict[str, float] | None = None, attends: bool | None = None):
         self.rows = rows
+        # decode steps attend over the stored 4-bit codes (dsinfer_attend); the engine says
+        # whether its layers will ask (fused blocks do), so reads ahead fetch codes, not dense K/V
+        self.attends = attends_in_cache(policy, device) if attends is None else (
+            attends and attends_in_cache(policy, device))
         self.policy = policy
         self.device = device
         self.folder = folder
         self.capacity = capacity
         self.stats = {"kv_read_s": 0.0, "kv_wait_s": 0.0} if stats is None else stats
+        self.stats.setdefault("kv_attend", 0)
         self.pool = BufferPool()  # the steps' read buffers, shared by every layer
         super().__init__(layers=[BlockKVLayer(j, self) for j in range(num_layers)])
 
@@ -531,6 +644,25 @@ class BlockCache(Cache):
             segments.append((KVSegment(tier, r1 - r0, heads, head_dim, dtype, self.policy,
                                        self.device, path, self.capacity, self.pool), r0, r1))
         return MicroKV(segments, self.stats, self.pool, self.capacity)
+
+    def dsinfer_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                       scale: float, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """FlexGen's attention where the cache lives, for a decode step of the whole block:
+        append the step's k, v [B, kv_heads, 1, D] and return softmax(scale q K^T + mask) V
+        [B, heads, 1, D], computed straight on the stored 4-bit codes (no dense copy of the
+        cache, none decoded). None, with nothing appended, where this cache does not: a dense
+        cache, a CUDA device, no native kernels, more than one token, or a mask other than
+        HF's [B or 1, 1, 1, T] padding mask; the caller then runs `update` and its own
+        attention. Fused blocks (injection/fused.py) call it."""
+        if not self.attends or k.shape[2] != 1 or q.shape[2] != 1:
+            return None
+        layer = self.layers[layer_idx]
+        total = layer.get_seq_length() + 1
+        ok, keys = key_mask(mask, q.shape[0], total)
+        if not ok:
+            return None
+        self.stats["kv_attend"] += 1
+        return layer.attend(q, k, v, scale, keys)
 
     def view(self, m: int) -> MicroBatchView:
         return MicroBatchView(self, m)

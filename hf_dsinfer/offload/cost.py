@@ -11,6 +11,8 @@ Per decoder layer and block of `bs` sequences (prompt s, n new tokens, KV bytes 
              T_dec >= cache writes c_disk * bs*k / disk_write
              T_dec >= compute      max(2*bs*P / flops, resident bytes / memory bandwidth)
                                    + attention over the cache + decompression
+                                   (a 4-bit cache on the CPU: attention straight over the
+                                   codes, bs*(s+n/2)*k / its measured rate, nothing decoded)
     total    L * (T_pre + (n - 1) * T_dec) + n * lm_head,  throughput = bs * n / total
 
 A block of several micro-batches multiplies every layer once per micro-batch, so its compute
@@ -38,7 +40,12 @@ from pathlib import Path
 import torch
 
 from hf_dsinfer.hardware import median_time, read_bandwidth, synchronize
-from hf_dsinfer.kernels.kv_quant import dequantize_kv_int4_tokens, quantize_kv_int4
+from hf_dsinfer.kernels.kv_quant import (
+    KVSpan,
+    attend_kv_int4,
+    dequantize_kv_int4_tokens,
+    quantize_kv_int4,
+)
 from hf_dsinfer.kernels.quant import (
     QUANT_PACK_MAX_ROWS,
     dequantize_int4pack_rows,
@@ -67,6 +74,10 @@ class Hardware:
     kv_decompress: float = float("inf")
     # K + V bytes per second through the attention kernel at one query (a decode step)
     attn_decode: float = float("inf")
+    # CPU only: stored 4-bit K + V bytes (codes, scales, mins) per second through the decode
+    # attention over the codes (kv_quant.attend_kv_int4); inf where it does not run (no native
+    # kernels): then a 4-bit cache is decoded, and attention reads the dense copy
+    attn_int4: float = float("inf")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -78,7 +89,7 @@ class Hardware:
 
 # -- measuring ---------------------------------------------------------------------------------------
 # bumped when a probe changes what it measures, so that ~/.cache's older results are not reused
-PROBES_VERSION = 2
+PROBES_VERSION = 3
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_dsinfer" \
     / "hardware.json"
 
@@ -102,7 +113,8 @@ def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                   memory_bw=read_bandwidth(dev, 0.5) * 1e9, disk_read=read, disk_write=write,
                   h2d=measure_h2d(dev), decompress=measure_decompress(dtype, dev),
                   int4_mm=measure_int4_mm(dtype, dev), kv_decompress=measure_kv_decompress(dtype, dev),
-                  attn_decode=measure_attn_decode(dtype, dev))
+                  attn_decode=measure_attn_decode(dtype, dev),
+                  attn_int4=measure_attn_int4(dtype, dev))
     _store(key, hw)
     return hw
 
@@ -304,6 +316,25 @@ def measure_attn_decode(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * k.numel() * k.element_size() / seconds
 
 
+def measure_attn_int4(dtype: torch.dtype, device: torch.device) -> float:
+    """Stored K + V bytes/s of a decode step's attention straight over a 4-bit cache (the
+    offload engine's decode steps on the CPU, `attend_kv_int4`), 16 sequences x 32 heads x 512
+    tokens x 80 (OPT's head), over three caches in turn; inf where the native kernel does not
+    run (the engine then decodes the cache, priced by kv_decompress and attn_decode)."""
+    from hf_dsinfer.offload.cache import attends_in_cache
+    from hf_dsinfer.offload.policy import OffloadPolicy
+
+    if not attends_in_cache(OffloadPolicy(compress_cache=True), device):
+        return float("inf")
+    sets = []
+    for _ in range(3):
+        k, v = (quantize_kv_int4(torch.randn(512, 16, 32, 80).to(dtype), 80) for _ in range(2))
+        sets.append((torch.randn(16, 32, 80).to(dtype), [KVSpan(k, v)]))
+    seconds = median_time(lambda i: attend_kv_int4(*sets[i % 3], 80 ** -0.5), 6, device)
+    span = sets[0][1][0]
+    return 2 * sum(t.numel() * t.element_size() for t in span.k[:3]) / seconds
+
+
 def measure_prefill_layer(model: str | Path | object, dtype: torch.dtype, device: str,
                           prompt_len: int, reps: int = 3) -> float:
     """Seconds of one of the model's own decoder layers prefilling one sequence of `prompt_len`
@@ -428,6 +459,12 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense,
                                work.prefill_layer_s)
     compute = [0.0] * 6
+    if not prefill and compress_c and not cuda and hw.attn_int4 != float("inf"):
+        # attention runs straight over the stored codes, wherever they were read from
+        # (BlockCache.dsinfer_attend): nothing is decoded, no dense copy made
+        compute0 += kv_stored / hw.attn_int4
+        return {"read": read, "read0": 0.0, "write": write, "write0": 0.0, "compute": compute,
+                "compute0": compute0}
     if not prefill:  # attention reads the whole cache, at the measured rate of the kernel;
         # on the CPU a dense cache read from disk is first copied into attention's layout (one
         # more pass; a 4-bit cache is decoded straight into it, priced below). RAM gives views

@@ -8,7 +8,8 @@ Host RAM (a CPU compute device has only this one memory):
     streamed   (1 + overlap) layers of per-use weights, dense, bound while a layer computes
                (the next one is loading meanwhile), plus their 4-bit codes read from disk
     kv         block x (prompt + gen) x L x per-token K/V bytes on the device/cpu tiers,
-               plus the prefetched dense copy of one micro-batch's cache
+               plus the prefetched dense copy of one micro-batch's cache (a 4-bit cache on
+               the CPU: the codes of two layers' reads, attention runs over them)
     work       per micro-batch activations (hidden, q/k/v, MLP intermediates, attention
                scores) and the whole block's hidden states between layers, logits
 With a CUDA compute device the same terms split into device memory (device tiers, streamed
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
-from hf_dsinfer.offload.cache import KV_READ_THREADS
+from hf_dsinfer.offload.cache import KV_READ_THREADS, attends_in_cache
 from hf_dsinfer.offload.compression import compressed_nbytes
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 
@@ -135,13 +136,18 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     kv_read = 2 * mb * seq * 2 * shape.kv_heads * shape.head_dim * b  # prefetched + concatenated
     work = _workspace(shape, batch, mb, max(prompt_len, 1))
     others = shape.other_numel * b
-    if not cuda:
+    if not cuda and attends_in_cache(policy, torch.device("cpu")):
+        # decode attends over the stored codes: the codes read from disk for the layer
+        # attending and for the next one, read ahead (RAM tiers give views); nothing dense
+        kv_read = 2 * batch * seq * kv_token * policy.cache[2] / 100
+    elif not cuda:
         # decode runs the whole block at once: its K/V assembled, the next layer's read ahead,
         # and the raw copies of the file reads in flight: one per reader thread, each of one
         # micro-batch, over at most two layers (at least a whole block's worth, as before)
         block_kv = batch * seq * 2 * shape.kv_heads * shape.head_dim * b
         micro = -(-batch // mb)
         kv_read = 2 * block_kv + max(1, min(KV_READ_THREADS, 2 * micro) / micro) * block_kv
+    if not cuda:
         host = {"non-block weights": others, "resident layers": shape.num_layers * stored
                 * (w_dev + w_cpu), "streamed layers": streamed, "kv cache": kv_all * (c_dev + c_cpu),
                 "kv read": kv_read, "activations": work,

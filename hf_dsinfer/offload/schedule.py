@@ -68,8 +68,9 @@ class OffloadEngine:
         # compute_s: inside the layer forwards (includes waiting for the KV cache reads)
         # kv_read_s: KV cache reads (summed over the threads that read, so it can exceed the
         # wall time); kv_wait_s: compute waiting for them
+        # kv_attend: decode layer steps that attended over the stored 4-bit codes
         self.stats = {"loads": 0, "load_s": 0.0, "wait_s": 0.0, "compute_s": 0.0,
-                      "kv_read_s": 0.0, "kv_wait_s": 0.0}
+                      "kv_read_s": 0.0, "kv_wait_s": 0.0, "kv_attend": 0}
         self._lock = threading.Lock()
 
     # -- weights --------------------------------------------------------------------------------
@@ -133,6 +134,13 @@ class OffloadEngine:
                 pool.shutdown(wait=True)
         self.store.close()
 
+    @property
+    def attends(self) -> bool:
+        """Every layer's forward is a fused block that asks the cache to attend over its codes
+        (FusedBlock.attends_in_cache): then reads ahead fetch codes, not dense K/V."""
+        return all(getattr(getattr(block.forward, "inner", None), "attends_in_cache", False)
+                   for block in self.blocks)
+
     def describe(self) -> str:
         """One line for `explain`: policy, bytes per tier, compute device."""
         tiers = ", ".join(f"{tier} {format_bytes(self.store.layer_bytes((tier,)) * len(self.blocks))}"
@@ -154,7 +162,7 @@ class OffloadEngine:
 
     def reset_stats(self) -> None:
         for key in self.stats:  # in place: a running BlockCache holds this dict
-            self.stats[key] = 0 if key == "loads" else 0.0
+            self.stats[key] = 0 if key in ("loads", "kv_attend") else 0.0
 
 
 def _param_slots(block: nn.Module, store: WeightStore) -> dict[str, tuple[nn.Module, str, Any]]:
@@ -323,7 +331,7 @@ def _generate_block(model, engine: OffloadEngine, generate, args, kwargs: dict[s
     prompt, total = _lengths(model, kwargs)
     engine.check_budget(sum(rows), prompt, total - prompt)
     cache = BlockCache(len(engine.blocks), rows, engine.policy, engine.device,
-                       _kv_folder(engine.policy), total, engine.stats)
+                       _kv_folder(engine.policy), total, engine.stats, engine.attends)
     try:
         return generate(*args, past_key_values=cache, **kwargs)
     finally:

@@ -280,7 +280,9 @@ def describe_hardware(hw: Hardware) -> str:
             f"{hw.memory_bw / 1e9:.1f} GB/s, disk read {hw.disk_read / 1e9:.2f} GB/s, write "
             f"{hw.disk_write / 1e9:.2f} GB/s, 4-bit decode {hw.decompress / 1e9:.2f} GB/s, "
             f"int4 matmul {hw.int4_mm / 1e9:.1f} G weight-rows/s, 4-bit KV decode "
-            f"{hw.kv_decompress / 1e9:.2f} GB/s, decode attention {hw.attn_decode / 1e9:.1f} GB/s")
+            f"{hw.kv_decompress / 1e9:.2f} GB/s, decode attention {hw.attn_decode / 1e9:.1f} GB/s"
+            + (f", over 4-bit KV {hw.attn_int4 / 1e9:.2f} GB/s of codes"
+               if hw.attn_int4 != float("inf") else ""))
 
 
 def format_candidates(found: list[Candidate]) -> str:

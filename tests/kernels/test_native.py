@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import quant as Q
 from tests.kernels.conftest import count_calls
 
@@ -257,8 +258,6 @@ def test_native_kv_int4_decoding_is_torchs_to_the_bit(monkeypatch, dtype):
     from contiguous RAM tensors and from a file's interleaved records (strided tokens), into a
     fresh tensor and into a slice of a larger one. Equal to the torch decoding, permuted; the
     native kernel ran (counted); a group it does not take (8) falls back to torch."""
-    from hf_dsinfer.kernels import kv_quant as KV
-
     lib = _native.lib()
     native = []
     monkeypatch.setattr(KV, "_native_kv_lib",
@@ -306,7 +305,6 @@ def test_native_kv_int4_codes_are_the_references(monkeypatch, dtype):
     """quantize_kv_int4 on the CPU: the native kernel's codes, scales and mins equal the torch
     reference's bit for bit, over five decades of scale and at the edges (a constant group, a
     zero group, NaN, inf), and it ran (counted); a group it does not take (8) uses the reference."""
-    from hf_dsinfer.kernels import kv_quant as KV
 
     lib, native = _native.lib(), []
     monkeypatch.setattr(_native, "lib", lambda: native.append(1) or lib)
@@ -323,3 +321,71 @@ def test_native_kv_int4_codes_are_the_references(monkeypatch, dtype):
             assert torch.equal(got.packed, ref.packed)
             for a, b in ((got.scales, ref.scales), (got.mins, ref.mins)):
                 assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN bits too
+
+
+def _kv_codes(tokens, rows, kv_heads, head_dim, group, dtype, seed):
+    x = _gaussian(tokens * rows * kv_heads, head_dim, seed=seed) * 2 + 0.5  # off-centre mins
+    return KV.quantize_kv_int4(x.view(tokens, rows, kv_heads, head_dim).to(dtype), group)
+
+
+def _as_records(codes_k, codes_v):
+    """K and V codes as the records of one cache file ([k.packed | k.scales | k.mins | v... |
+    2 padding bytes] per token, views strided by the record), as FileStorage reads them."""
+    tokens, group = codes_k.packed.shape[0], codes_k.group_size
+    parts = [p.reshape(tokens, -1).view(torch.uint8) if p.dtype != torch.uint8 else
+             p.reshape(tokens, -1) for c in (codes_k, codes_v) for p in c[:3]]
+    raw = torch.cat(parts + [torch.zeros(tokens, 2, dtype=torch.uint8)], dim=1)
+    cols = torch.split(raw, [p.shape[1] for p in parts] + [2], dim=1)
+    out = []
+    for i, like in enumerate((codes_k, codes_v)):
+        packed, scales, mins = cols[3 * i: 3 * i + 3]
+        out.append(KV.KVInt4(packed.view(like.packed.shape),
+                             scales.view(torch.float16).view(like.scales.shape),
+                             mins.view(torch.float16).view(like.mins.shape), group))
+    assert out[0].packed.stride(0) == raw.shape[1]  # strided, not copied
+    return KV.KVSpan(*out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim,group", [
+    (3, 4, 4, 80, 80),  # OPT-2.7B's head, one group (64 does not divide 80)
+    (2, 6, 2, 64, 32),  # grouped-query heads, two groups per head
+    (2, 4, 1, 128, 64),  # one kv head, a 16-byte code run and a masked one per group
+    (1, 2, 2, 16, 16),  # the tiny test models
+])
+def test_native_attention_over_kv_codes(dtype, rows, heads, kv_heads, head_dim, group):
+    """Decode attention straight over a 4-bit cache (the offload engine's decode step): the
+    native kernel against float64 attention over the codes' values, with the cache in two
+    spans (a file's strided records, then a RAM token), padding masked (-inf and a finite
+    minimum, one row masked everywhere -> zeros), grouped-query heads; it ran (counted)."""
+    old = _as_records(_kv_codes(37, rows, kv_heads, head_dim, group, dtype, 1),
+                      _kv_codes(37, rows, kv_heads, head_dim, group, dtype, 2))
+    new = KV.KVSpan(_kv_codes(1, rows, kv_heads, head_dim, group, dtype, 3),
+                    _kv_codes(1, rows, kv_heads, head_dim, group, dtype, 4))
+    q = _gaussian(rows * heads, head_dim, seed=5).view(rows, heads, head_dim).to(dtype)
+    mask = torch.zeros(rows, 38)
+    mask[0, :4] = float("-inf")
+    mask[-1, 6:9] = torch.finfo(torch.float32).min
+    before = KV.ATTEND_CALLS["native"]
+    for m in (None, mask):
+        got = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, m)
+        ref = KV.attend_kv_int4_ref(q.double(), [old, new], head_dim ** -0.5, m)
+        tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+        torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+    assert KV.ATTEND_CALLS["native"] == before + 2
+    if rows > 1:  # a row masked everywhere gets zeros, the others are unchanged
+        mask[0] = float("-inf")
+        got = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, mask == 0)  # bool: keep
+        assert not got[0].any() and got.isfinite().all()
+
+
+def test_attention_over_kv_codes_refuses_bad_shapes():
+    codes = _kv_codes(5, 2, 2, 64, 32, torch.float32, 1)
+    span = KV.KVSpan(codes, codes)
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match=r"q \[rows, heads, D\]"):
+        KV.attend_kv_int4(q[0], [span], 0.1)
+    with pytest.raises(ValueError, match="kv_heads dividing 3"):
+        KV.attend_kv_int4(torch.randn(2, 3, 64), [span], 0.1)
+    with pytest.raises(ValueError, match=r"\[rows, tokens\] = \[2, 5\]"):
+        KV.attend_kv_int4(q, [span], 0.1, torch.zeros(2, 6))

@@ -86,7 +86,7 @@ def test_block_prefetch_reads_micro_batches_into_one_tensor(compress, tmp_path):
     for ahead in (False, True):
         folder = tmp_path / str(ahead)
         folder.mkdir()
-        cache = BlockCache(1, rows, policy, CPU, folder, prompt + steps)
+        cache = BlockCache(1, rows, policy, CPU, folder, prompt + steps, attends=False)
         layer, got = cache.layers[0], []
         k, v = layer.update(ks[:, :, :prompt], vs[:, :, :prompt])
         first = (quantize_kv_int4(ks[:, :, :prompt].permute(2, 0, 1, 3).contiguous(), 16)

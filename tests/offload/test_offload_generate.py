@@ -9,10 +9,19 @@ import copy
 import pytest
 import torch
 from tiny_models import make_model, prompts, tiny_tokenizer
-from transformers import AutoModelForCausalLM, TextIteratorStreamer, pipeline
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    OPTConfig,
+    TextIteratorStreamer,
+    pipeline,
+)
 
 import hf_dsinfer
+from hf_dsinfer.injection.fused import FusedBlock
+from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.offload import get_engine
+from hf_dsinfer.offload.schedule import OffloadEngine
 
 NEW = 6
 PLACEMENTS = {  # name -> policy fields (offload_dir added per test)
@@ -137,3 +146,58 @@ def test_read_ahead_under_inference_mode(compress, tmp_path):
     assert torch.equal(got, expected)
     if not compress:
         assert torch.equal(got, _greedy(make_model("opt"), ids, mask))
+
+
+def _wide(family: str) -> torch.nn.Module:
+    """A bf16 model whose layers the native decode layer takes (inputs a multiple of 32
+    columns): its q comes from the native step, scaled already for OPT."""
+    common = {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 128, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 2}
+    config = (LlamaConfig(**common, intermediate_size=256, num_key_value_heads=2)
+              if family == "llama" else OPTConfig(**common, ffn_dim=256, word_embed_proj_dim=128))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attends_over_the_stored_codes(family, dtype, tmp_path, monkeypatch):
+    """A 4-bit cache on the CPU: each decode step's attention runs straight over the stored
+    codes (FlexGen's attention where the cache lives; no dense copy, nothing decoded), with
+    padding, two micro-batches, rows in RAM and on disk. Against the engine decoding the cache
+    for attention: every decode layer step attended (counted, the native kernel ran), logits
+    within rounding. fp32: the same greedy tokens. bf16: layers the native decode layer takes,
+    whose q arrives from its first call (q_scaled); the dense cache is rounded to bf16, the
+    codes are not."""
+    ids, mask = prompts()
+    policy = {"weights": (0, 50, 50), "cache": (0, 50, 50), "compress_cache": True,
+              "group_size": 16, "micro_batch_size": 2, "num_micro_batches": 2,
+              "offload_dir": str(tmp_path)}
+    asked = []
+    ask = FusedBlock._attend_in_cache
+    monkeypatch.setattr(FusedBlock, "_attend_in_cache",
+                        lambda self, *a, **kw: asked.append(kw.get("q_scaled", False))
+                        or ask(self, *a, **kw))
+    runs = []
+    for attends in (True, False):
+        if not attends:
+            monkeypatch.setattr(OffloadEngine, "attends", property(lambda self: False))
+        model = make_model(family) if dtype == torch.float32 else _wide(family)
+        hf_dsinfer.init_inference(model, offload=policy, parity_check=False)
+        engine = get_engine(model)
+        engine.reset_stats()
+        native = KV.ATTEND_CALLS["native"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        runs.append((out, engine.stats["kv_attend"], KV.ATTEND_CALLS["native"] - native))
+    (codes, attended, kernel), (dense, none, _) = runs
+    assert attended == len(engine.blocks) * (NEW - 1) and none == 0
+    assert kernel >= attended  # one call per segment of each micro-batch
+    assert all(asked) == (dtype == torch.bfloat16) and any(asked) == all(asked)
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    for a, b in zip(codes.logits, dense.logits):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=0)
+    if dtype == torch.float32:
+        assert torch.equal(codes.sequences, dense.sequences)

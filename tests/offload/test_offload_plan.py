@@ -115,7 +115,7 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "measure_disk",
                         lambda folder, mib, old=None: calls.append(mib) or (2e9, 1e9))
     for name in ("measure_flops", "measure_decompress", "measure_int4_mm",
-                 "measure_kv_decompress", "measure_attn_decode"):
+                 "measure_kv_decompress", "measure_attn_decode", "measure_attn_int4"):
         monkeypatch.setattr(cost, name, lambda dtype, dev: 1e9)
     monkeypatch.setattr(cost, "read_bandwidth", lambda dev, gib: 10.0)
     first = cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True)

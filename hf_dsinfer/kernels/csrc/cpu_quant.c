@@ -283,3 +283,153 @@ int hfd_quant_kv_int4(const void *x, int x_dt, int64_t n, int64_t D, int64_t gro
     }
     return 0;
 }
+
+/* Decode attention straight over a token-major 4-bit KV cache (FlexGen's attention where the
+   cache lives, without the dense copy): for sequence r < rows and query head h < heads, with
+   kv head h / (heads / kv_heads),
+       o[r, h] = sum_t softmax_t(scale * q[r, h] . K_t + mask[r, t]) V_t,
+       K_t = codes * scale + min per group (fp32, never rounded: the codes' own values).
+   The cache's tokens come in `nspans` spans, in order (the tokens read ahead, then the step's
+   new one); a span's token t has its (row, kv head) units contiguous, each D / 2 code bytes
+   at kp + t * p_stride (likewise vp) and G fp16 scales / mins at ks + t * s_stride (km, vs,
+   vm), as kernels/kv_quant.py's codes of RAM tensors and cache-file records lie.
+   Per key: the codes' dot with q's even and odd elements per group (fp32 FMA), times the
+   group's scale, plus its min times the group's sum of q. Per value: the probability times
+   the group's scale weights the codes, and the probability times the min adds to the group.
+   Probabilities are fp32 exps rounded to p_dt before they weight V, their fp32 sum divides at
+   the end (torch's CPU flash attention does both). mask: additive fp32 [rows, mask_stride]
+   over all the spans' tokens, or NULL; a row masked everywhere gets zeros. q, out:
+   [rows, heads, D] contiguous. D <= 256, group even, dividing D. Returns -2 when out of
+   memory. */
+typedef struct {
+    const uint8_t *kp, *ks, *km, *vp, *vs, *vm;
+    int64_t p_stride, s_stride, tokens;
+} hfd_kv_span;
+
+int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int nspans,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, int64_t group,
+                       const float *mask, int64_t mask_stride, float scale, int p_dt, void *out,
+                       int o_dt, int nthreads) {
+    if (D > 256 || group <= 0 || group % 2 || D % group || heads % kv_heads) return -1;
+    const int64_t G = D / group, half = group / 2, rep = heads / kv_heads, units = rows * kv_heads;
+    int64_t T = 0;
+    for (int i = 0; i < nspans; i++) T += spans[i].tokens;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *sc = (float *)malloc((size_t)(T + 16) * sizeof(float));
+        /* q's even / odd elements (16 floats of zeros past each group's end), the V sums */
+        float qe[256 + 16], qo[256 + 16], ae[256 + 16], ao[256 + 16], qsum[128], madd[128];
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < rows * heads; w++) {
+            if (!sc) continue;
+            const int64_t r = w / heads, h = w % heads, u = r * kv_heads + h / rep;
+            const float *mrow = mask ? mask + r * mask_stride : NULL;
+            for (int64_t g = 0; g < G; g++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < half; j++) {
+                    const float e = load_f32(q, w * D + g * group + 2 * j, q_dt);
+                    const float o = load_f32(q, w * D + g * group + 2 * j + 1, q_dt);
+                    qe[g * half + j] = e;
+                    qo[g * half + j] = o;
+                    s += e + o;
+                }
+                qsum[g] = s;
+            }
+            for (int j = 0; j < 16; j++) qe[G * half + j] = qo[G * half + j] = 0.f;
+            /* scores */
+            float mx = -INFINITY;
+            int64_t t0 = 0;
+            for (int i = 0; i < nspans; i++) {
+                const hfd_kv_span *sp = &spans[i];
+                for (int64_t t = 0; t < sp->tokens; t++) {
+                    const int64_t at = t0 + t;
+                    if (mrow && mrow[at] == -INFINITY) {
+                        sc[at] = -INFINITY;
+                        continue;
+                    }
+                    const uint8_t *codes = sp->kp + t * sp->p_stride + u * (D / 2);
+                    const uint16_t *ks = (const uint16_t *)(sp->ks + t * sp->s_stride) + u * G;
+                    const uint16_t *km = (const uint16_t *)(sp->km + t * sp->s_stride) + u * G;
+                    __m512 acc = _mm512_setzero_ps();
+                    float mins = 0.f;
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 dot = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < half; c += 16) {
+                            const __mmask16 mk = mask16(half - c);
+                            const __m512i b = _mm512_cvtepu8_epi32(
+                                _mm_maskz_loadu_epi8(mk, codes + g * half + c));
+                            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+                            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                            dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(qe + g * half + c), dot);
+                            dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(qo + g * half + c), dot);
+                        }
+                        acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(_cvtsh_ss(ks[g])), acc);
+                        mins += _cvtsh_ss(km[g]) * qsum[g];
+                    }
+                    float x = (_mm512_reduce_add_ps(acc) + mins) * scale;
+                    if (mrow) x += mrow[at];
+                    sc[at] = x;
+                    if (x > mx) mx = x;
+                }
+                t0 += sp->tokens;
+            }
+            if (mx == -INFINITY) { /* nothing to attend (a padding row): zeros, never NaN */
+                for (int64_t d = 0; d < D; d++) store_f32(out, w * D + d, o_dt, 0.f);
+                continue;
+            }
+            /* probabilities */
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < T; t += 16) {
+                const __mmask16 mk = mask16(T - t);
+                __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + t), _mm512_set1_ps(mx)));
+                e = _mm512_maskz_mov_ps(mk, e);
+                sum = _mm512_add_ps(sum, e);
+                if (p_dt == DT_BF16) e = bf16_round(e);
+                else if (p_dt == DT_F16) e = _mm512_cvtph_ps(_mm512_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT));
+                _mm512_mask_storeu_ps(sc + t, mk, e);
+            }
+            /* values */
+            for (int64_t j = 0; j < G * half + 16; j++) ae[j] = ao[j] = 0.f;
+            for (int64_t g = 0; g < G; g++) madd[g] = 0.f;
+            t0 = 0;
+            for (int i = 0; i < nspans; i++) {
+                const hfd_kv_span *sp = &spans[i];
+                for (int64_t t = 0; t < sp->tokens; t++) {
+                    const float p = sc[t0 + t];
+                    if (p == 0.f) continue;
+                    const uint8_t *codes = sp->vp + t * sp->p_stride + u * (D / 2);
+                    const uint16_t *vs = (const uint16_t *)(sp->vs + t * sp->s_stride) + u * G;
+                    const uint16_t *vm = (const uint16_t *)(sp->vm + t * sp->s_stride) + u * G;
+                    for (int64_t g = 0; g < G; g++) {
+                        const __m512 pw = _mm512_set1_ps(p * _cvtsh_ss(vs[g]));
+                        madd[g] += p * _cvtsh_ss(vm[g]);
+                        for (int64_t c = 0; c < half; c += 16) {
+                            const __mmask16 mk = mask16(half - c);
+                            const __m512i b = _mm512_cvtepu8_epi32(
+                                _mm_maskz_loadu_epi8(mk, codes + g * half + c));
+                            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+                            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                            float *e = ae + g * half + c, *o = ao + g * half + c;
+                            _mm512_storeu_ps(e, _mm512_fmadd_ps(pw, lo, _mm512_loadu_ps(e)));
+                            _mm512_storeu_ps(o, _mm512_fmadd_ps(pw, hi, _mm512_loadu_ps(o)));
+                        }
+                    }
+                }
+                t0 += sp->tokens;
+            }
+            const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < half; j++) {
+                    store_f32(out, w * D + g * group + 2 * j, o_dt, (ae[g * half + j] + madd[g]) * inv);
+                    store_f32(out, w * D + g * group + 2 * j + 1, o_dt, (ao[g * half + j] + madd[g]) * inv);
+                }
+        }
+        free(sc);
+    }
+    return failed ? -2 : 0;
+}
