@@ -35,7 +35,7 @@ from torch import nn
 
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS
-from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache
+from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache, attends_in_cache
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
 from hf_dsinfer.offload.packed import PackedInt4Linear, PackedWeight
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
@@ -145,9 +145,17 @@ class OffloadEngine:
         """One line for `explain`: policy, bytes per tier, compute device."""
         tiers = ", ".join(f"{tier} {format_bytes(self.store.layer_bytes((tier,)) * len(self.blocks))}"
                           for tier in ("device", "cpu", "disk") if self.store.layer_bytes((tier,)))
+        attention = ""
+        if self.policy.compress_cache:
+            attention = ("\noffload: decode attention over the stored 4-bit KV codes "
+                         "(kv_attend counts the layer steps)"
+                         if self.attends and attends_in_cache(self.policy, self.device) else
+                         "\noffload: decode attention over the 4-bit KV cache decoded to dense "
+                         "K/V (attention over the codes needs a CPU compute device, the native "
+                         "kernels and fused blocks without ALiBi)")
         return (f"offload: {self.policy.describe()}\n"
                 f"offload: decoder-layer weights as stored: {tiers}; compute on {self.device}; "
-                f"{len(self.blocks)} layers run by OffloadedLayer (block schedule)")
+                f"{len(self.blocks)} layers run by OffloadedLayer (block schedule){attention}")
 
     def check_budget(self, batch: int, prompt_len: int, gen_len: int) -> None:
         """Before a generate() block starts: do its KV cache and activations fit the budget?"""

@@ -191,8 +191,11 @@ def test_decode_attends_over_the_stored_codes(family, dtype, tmp_path, monkeypat
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        runs.append((out, engine.stats["kv_attend"], KV.ATTEND_CALLS["native"] - native))
-    (codes, attended, kernel), (dense, none, _) = runs
+        runs.append((out, engine.stats["kv_attend"], KV.ATTEND_CALLS["native"] - native,
+                     hf_dsinfer.explain(model)))
+    (codes, attended, kernel, said), (dense, none, _, said_dense) = runs
+    assert "attention over the stored 4-bit KV codes" in said
+    assert "decoded to dense K/V" in said_dense
     assert attended == len(engine.blocks) * (NEW - 1) and none == 0
     assert kernel >= attended  # one call per segment of each micro-batch
     assert all(asked) == (dtype == torch.bfloat16) and any(asked) == all(asked)
