@@ -372,18 +372,22 @@ class MicroKV:
         self.length += k.shape[2]
         self._drop_dense_read()
         if self._codes is not None:
-            upto, future = self._codes
-            self._codes = None
-            waited = time.perf_counter()
-            before = future.result()
-            self.stats["kv_wait_s"] += time.perf_counter() - waited
-            assert upto == start, "a prefetched cache read is stale"
+            before, self._codes = self._await(self._codes, start), None
         else:
             before = self.read_codes(0, start)
         for (segment, r0, r1), old, new in zip(self.segments, before, stored):
             spans = [segment.span(old), segment.span(new)] if start else [segment.span(new)]
             attend_kv_int4(q[r0:r1], spans, scale, None if mask is None else mask[r0:r1],
                            out[r0:r1])
+
+    def _await(self, pending: tuple[int, Future], start: int):
+        """The result of a read ahead of the cache's first `start` tokens (the wait counted)."""
+        upto, future = pending
+        waited = time.perf_counter()
+        result = future.result()
+        self.stats["kv_wait_s"] += time.perf_counter() - waited
+        assert upto == start, "a prefetched cache read is stale"
+        return result
 
     def _drop_dense_read(self) -> None:
         if self._pending is not None:
@@ -406,12 +410,7 @@ class MicroKV:
         stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
         if self._pending is not None:
-            upto, future = self._pending
-            self._pending = None
-            waited = time.perf_counter()
-            old = future.result()
-            self.stats["kv_wait_s"] += time.perf_counter() - waited
-            assert upto == start, "a prefetched cache read is stale"
+            old, self._pending = self._await(self._pending, start), None
             if out is None and old[0].shape[2] == self.length:
                 out = old  # read with room for this step's tokens
             elif out is None or not _same_view(out, old):  # (a block's read-ahead fills `out`)

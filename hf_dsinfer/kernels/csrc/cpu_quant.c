@@ -304,6 +304,14 @@ int hfd_quant_kv_int4(const void *x, int x_dt, int64_t n, int64_t D, int64_t gro
    over all the spans' tokens, or NULL; a row masked everywhere gets zeros. q, out:
    [rows, heads, D] contiguous. D <= 256, group even, dividing D. Returns -2 when out of
    memory. */
+/* The codes of up to 16 bytes (lanes past the mask read as code 0): low nibbles (even
+   elements) in lo, high nibbles (odd elements) in hi, as fp32. */
+static inline void code_pairs16(const uint8_t *p, __mmask16 mk, __m512 *lo, __m512 *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+
 typedef struct {
     const uint8_t *kp, *ks, *km, *vp, *vs, *vm;
     int64_t p_stride, s_stride, tokens;
@@ -363,11 +371,8 @@ int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int ns
                     for (int64_t g = 0; g < G; g++) {
                         __m512 dot = _mm512_setzero_ps();
                         for (int64_t c = 0; c < half; c += 16) {
-                            const __mmask16 mk = mask16(half - c);
-                            const __m512i b = _mm512_cvtepu8_epi32(
-                                _mm_maskz_loadu_epi8(mk, codes + g * half + c));
-                            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-                            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                            __m512 lo, hi;
+                            code_pairs16(codes + g * half + c, mask16(half - c), &lo, &hi);
                             dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(qe + g * half + c), dot);
                             dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(qo + g * half + c), dot);
                         }
@@ -412,11 +417,8 @@ int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int ns
                         const __m512 pw = _mm512_set1_ps(p * _cvtsh_ss(vs[g]));
                         madd[g] += p * _cvtsh_ss(vm[g]);
                         for (int64_t c = 0; c < half; c += 16) {
-                            const __mmask16 mk = mask16(half - c);
-                            const __m512i b = _mm512_cvtepu8_epi32(
-                                _mm_maskz_loadu_epi8(mk, codes + g * half + c));
-                            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-                            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                            __m512 lo, hi;
+                            code_pairs16(codes + g * half + c, mask16(half - c), &lo, &hi);
                             float *e = ae + g * half + c, *o = ao + g * half + c;
                             _mm512_storeu_ps(e, _mm512_fmadd_ps(pw, lo, _mm512_loadu_ps(e)));
                             _mm512_storeu_ps(o, _mm512_fmadd_ps(pw, hi, _mm512_loadu_ps(o)));
