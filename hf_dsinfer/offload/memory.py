@@ -109,11 +109,14 @@ class Footprint:
 
 
 def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, prompt_len: int,
-              gen_len: int, per_use_dense: float | None = None) -> Footprint:
+              gen_len: int, per_use_dense: float | None = None,
+              fused: bool = True) -> Footprint:
     """Peak memory of `policy` on `shape` for one block of `batch` sequences.
 
     `per_use_dense` overrides the dense bytes of one layer's per-use weights (the exact store
-    knows it; the planner uses the percentages)."""
+    knows it; the planner uses the percentages). `fused`: the layers are fused blocks, which
+    attend over a 4-bit cache's codes where `attends_in_cache` allows (the planner assumes so;
+    the engine knows)."""
     b = shape.dtype_bytes
     stored = shape.layer_bytes(policy.compress_weights, policy.group_size)
     w_dev, w_cpu, _ = (p / 100 for p in policy.weights)
@@ -136,7 +139,7 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
     kv_read = 2 * mb * seq * 2 * shape.kv_heads * shape.head_dim * b  # prefetched + concatenated
     work = _workspace(shape, batch, mb, max(prompt_len, 1))
     others = shape.other_numel * b
-    if not cuda and attends_in_cache(policy, torch.device("cpu")):
+    if not cuda and fused and attends_in_cache(policy, torch.device("cpu")):
         # decode attends over the stored codes: the codes read from disk for the layer
         # attending and for the next one, read ahead (RAM tiers give views); nothing dense
         kv_read = 2 * batch * seq * kv_token * policy.cache[2] / 100

@@ -161,7 +161,7 @@ class OffloadEngine:
         """Before a generate() block starts: do its KV cache and activations fit the budget?"""
         per_use = sum(s.buffer_nbytes for s in self.store.slots if not s.bound)
         fp = footprint(self.shape, self.policy, self.device.type == "cuda", batch, prompt_len,
-                       gen_len, per_use)
+                       gen_len, per_use, self.attends)
         check_budget(fp, self.policy, f"generating {gen_len} tokens after {prompt_len} for "
                      f"{batch} sequences", "pass fewer sequences per block (micro_batch_size / "
                      "num_micro_batches), move the KV cache to disk (cache=(0, x, 100 - x)), turn "

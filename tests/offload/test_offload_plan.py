@@ -175,3 +175,36 @@ def test_disk_probe_reads_like_the_store(tmp_path):
     read, write = measure_disk(tmp_path, 4, reps=3)
     assert read > 0 and write > 0
     assert not list(tmp_path.iterdir())
+
+
+def test_codes_attention_pricing_and_footprint(llama_dir):
+    """A 4-bit cache on the CPU: with the attention-over-codes rate measured, a decode step
+    prices the stored codes at that rate and no decoding (dearer than before only if that rate
+    is slow); without it (inf: no native kernels), the decode and dense attention as before.
+    The footprint holds two layers' disk codes, not the dense block copy, unless the layers are
+    not fused blocks (the engine decodes then)."""
+    import dataclasses
+
+    from hf_dsinfer.offload.cache import attends_in_cache
+    from hf_dsinfer.offload.cost import layer_terms
+    from hf_dsinfer.offload.policy import OffloadPolicy
+
+    shape = model_shape(llama_dir, torch.bfloat16)
+    policy = OffloadPolicy(weights=(0, 100, 0), cache=(0, 50, 50), compress_cache=True,
+                           micro_batch_size=4, num_micro_batches=2, offload_dir="/tmp/x")
+    decoded = layer_terms(shape, HW, policy, WORK, 8, False).compute
+    fast = dataclasses.replace(HW, attn_int4=1e12)
+    slow = dataclasses.replace(HW, attn_int4=1e6)
+    assert layer_terms(shape, fast, policy, WORK, 8, False).compute < decoded
+    assert layer_terms(shape, slow, policy, WORK, 8, False).compute > decoded
+    codes = 8 * (64 + 4) * shape.kv_token_bytes(True, policy.group_size)
+    assert layer_terms(shape, slow, policy, WORK, 8, False).compute == pytest.approx(
+        layer_terms(shape, dataclasses.replace(HW, attn_int4=2e6), policy, WORK, 8,
+                    False).compute + codes / 2e6)
+    fused = footprint(shape, policy, False, 8, 64, 8).host["kv read"]
+    unfused = footprint(shape, policy, False, 8, 64, 8, fused=False).host["kv read"]
+    if attends_in_cache(policy, torch.device("cpu")):
+        assert fused == pytest.approx(2 * 8 * 72 * shape.kv_token_bytes(True, 64) * 0.5)
+        assert fused < unfused
+    else:
+        assert fused == unfused
