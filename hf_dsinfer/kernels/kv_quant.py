@@ -324,11 +324,12 @@ class _Span(ctypes.Structure):
 
 
 def attend_kv_int4_ref(q: torch.Tensor, spans: list[KVSpan], scale: float,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(scale * q K^T + mask) V for one query per sequence and head, q [rows, heads, D],
-    over the spans' tokens in order, each code read as its fp32 value (q * scale + min); mask:
-    additive [rows, T]. fp32 throughout (fp64 when q is), returned in q's dtype. The
-    reference of `attend_kv_int4` (tests, and where the native kernel does not run)."""
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(scale * q K^T) V for one query per sequence and head, q [rows, heads, D], over
+    the spans' tokens in order, each code read as its fp32 value (q * scale + min); keep:
+    [rows or 1, T], 0 / False masks a key (a row masked everywhere: zeros). fp32 throughout
+    (fp64 when q is), returned in q's dtype. The reference of `attend_kv_int4` (tests, and
+    where the native kernel does not run)."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def dense(codes: KVInt4) -> torch.Tensor:  # [rows, kv_heads, T, D]
@@ -341,28 +342,25 @@ def attend_kv_int4_ref(q: torch.Tensor, spans: list[KVSpan], scale: float,
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("rhd,rhtd->rht", q.to(work), k) * scale
-    if mask is not None:
-        scores = scores + mask.to(work)[:, None, :]
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row masked everywhere: zeros
+    if keep is not None:
+        scores = scores.masked_fill(~keep.bool()[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("rht,rhtd->rhd", probs, v).to(q.dtype)
 
 
 def attend_kv_int4(q: torch.Tensor, spans: list[KVSpan], scale: float,
-                   mask: torch.Tensor | None = None, out: torch.Tensor | None = None
+                   keep: torch.Tensor | None = None, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """Decode attention straight over 4-bit K/V codes, no dense copy of the cache: q
     [rows, heads, D] (one query per sequence and head; heads a multiple of the cache's kv_heads)
-    against the spans' tokens in order; mask: additive fp32-castable [rows, T] (-inf masks a
-    key; bool: True keeps) or None. Returns [rows, heads, D] in q's dtype (into `out` when
-    given). The native kernel (csrc/cpu_quant.c: hfd_attend_kv_int4) runs where it takes the
-    tensors, the reference elsewhere; `attend_kv_int4_native` says which."""
-    _check_attend(q, spans, mask)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-            ~mask, float("-inf"))
-    lib = attend_kv_int4_native(q, spans, mask, out)
+    against the spans' tokens in order; keep: bool / uint8 [rows or 1, T] (0 masks a key; what
+    kernels/decode.py's keep_rows makes of HF's mask) or None. Returns [rows, heads, D] in q's
+    dtype (into `out` when given). The native kernel (csrc/cpu_quant.c: hfd_attend_kv_int4)
+    runs where it takes the tensors (counted in ATTEND_CALLS), the reference elsewhere."""
+    _check_attend(q, spans, keep)
+    lib = _native_attend_lib(q, spans, keep, out)
     if lib is None:
-        result = attend_kv_int4_ref(q, spans, scale, mask)
+        result = attend_kv_int4_ref(q, spans, scale, keep)
         return result if out is None else out.copy_(result)
     rows, heads, d = q.shape
     if out is None:
@@ -376,67 +374,71 @@ def attend_kv_int4(q: torch.Tensor, spans: list[KVSpan], scale: float,
         entry.p_stride = span.k.packed.stride(0)
         entry.s_stride = span.k.scales.stride(0) * 2
         entry.tokens = span.k.packed.shape[0]
-    if mask is not None:
-        mask = mask.float().contiguous()
+    if keep is not None:
+        keep = keep.contiguous().view(torch.uint8)
     code = _native.DTYPE_CODES[q.dtype]
     _native.check(lib.hfd_attend_kv_int4(
-        q.data_ptr(), code, ctypes.addressof(table), len(spans), rows, heads, spans[0].k.packed.shape[2], d,
-        spans[0].k.group_size, None if mask is None else mask.data_ptr(),
-        0 if mask is None else mask.stride(0), float(scale), code, out.data_ptr(), code,
-        torch.get_num_threads()), "hfd_attend_kv_int4")
+        q.data_ptr(), code, ctypes.addressof(table), len(spans), rows, heads,
+        spans[0].k.packed.shape[2], d, spans[0].k.group_size,
+        None if keep is None else keep.data_ptr(),
+        0 if keep is None or keep.shape[0] == 1 else keep.stride(0), float(scale), code,
+        out.data_ptr(), code, torch.get_num_threads()), "hfd_attend_kv_int4")
     ATTEND_CALLS["native"] += 1
     return out
 
 
-def _check_attend(q: torch.Tensor, spans: list[KVSpan], mask: torch.Tensor | None) -> None:
+def _check_attend(q: torch.Tensor, spans: list[KVSpan], keep: torch.Tensor | None) -> None:
     if q.dim() != 3 or not spans:
         raise ValueError(f"attend_kv_int4: expected q [rows, heads, D] and at least one span, got "
                          f"q {tuple(q.shape)} and {len(spans)} spans. Fix: one query per sequence "
                          "and head (q[:, :, 0] of a decode step's [B, heads, 1, D]).")
     rows, heads, d = q.shape
+    kv_heads = spans[0].k.packed.shape[2]
     for span in spans:
         for codes in (span.k, span.v):
-            t, r, kv_heads, half = codes.packed.shape
-            if (r, 2 * half) != (rows, d) or heads % kv_heads or codes.scales.shape != (
-                    t, r, kv_heads, d // codes.group_size) or codes.mins.shape != codes.scales.shape:
+            t = codes.packed.shape[0]
+            if (tuple(codes.packed.shape) != (t, rows, kv_heads, d // 2) or heads % kv_heads
+                    or codes.scales.shape != (t, rows, kv_heads, d // codes.group_size)
+                    or codes.mins.shape != codes.scales.shape
+                    or codes.group_size != spans[0].k.group_size
+                    or span.v.packed.shape[0] != t):
                 raise ValueError(
-                    f"attend_kv_int4: a span's codes must be packed [T, {rows}, kv_heads, {d // 2}] "
-                    f"with kv_heads dividing {heads} and scales / mins [T, {rows}, kv_heads, "
-                    f"{d}/group], got packed {tuple(codes.packed.shape)}, scales "
-                    f"{tuple(codes.scales.shape)}, mins {tuple(codes.mins.shape)}. Fix: pass "
+                    f"attend_kv_int4: every span's K and V codes must be packed [T, {rows}, "
+                    f"{kv_heads}, {d // 2}] ({kv_heads} kv heads dividing {heads}) with scales / "
+                    f"mins [T, {rows}, {kv_heads}, {d}/group], one group, got packed "
+                    f"{tuple(codes.packed.shape)}, scales {tuple(codes.scales.shape)}, mins "
+                    f"{tuple(codes.mins.shape)}, group {codes.group_size}. Fix: pass "
                     "quantize_kv_int4 codes of a token-major cache [T, rows, kv_heads, D].")
     total = sum(span.k.packed.shape[0] for span in spans)
-    if mask is not None and tuple(mask.shape) != (rows, total):
-        raise ValueError(f"attend_kv_int4: mask must be [rows, tokens] = [{rows}, {total}] "
-                         f"(additive, or bool keeping True), got {tuple(mask.shape)}. Fix: pass "
-                         "one row per sequence over every span's tokens, or None.")
+    if keep is not None and (keep.dim() != 2 or keep.shape[0] not in (1, rows)
+                             or keep.shape[1] != total
+                             or keep.dtype not in (torch.bool, torch.uint8)):
+        raise ValueError(f"attend_kv_int4: keep must be bool or uint8 [{rows} or 1, {total}] "
+                         f"(rows x every span's tokens), got {keep.dtype} {tuple(keep.shape)}. "
+                         "Fix: pass keep_rows' mask of the step, or None.")
 
 
 ATTEND_CALLS = {"native": 0}  # hfd_attend_kv_int4 calls (tests prove the kernel ran)
 
 
-def attend_kv_int4_native(q: torch.Tensor, spans: list[KVSpan], mask: torch.Tensor | None,
-                          out: torch.Tensor | None = None):
-    """The native library when hfd_attend_kv_int4 takes these tensors, else None."""
-    if not spans or q.dim() != 3 or q.dtype not in _native.DTYPE_CODES or q.device.type != "cpu":
-        return None
-    rows, heads, d = q.shape
+def _native_attend_lib(q: torch.Tensor, spans: list[KVSpan], keep: torch.Tensor | None,
+                       out: torch.Tensor | None):
+    """The native library when hfd_attend_kv_int4 takes these tensors (shapes already checked
+    by _check_attend), else None."""
+    d = q.shape[2]
     first = spans[0].k
     kv_heads, group = first.packed.shape[2], first.group_size
-    if (d > 256 or d % group or group % 2 or kv_heads == 0 or heads % kv_heads
-            or not q.is_contiguous() or (q.requires_grad and torch.is_grad_enabled())):
+    if (q.dtype not in _native.DTYPE_CODES or q.device.type != "cpu" or d > 256 or d % group
+            or group % 2 or not q.is_contiguous() or (q.requires_grad and torch.is_grad_enabled())
+            or (keep is not None and keep.device.type != "cpu")
+            or (out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                                     or not out.is_contiguous()))):
         return None
-    total = 0
     for span in spans:
-        t = span.k.packed.shape[0]
-        total += t
         for codes in (span.k, span.v):
             packed, scales, mins = codes.packed, codes.scales, codes.mins
-            if (codes.group_size != group or packed.dtype != torch.uint8
-                    or scales.dtype != torch.float16 or mins.dtype != torch.float16
-                    or tuple(packed.shape) != (t, rows, kv_heads, d // 2)
-                    or tuple(scales.shape) != (t, rows, kv_heads, d // group)
-                    or mins.shape != scales.shape
+            if (packed.dtype != torch.uint8 or scales.dtype != torch.float16
+                    or mins.dtype != torch.float16
                     or packed.stride()[1:] != (kv_heads * d // 2, d // 2, 1)
                     or scales.stride() != mins.stride()
                     or scales.stride()[1:] != (kv_heads * (d // group), d // group, 1)
@@ -444,10 +446,4 @@ def attend_kv_int4_native(q: torch.Tensor, spans: list[KVSpan], mask: torch.Tens
                     or scales.stride(0) != span.k.scales.stride(0)
                     or any(x.device.type != "cpu" for x in (packed, scales, mins))):
                 return None
-    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (rows, total)
-                             or mask.device.type != "cpu"):
-        return None
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
-                            or not out.is_contiguous()):
-        return None
     return _native.lib()

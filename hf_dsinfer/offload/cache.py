@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.decode import keep_rows
 from hf_dsinfer.kernels.kv_quant import (
     KVInt4,
     KVSpan,
@@ -362,11 +363,11 @@ class MicroKV:
         return parts
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               mask: torch.Tensor | None, out: torch.Tensor) -> None:
+               keep: torch.Tensor | None, out: torch.Tensor) -> None:
         """Append one token's k, v [rows, heads, 1, D] (4-bit) and write into out
         [rows, heads_q, D] the attention of q [rows, heads_q, D] over the whole cache, computed
-        on the stored codes (`attend_kv_int4`): no dense copy of the cache is made. mask:
-        additive fp32 [rows, T] or None."""
+        on the stored codes (`attend_kv_int4`): no dense copy of the cache is made. keep:
+        uint8 [rows or 1, T] (0 masks a key) or None."""
         start = self.length
         stored = [segment.append(k[r0:r1], v[r0:r1]) for segment, r0, r1 in self.segments]
         self.length += k.shape[2]
@@ -377,8 +378,7 @@ class MicroKV:
             before = self.read_codes(0, start)
         for (segment, r0, r1), old, new in zip(self.segments, before, stored):
             spans = [segment.span(old), segment.span(new)] if start else [segment.span(new)]
-            attend_kv_int4(q[r0:r1], spans, scale, None if mask is None else mask[r0:r1],
-                           out[r0:r1])
+            attend_kv_int4(q[r0:r1], spans, scale, _rows_of(keep, r0, r1), out[r0:r1])
 
     def _await(self, pending: tuple[int, Future], start: int):
         """The result of a read ahead of the cache's first `start` tokens (the wait counted)."""
@@ -475,20 +475,9 @@ def attends_in_cache(policy: OffloadPolicy, device: torch.device) -> bool:
     return policy.compress_cache and device.type == "cpu" and _native.lib() is not None
 
 
-def key_mask(mask: torch.Tensor | None, batch: int, total: int
-             ) -> tuple[bool, torch.Tensor | None]:
-    """HF's mask of a one-token step as an additive fp32 [batch, total] over the keys (bool:
-    True keeps), or None for no mask; (False, None) for any other mask."""
-    if mask is None:
-        return True, None
-    if (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
-            or mask.shape[0] not in (1, batch) or mask.shape[3] != total):
-        return False, None
-    keys = mask[:, 0, 0]
-    if keys.dtype == torch.bool:
-        keys = torch.zeros(keys.shape, dtype=torch.float32).masked_fill_(~keys.cpu(),
-                                                                          float("-inf"))
-    return True, keys.float().expand(batch, total).contiguous()
+def _rows_of(keep: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """Rows [start, stop) of a keep mask ([B or 1, T]: one row is every row's)."""
+    return keep if keep is None or keep.shape[0] == 1 else keep[start:stop]
 
 
 def _in_inference_mode(mode: bool, fn, *args):
@@ -558,19 +547,18 @@ class BlockKVLayer(CacheLayerMixin):
         return out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               keep: torch.Tensor | None) -> torch.Tensor:
         """A decode step of the whole block over the stored codes (see BlockCache.dsinfer_attend):
         q [B, heads_q, 1, D] -> [B, heads_q, 1, D]."""
         if not self.is_initialized:
             self.lazy_initialization(k, v)
-        self._block = None
         q = q[:, :, 0].contiguous()
         out = torch.empty_like(q)
         start = 0
         for micro, rows in zip(self.micro, self.owner.rows):
             stop = start + rows
             micro.attend(q[start:stop], k[start:stop], v[start:stop], scale,
-                         None if mask is None else mask[start:stop], out[start:stop])
+                         _rows_of(keep, start, stop), out[start:stop])
             start = stop
         return out.unsqueeze(2)
 
@@ -626,18 +614,17 @@ class BlockCache(Cache):
 
     def __init__(self, num_layers: int, rows: list[int], policy: OffloadPolicy,
                  device: torch.device, folder: Path | None, capacity: int,
-                 stats: dict[str, float] | None = None, attends: bool | None = None):
+                 stats: dict[str, float] | None = None, attends: bool = True):
         self.rows = rows
         # decode steps attend over the stored 4-bit codes (dsinfer_attend); the engine says
         # whether its layers will ask (fused blocks do), so reads ahead fetch codes, not dense K/V
-        self.attends = attends_in_cache(policy, device) if attends is None else (
-            attends and attends_in_cache(policy, device))
+        self.attends = attends and attends_in_cache(policy, device)
         self.policy = policy
         self.device = device
         self.folder = folder
         self.capacity = capacity
-        self.stats = {"kv_read_s": 0.0, "kv_wait_s": 0.0} if stats is None else stats
-        self.stats.setdefault("kv_attend", 0)
+        self.stats = ({"kv_read_s": 0.0, "kv_wait_s": 0.0, "kv_attend": 0} if stats is None
+                      else stats)
         self.pool = BufferPool()  # the steps' read buffers, shared by every layer
         super().__init__(layers=[BlockKVLayer(j, self) for j in range(num_layers)])
 
@@ -656,18 +643,17 @@ class BlockCache(Cache):
         append the step's k, v [B, kv_heads, 1, D] and return softmax(scale q K^T + mask) V
         [B, heads, 1, D], computed straight on the stored 4-bit codes (no dense copy of the
         cache, none decoded). None, with nothing appended, where this cache does not: a dense
-        cache, a CUDA device, no native kernels, more than one token, or a mask other than
-        HF's [B or 1, 1, 1, T] padding mask; the caller then runs `update` and its own
-        attention. Fused blocks (injection/fused.py) call it."""
+        cache, a CUDA device, no native kernels, more than one token, or a mask keep_rows
+        does not take (per head, or adding values other than 0 and masked); the caller then
+        runs `update` and its own attention. Fused blocks (injection/fused.py) call it."""
         if not self.attends or k.shape[2] != 1 or q.shape[2] != 1:
             return None
         layer = self.layers[layer_idx]
-        total = layer.get_seq_length() + 1
-        ok, keys = key_mask(mask, q.shape[0], total)
-        if not ok:
+        usable, keep = keep_rows(mask, q.shape[0], layer.get_seq_length() + 1)
+        if not usable:
             return None
         self.stats["kv_attend"] += 1
-        return layer.attend(q, k, v, scale, keys)
+        return layer.attend(q, k, v, scale, keep)
 
     def view(self, m: int) -> MicroBatchView:
         return MicroBatchView(self, m)

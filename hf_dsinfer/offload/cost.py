@@ -459,13 +459,11 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
     compute0 = _matmul_seconds(shape, hw, batch, micro, prefill, compress_w, flops, dense,
                                work.prefill_layer_s)
     compute = [0.0] * 6
-    if not prefill and compress_c and not cuda and hw.attn_int4 != float("inf"):
-        # attention runs straight over the stored codes, wherever they were read from
-        # (BlockCache.dsinfer_attend): nothing is decoded, no dense copy made
+    codes_attention = compress_c and not cuda and hw.attn_int4 != float("inf")
+    if not prefill and codes_attention:  # attention runs straight over the stored codes,
+        # wherever they were read from (BlockCache.dsinfer_attend): nothing decoded or copied
         compute0 += kv_stored / hw.attn_int4
-        return {"read": read, "read0": 0.0, "write": write, "write0": 0.0, "compute": compute,
-                "compute0": compute0}
-    if not prefill:  # attention reads the whole cache, at the measured rate of the kernel;
+    elif not prefill:  # attention reads the whole cache, at the measured rate of the kernel;
         # on the CPU a dense cache read from disk is first copied into attention's layout (one
         # more pass; a 4-bit cache is decoded straight into it, priced below). RAM gives views
         # only to a block of one micro-batch: the CPU decode step runs the whole block at once,
@@ -476,9 +474,8 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
             compute[5] += batch * ctx * kv_dense / hw.memory_bw
             if batch > micro:
                 compute[4] += batch * ctx * kv_dense / hw.memory_bw
-    if compress_c and not prefill:  # decoding the whole cache of the step, wherever it lives
-        rate = hw.decompress if cuda else hw.kv_decompress
-        compute0 += batch * ctx * kv_dense / rate
+        if compress_c:  # decoding the whole cache of the step, wherever it lives
+            compute0 += batch * ctx * kv_dense / (hw.decompress if cuda else hw.kv_decompress)
     return {"read": read, "read0": 0.0, "write": write, "write0": 0.0, "compute": compute,
             "compute0": compute0}
 

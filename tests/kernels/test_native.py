@@ -356,27 +356,32 @@ def _as_records(codes_k, codes_v):
 def test_native_attention_over_kv_codes(dtype, rows, heads, kv_heads, head_dim, group):
     """Decode attention straight over a 4-bit cache (the offload engine's decode step): the
     native kernel against float64 attention over the codes' values, with the cache in two
-    spans (a file's strided records, then a RAM token), padding masked (-inf and a finite
-    minimum, one row masked everywhere -> zeros), grouped-query heads; it ran (counted)."""
+    spans (a file's strided records, then a RAM token), grouped-query heads, and keep masks
+    (keep_rows' form: uint8 per row, one bool row for all rows, a row masked everywhere ->
+    zeros while the others match); it ran (counted)."""
     old = _as_records(_kv_codes(37, rows, kv_heads, head_dim, group, dtype, 1),
                       _kv_codes(37, rows, kv_heads, head_dim, group, dtype, 2))
     new = KV.KVSpan(_kv_codes(1, rows, kv_heads, head_dim, group, dtype, 3),
                     _kv_codes(1, rows, kv_heads, head_dim, group, dtype, 4))
     q = _gaussian(rows * heads, head_dim, seed=5).view(rows, heads, head_dim).to(dtype)
-    mask = torch.zeros(rows, 38)
-    mask[0, :4] = float("-inf")
-    mask[-1, 6:9] = torch.finfo(torch.float32).min
+    keep = torch.ones(rows, 38, dtype=torch.uint8)
+    keep[0, :4] = 0
+    keep[-1, 6:9] = 0
+    shared = torch.ones(1, 38, dtype=torch.bool)
+    shared[0, 10:12] = False
+    everywhere = keep.clone()
+    everywhere[0] = 0
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
     before = KV.ATTEND_CALLS["native"]
-    for m in (None, mask):
-        got = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, m)
-        ref = KV.attend_kv_int4_ref(q.double(), [old, new], head_dim ** -0.5, m)
-        tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for k in (None, keep, shared, everywhere):
+        got = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, k)
+        ref = KV.attend_kv_int4_ref(q.double(), [old, new], head_dim ** -0.5, k)
         torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
-    assert KV.ATTEND_CALLS["native"] == before + 2
-    if rows > 1:  # a row masked everywhere gets zeros, the others are unchanged
-        mask[0] = float("-inf")
-        got = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, mask == 0)  # bool: keep
-        assert not got[0].any() and got.isfinite().all()
+    assert KV.ATTEND_CALLS["native"] == before + 4
+    assert not got[0].any() and got.isfinite().all()  # the row masked everywhere: zeros
+    if rows > 1:  # and the rows masking nothing new are the per-row mask's
+        keep_only = KV.attend_kv_int4(q, [old, new], head_dim ** -0.5, keep)
+        assert torch.equal(got[1:], keep_only[1:])
 
 
 def test_attention_over_kv_codes_refuses_bad_shapes():
@@ -385,7 +390,9 @@ def test_attention_over_kv_codes_refuses_bad_shapes():
     q = torch.randn(2, 4, 64)
     with pytest.raises(ValueError, match=r"q \[rows, heads, D\]"):
         KV.attend_kv_int4(q[0], [span], 0.1)
-    with pytest.raises(ValueError, match="kv_heads dividing 3"):
+    with pytest.raises(ValueError, match="kv heads dividing 3"):
         KV.attend_kv_int4(torch.randn(2, 3, 64), [span], 0.1)
-    with pytest.raises(ValueError, match=r"\[rows, tokens\] = \[2, 5\]"):
-        KV.attend_kv_int4(q, [span], 0.1, torch.zeros(2, 6))
+    with pytest.raises(ValueError, match=r"keep must be bool or uint8 \[2 or 1, 5\]"):
+        KV.attend_kv_int4(q, [span], 0.1, torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="keep must be bool or uint8"):
+        KV.attend_kv_int4(q, [span], 0.1, torch.zeros(2, 5))  # an additive mask

@@ -300,8 +300,10 @@ int hfd_quant_kv_int4(const void *x, int x_dt, int64_t n, int64_t D, int64_t gro
    group's scale, plus its min times the group's sum of q. Per value: the probability times
    the group's scale weights the codes, and the probability times the min adds to the group.
    Probabilities are fp32 exps rounded to p_dt before they weight V, their fp32 sum divides at
-   the end (torch's CPU flash attention does both). mask: additive fp32 [rows, mask_stride]
-   over all the spans' tokens, or NULL; a row masked everywhere gets zeros. q, out:
+   the end (torch's CPU flash attention does both). keep[r * keep_stride + t] == 0 masks key t
+   (over all the spans' tokens) of row r (keep_stride 0: one row for all; keep NULL: every key),
+   as kernels/decode.py's keep_rows makes it from HF's mask; a row masked everywhere gets zeros.
+   q, out:
    [rows, heads, D] contiguous. D <= 256, group even, dividing D. Returns -2 when out of
    memory. */
 /* The codes of up to 16 bytes (lanes past the mask read as code 0): low nibbles (even
@@ -319,10 +321,10 @@ typedef struct {
 
 int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int nspans,
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, int64_t group,
-                       const float *mask, int64_t mask_stride, float scale, int p_dt, void *out,
+                       const uint8_t *keep, int64_t keep_stride, float scale, int p_dt, void *out,
                        int o_dt, int nthreads) {
     if (D > 256 || group <= 0 || group % 2 || D % group || heads % kv_heads) return -1;
-    const int64_t G = D / group, half = group / 2, rep = heads / kv_heads, units = rows * kv_heads;
+    const int64_t G = D / group, half = group / 2, rep = heads / kv_heads;
     int64_t T = 0;
     for (int i = 0; i < nspans; i++) T += spans[i].tokens;
     int failed = 0;
@@ -339,7 +341,7 @@ int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int ns
         for (int64_t w = 0; w < rows * heads; w++) {
             if (!sc) continue;
             const int64_t r = w / heads, h = w % heads, u = r * kv_heads + h / rep;
-            const float *mrow = mask ? mask + r * mask_stride : NULL;
+            const uint8_t *krow = keep ? keep + r * keep_stride : NULL;
             for (int64_t g = 0; g < G; g++) {
                 float s = 0.f;
                 for (int64_t j = 0; j < half; j++) {
@@ -359,7 +361,7 @@ int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int ns
                 const hfd_kv_span *sp = &spans[i];
                 for (int64_t t = 0; t < sp->tokens; t++) {
                     const int64_t at = t0 + t;
-                    if (mrow && mrow[at] == -INFINITY) {
+                    if (krow && !krow[at]) {
                         sc[at] = -INFINITY;
                         continue;
                     }
@@ -379,8 +381,7 @@ int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int ns
                         acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(_cvtsh_ss(ks[g])), acc);
                         mins += _cvtsh_ss(km[g]) * qsum[g];
                     }
-                    float x = (_mm512_reduce_add_ps(acc) + mins) * scale;
-                    if (mrow) x += mrow[at];
+                    const float x = (_mm512_reduce_add_ps(acc) + mins) * scale;
                     sc[at] = x;
                     if (x > mx) mx = x;
                 }
