@@ -34,3 +34,29 @@ def gpt2_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def opt_dir(tmp_path_factory) -> str:
     return save_tiny(tmp_path_factory, "opt")
+
+
+# Native kernel tests run at every ISA tier this CPU has (HF_DSINFER_ISA caps the tier): a test
+# module opts in with `pytestmark = pytest.mark.usefixtures("native_tier")`. Tests marked `amx`
+# (they need AMX tiles, and their skipif says so) run at the CPU's own tier only.
+def _native_tiers(amx_only: bool) -> list[str]:
+    from hf_dsinfer.kernels import _native
+
+    best = _native.cpu_tier()
+    if amx_only:
+        return [best]
+    return list(_native.TIERS[: _native.TIERS.index(best) + 1])
+
+
+def pytest_generate_tests(metafunc):
+    if "native_tier" in metafunc.fixturenames:
+        amx_only = metafunc.definition.get_closest_marker("amx") is not None
+        metafunc.parametrize("native_tier", _native_tiers(amx_only), indirect=True)
+
+
+@pytest.fixture
+def native_tier(request, monkeypatch) -> str:
+    from hf_dsinfer.kernels import _native
+
+    monkeypatch.setenv(_native.ISA_ENV_VAR, request.param)
+    return request.param

@@ -74,6 +74,10 @@ def explain(model: nn.Module) -> str:
     if report.unmodified_reason:
         return f"{head}\nunmodified: {report.unmodified_reason}"
     extras = []
+    if next(model.parameters()).device.type == "cpu":
+        from hf_dsinfer.kernels import _native
+
+        extras.append(f"CPU ISA: {_native.describe_tier()}")
     if report.quant is not None:
         extras.append(f"quantized: {report.quant.describe()}")
         if report.quant.bits == 8 and next(model.parameters()).device.type == "cpu":

@@ -24,16 +24,22 @@ to 12.6-12.9 ms with the output head in int8, injection/head.py). Its batched va
 token of each of up to 256 sequences, bf16 projections through hfd_linear_bf16) took a
 Llama-1.1B batch-16 step from ~118 to ~102-105 ms.
 
-Build: gcc -O3 with AVX-512 (F, BW, VL, VNNI, BF16), AMX code (run only where cpuid and Linux's
-arch_prctl grant it; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512) and OpenMP, into
-~/.cache/hf_dsinfer/native/<hash of sources and flags>/ (HF_DSINFER_CACHE moves the root), once
-per machine; a concurrent build in another process is harmless (atomic rename). OpenMP links to
-libgomp.so.1, which is the runtime torch has already loaded, so both share one thread pool.
+Build: gcc -O3 and OpenMP, once per machine and ISA tier, into
+~/.cache/hf_dsinfer/native/<hash of sources, flags and tier>/ (HF_DSINFER_CACHE moves the root); a
+concurrent build in another process is harmless (atomic rename). OpenMP links to libgomp.so.1,
+which is the runtime torch has already loaded, so both share one thread pool.
+
+ISA tiers (TIERS, lowest first): generic (no -m flags: baseline x86-64, or aarch64 with NEON),
+avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, VNNI), avx512_bf16 (+ BF16), amx (+ AMX tiles, used
+where Linux grants the tile state; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512). The kernels are
+written once with AVX-512 intrinsics; a tier without an instruction gets SIMDe's emulation of it
+(see csrc/hfd_simd.h), with the same numbers. The best tier the CPU has is used;
+HF_DSINFER_ISA=<tier> caps it (tests run every tier the machine has this way).
 
 `lib()` returns None, and callers use torch's kernels, when:
-    HF_DSINFER_NATIVE=0 is set,
-    the CPU lacks one of the instruction sets above, or
-    no C compiler is found or the build fails (the reason is in `why_unavailable()`).
+    HF_DSINFER_NATIVE=0 is set, or
+    no C compiler is found, the SIMDe headers (simde-py) are missing, or the build fails (the
+    reason is in `why_unavailable()`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -51,16 +58,39 @@ import torch
 
 ENV_VAR = "HF_DSINFER_NATIVE"
 AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
+ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
 HEADERS = [CSRC / "hfd_simd.h"]
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mf16c", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
+TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+# per tier: what it adds to the one below, as gcc flags and as /proc/cpuinfo flags
+_TIER_ADDS = {
+    "generic": ((), ()),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+               ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "avx512_bf16": (("-mavx512bf16",), ("avx512_bf16",)),
+    "amx": (("-mamx-tile", "-mamx-bf16", "-mamx-int8"), ("amx_tile", "amx_bf16", "amx_int8")),
+}
 # dtype codes of the C functions
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_why: list[str] = []
+_why: dict[str, str] = {}  # tier -> why its library did not load
+
+
+def _cumulative(index: int) -> tuple[list[str], list[str]]:
+    """gcc flags and cpuinfo flags of TIERS[index], its own plus every lower tier's."""
+    gcc, cpu = [], []
+    for name in TIERS[: index + 1]:
+        gcc += _TIER_ADDS[name][0]
+        cpu += _TIER_ADDS[name][1]
+    return gcc, cpu
+
+
+def tier_flags(tier: str) -> list[str]:
+    """The gcc flags that build `tier`."""
+    return BASE_FLAGS + _cumulative(TIERS.index(tier))[0]
 
 
 def _cpu_flags() -> set[str]:
@@ -74,25 +104,59 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_tier() -> str:
+    """The best tier this CPU runs (generic on a CPU that is not x86-64)."""
+    flags, best = _cpu_flags(), "generic"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return best
+    for index, name in enumerate(TIERS):
+        if all(f in flags for f in _cumulative(index)[1]):
+            best = name
+    return best
+
+
+def tier() -> str:
+    """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
+    best = cpu_tier()
+    cap = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    if not cap:
+        return best
+    if cap not in TIERS:
+        raise ValueError(f"{ISA_ENV_VAR}={cap!r} is not an ISA tier: expected one of "
+                         f"{', '.join(TIERS)}; unset it to use this CPU's best ({best})")
+    return TIERS[min(TIERS.index(cap), TIERS.index(best))]
+
+
 def _cache_root() -> Path:
     root = os.environ.get("HF_DSINFER_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "hf_dsinfer"
 
 
-def _build() -> Path:
+def _simde_include() -> str:
+    try:
+        import simde_py
+    except ImportError as err:
+        raise RuntimeError("the SIMDe headers are missing: pip install simde-py") from err
+    return simde_py.get_include()
+
+
+def _build(level: str) -> Path:
+    """Compile the sources for `level` (a tier) once; the path of the library."""
     source = b"".join(path.read_bytes() for path in (*HEADERS, *SOURCES))
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_root() / "native" / key / "libhfd_cpu.so"
+    flags = [*tier_flags(level), "-I", _simde_include()]
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    target = _cache_root() / "native" / f"{level}-{key}" / "libhfd_cpu.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -101,8 +165,6 @@ def _build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
-
-
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32, i32]
@@ -138,8 +200,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_dequant_int8_rows.restype = i32
     lib.hfd_dequant_kv_int4.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i32, i64, i32]
     lib.hfd_dequant_kv_int4.restype = i32
-    lib.hfd_dequant_int4pack_rows.argtypes = [p, p, i32, i64, i64, i64, i64, i64, p, i32, i32]
-    lib.hfd_dequant_int4pack_rows.restype = i32
     lib.hfd_quant_kv_int4.argtypes = [p, i32, i64, i64, i64, p, p, p, i32]
     lib.hfd_quant_kv_int4.restype = i32
     lib.hfd_attend_kv_int4.argtypes = [p, i32, p, i32, i64, i64, i64, i64, i64, p, i64,
@@ -147,41 +207,66 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_attend_kv_int4.restype = i32
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> ctypes.CDLL | None:
-    if os.environ.get(ENV_VAR, "1") == "0":
-        _why.append(f"disabled by {ENV_VAR}=0")
-        return None
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        _why.append(f"the CPU lacks {', '.join(missing)}")
-        return None
+@functools.cache
+def _load(level: str) -> ctypes.CDLL | None:
     try:
-        path = _build()
+        path = _build(level)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as err:
-        _why.append(f"build failed: {err}")
+        _why[level] = f"build failed: {err}"
         return None
     _declare(lib)
     return lib
 
 
+# Tiers whose kernels the dispatchers use unless HF_DSINFER_ISA names a tier. The kernels are
+# shaped for 32 AVX-512 registers; on the avx2 and generic tiers they compute the same numbers but
+# spill, and measured slower than torch's own CPU paths (2-core AMD EPYC with AVX-512, capped at
+# avx2 with ATEN_CPU_CAPABILITY=avx2, SmolLM2 batch-1 decode, 2026-11-24: bf16 0.51x, int8 0.27x
+# HF eager). There they run only when asked for, as the tests do.
+DEFAULT_TIERS = ("avx512", "avx512_bf16", "amx")
+
+
+def _slow_tier(level: str) -> bool:
+    return level not in DEFAULT_TIERS and not os.environ.get(ISA_ENV_VAR, "").strip()
+
+
 def lib() -> ctypes.CDLL | None:
-    """The loaded library, or None when the native kernels cannot run here."""
+    """The loaded library of the running tier, or None when the native kernels do not run
+    here."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
-    return _load()
+    level = tier()
+    return None if _slow_tier(level) else _load(level)
 
 
 def available() -> bool:
     return lib() is not None
 
 
+def builds() -> bool:
+    """The library of this CPU's best tier builds and loads (whether or not lib() uses it)."""
+    return _load(cpu_tier()) is not None
+
+
 def why_unavailable() -> str | None:
     """Why `lib()` is None (None when it is not)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return f"disabled by {ENV_VAR}=0"
-    return None if _load() is not None else "; ".join(_why)
+    level = tier()
+    if _slow_tier(level):
+        return (f"this CPU's best tier is {level}, where the kernels run slower than torch's "
+                f"(see _native.DEFAULT_TIERS); {ISA_ENV_VAR}={level} runs them anyway")
+    return None if _load(level) is not None else f"{level} tier: {_why.get(level, '')}"
+
+
+def describe_tier() -> str:
+    """One line for explain: the tier the native kernels run and why."""
+    if not available():
+        return f"native kernels off: {why_unavailable()}"
+    level, best = tier(), cpu_tier()
+    capped = f", capped by {ISA_ENV_VAR} (this CPU: {best})" if level != best else ""
+    return f"native kernels: {level} tier{capped}"
 
 
 # Tensors from this size up are placed on transparent huge pages by `streamed_copy`.

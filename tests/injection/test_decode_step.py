@@ -16,8 +16,9 @@ from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native
 from tests.kernels.test_native_decode import _BASE  # the tiny Llama shape those tests use
 
-pytestmark = pytest.mark.skipif(not _native.available(),
-                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
 
 
 

@@ -15,8 +15,9 @@ from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import quant as Q
 from tests.kernels.conftest import count_calls
 
-pytestmark = pytest.mark.skipif(not _native.available(),
-                                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -150,6 +151,7 @@ AMX_INT8 = pytest.mark.skipif(not _native.amx_int8_available(),
                               reason="no AMX-INT8 here: int8 linears keep the GEMV")
 
 
+@pytest.mark.amx
 @AMX_INT8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("equalize", (False, True))
@@ -175,6 +177,7 @@ def test_int8_amx_is_the_gemv_to_the_bit(monkeypatch, dtype, equalize, rows):
     assert Q._native_int8_amx(x, qw, bias) is None
 
 
+@pytest.mark.amx
 @AMX_INT8
 def test_int8_amx_takes_only_what_it_computes():
     """Fewer than AMX_INT8_MIN_ROWS or more than AMX_INT8_MAX_ROWS rows, row-major codes, or an
@@ -204,7 +207,7 @@ def test_failed_build_falls_back_with_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DSINFER_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     _native._load.cache_clear()
-    monkeypatch.setattr(_native, "_why", [])
+    monkeypatch.setattr(_native, "_why", {})
     try:
         assert _native.lib() is None
         assert "build failed" in _native.why_unavailable()
@@ -236,7 +239,7 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
             assert qw.tiled == tiled
             ref = Q._dequantize_int4_rows(Q.int4_codes(qw)[64:318], qw.scales[64:318],
                                           qw.mins[64:318], group, dtype)
-            assert torch.equal(Q._int4_rows(qw, dtype, 64, 318), ref)
+            assert torch.equal(Q.dequantize_int4_rows(qw, dtype, 64, 318), ref)
     for equalize in (False, True):
         # 320 x 256 is stored as int8 tiles, 320 x 240 (not whole 64-column tiles) row-major
         for q8, tiled in ((Q.quantize_int8(w, equalize=equalize), True),
@@ -282,22 +285,6 @@ def test_native_kv_int4_decoding_is_torchs_to_the_bit(monkeypatch, dtype):
         assert torch.equal(big[:, :, 2:2 + tokens], ref)
         assert not big[:, :, :2].any() and not big[:, :, 2 + tokens:].any()
         assert all(n is lib for n in native[-2:]) == (group % 16 == 0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_native_int4pack_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
-    """Output rows of a weight in torch's CPU int4 layout (the offload engine's 4-bit weights,
-    dequantized once per layer for a prefill): the native rows equal the torch ops' rows."""
-    w = (_gaussian(256, 512) * 0.05).to(dtype)
-    lib, calls = _native.lib(), []
-    for group in (32, 64, 128):
-        qw = Q.quantize_int4(w, group, torch_layout=True)
-        codes, scales_zeros = qw.cpu_packed, qw.cpu_scales_zeros
-        monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a, g=group: calls.append(g) or lib)
-        got = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)
-        monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: None)
-        ref = Q.dequantize_int4pack_rows(codes, scales_zeros, group, dtype, 64, 256)
-        assert calls[-1] == group and torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -24,8 +24,9 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.attention import attention_ref
 
-pytestmark = pytest.mark.skipif(not _native.available(),
-                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
 
 VOCAB = 256
 _BASE = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
@@ -215,7 +216,9 @@ def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
         model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
     assert _native_calls(model) == 0 and _row_calls(model) == 0
-    assert "batched steps: torch ops (int4 or row-major int8" in hf_dsinfer.explain(model)
+    why = ("int4 or row-major int8" if _native.amx_available()
+           else "no AMX-BF16 on this CPU")  # the first reason the layer finds
+    assert f"batched steps: torch ops ({why}" in hf_dsinfer.explain(model)
     model = _inject(_model("llama"))
     cache = DynamicCache(config=model.config)
     model(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)  # grad enabled
@@ -310,6 +313,7 @@ def _padded_batch(b: int, s: int, seed: int = 3):
     return ids, mask
 
 
+@pytest.mark.amx
 @BATCHED
 @pytest.mark.skipif(not _native.amx_int8_available(), reason="no AMX-INT8: int8 batches: torch")
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama_wide"])
@@ -339,6 +343,7 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
     assert torch.equal(native.argmax(-1)[clear], torch_path.argmax(-1)[clear])
 
 
+@pytest.mark.amx
 @BATCHED
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
@@ -349,6 +354,7 @@ def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
 
 
+@pytest.mark.amx
 @BATCHED
 @pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
 @pytest.mark.parametrize("mode", ["greedy", "beams", "sample"])
@@ -374,6 +380,7 @@ def test_batched_generate_matches_the_torch_path(mode, grad_mode, monkeypatch):
     assert torch.equal(native, torch_path)
 
 
+@pytest.mark.amx
 @BATCHED
 def test_batched_layer_against_float64_and_batch_one():
     """attn_out_rows on 3 rows with their own keep rows (one row keeps nothing): each row as
@@ -434,6 +441,7 @@ def test_keep_rows_shapes():
     assert not native_decode.keep_rows(mask + 0.5, 2, 4)[0]  # a bias, not a mask
 
 
+@pytest.mark.amx
 @BATCHED
 def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch):
     """HF_DSINFER_NATIVE_AMX=0 set after the layer was built sends batches to the torch path
@@ -564,6 +572,7 @@ def test_opt_layer_against_float64():
         _layers(_inject(_model("llama")))[0].forward.decode_layer().attn_in(x, None, None)
 
 
+@pytest.mark.amx
 @BATCHED
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("mode", ["greedy", "beams"])

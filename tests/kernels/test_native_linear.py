@@ -17,8 +17,9 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import linear as L
 from tests.kernels.conftest import count_calls
 
-pytestmark = pytest.mark.skipif(not _native.amx_available(),
-                                reason="needs the native library and a CPU that grants AMX tiles")
+pytestmark = [pytest.mark.skipif(not _native.amx_available(),
+               reason="needs the native library and a CPU that grants AMX tiles"),
+              pytest.mark.amx, pytest.mark.usefixtures("native_tier")]
 
 
 def _count(monkeypatch):

@@ -15,8 +15,9 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import moe as M
 from tests.kernels.conftest import count_calls
 
-pytestmark = pytest.mark.skipif(not _native.available(),
-                                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}")
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
 
 
 def _count(monkeypatch):
@@ -112,6 +113,7 @@ def _many_rows(num_experts, hidden, inter, rows_per_expert, seed=5):
     return x, gate_up, down, ids, weights
 
 
+@pytest.mark.amx
 @pytest.mark.skipif(not _native.amx_available(), reason="the CPU or kernel grants no AMX tiles")
 @pytest.mark.parametrize("weights_dtype", (torch.float32, torch.bfloat16),
                          ids=("fp32 weights (Mixtral)", "bf16 weights (Qwen-MoE, OLMoE)"))
@@ -129,6 +131,7 @@ def test_amx_kernel_takes_many_rows_and_weights_them(monkeypatch, weights_dtype)
     assert torch.equal(out, ref)
 
 
+@pytest.mark.amx
 @pytest.mark.skipif(not _native.amx_available(), reason="the CPU or kernel grants no AMX tiles")
 @pytest.mark.parametrize("threads", (1, 2))
 def test_amx_kernel_over_several_panel_groups(monkeypatch, threads):

@@ -24,18 +24,20 @@
  * down is [E, H, I]; x holds the routed rows sorted by expert, rows offsets[e]:offsets[e+1]
  * belong to expert e, rows from offsets[E] on are left alone.
  */
-#include <cpuid.h>
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "hfd_simd.h"
+
+#if HFD_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define WR 4         /* weight rows dotted together */
 #define XR 4         /* expert rows dotted together (registers: WR * XR accumulators) */
@@ -109,12 +111,16 @@ static int amx_state = -1; /* -1 unknown, 0 unusable, 1 usable */
 /* AMX-BF16 present and the kernel lets this process use tile data (Linux asks every process to
    request it once: arch_prctl(ARCH_REQ_XCOMP_PERM)). Called outside parallel regions. */
 static int amx_usable(void) {
+#if HFD_AMX
     if (amx_state < 0) {
         unsigned a, b, c, d;
         int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24));
         amx_state = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return amx_state;
+#else
+    return 0; /* a tier without AMX code */
+#endif
 }
 
 static void amx_configure(void) {
@@ -644,12 +650,16 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 static int amx_int8_state = -1;
 
 static int amx_int8_usable(void) {
+#if HFD_AMX
     if (amx_int8_state < 0) {
         unsigned a, b, c, d;
         amx_int8_state = amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d)
                          && (d & (1u << 25));
     }
     return amx_int8_state;
+#else
+    return 0;
+#endif
 }
 
 /* r[i] (16 dwords each) -> r[j] holding dword j of every input row: a 16 x 16 transpose */

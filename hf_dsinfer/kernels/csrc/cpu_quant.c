@@ -1,4 +1,5 @@
-/* Weight-only int8 matrix-vector kernel for x86 CPUs with AVX-512 (VNNI, BF16).
+/* Weight-only int8 matrix-vector kernel, written for x86 CPUs with AVX-512 (VNNI, BF16) and built
+ * for every ISA tier (hfd_simd.h).
  *
  * Built on first use by hf_dsinfer/kernels/_native.py (gcc, -O3, OpenMP against the libgomp that
  * torch already loaded) and called through ctypes. The kernel streams the weight once per call
@@ -26,8 +27,6 @@
  * bf16 / fp16 / fp32 for the GEMM of many rows (prefill), in the fp32 operations and order of
  * kernels/quant.py's torch dequantization (a product, then a sum or a product, each rounded), so
  * the result is the same to the bit: ~10x faster than those torch ops (unpack, stack, casts).
- * hfd_dequant_int4pack_rows does the same for torch's CPU int4 layout (the offload engine's 4-bit
- * weights, once per layer per prefill): 97 -> 18 ms for a 10240 x 2560 weight.
  *
  * KV cache decoding (hfd_dequant_kv_int4): the offload engine's token-major 4-bit cache into the
  * [rows, heads, tokens, D] layout attention reads, in one pass, the same bits as the torch ops.
@@ -197,45 +196,6 @@ int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint
                 for (int64_t c = g * group; c < (g + 1) * group; c += 16)
                     store16_dt(out, o + c, o_dt,
                                _mm512_add_ps(_mm512_mul_ps(codes16(row + c / 2), s), m));
-            }
-        }
-    }
-    return 0;
-}
-
-/* out[r, :] (dtype o_dt) = (q - 8) * scale + zero = q * scale + (zero - 8 * scale) (fp32: the
-   shift first, then one fused multiply-add: torch's AVX-512 addcmul fuses them) for rows
-   [row0, row1) of a weight in torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu):
-   in blocks of 64 output rows,
-   byte (b, k, j) of codes [N / 64, K, 32] holds row 64b + j (low nibble) and row 64b + 32 + j
-   (high nibble) at column k; scales_zeros [K / group, N, 2] in s_dt. The same operations as
-   kernels/quant.py's dequantize_int4pack_rows, so the same bits. row0, row1 multiples of 64;
-   group a multiple of 16. Each 16-column tile of a block is transposed through a 1 KiB buffer. */
-int hfd_dequant_int4pack_rows(const uint8_t *codes, const void *scales_zeros, int s_dt,
-                              int64_t group, int64_t N, int64_t K, int64_t row0, int64_t row1,
-                              void *out, int o_dt, int nthreads) {
-    const int64_t G = K / group;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = row0 / 64; b < row1 / 64; b++) {
-        const uint8_t *blk = codes + b * K * 32;
-        uint8_t tile[64][16];
-        for (int64_t k0 = 0; k0 < K; k0 += 16) {
-            for (int kk = 0; kk < 16; kk++) {
-                const uint8_t *src = blk + (k0 + kk) * 32;
-                for (int j = 0; j < 32; j++) {
-                    tile[j][kk] = src[j] & 15;
-                    tile[32 + j][kk] = src[j] >> 4;
-                }
-            }
-            const int64_t g = k0 / group;
-            for (int j = 0; j < 64; j++) {
-                const int64_t n = b * 64 + j;
-                const float s = load_f32(scales_zeros, (g * N + n) * 2, s_dt);
-                const float z = load_f32(scales_zeros, (g * N + n) * 2 + 1, s_dt);
-                const __m512 vs = _mm512_set1_ps(s);
-                const __m512 shift = _mm512_set1_ps(z - 8.0f * s);
-                __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)tile[j])));
-                store16_dt(out, (n - row0) * K + k0, o_dt, _mm512_fmadd_ps(q, vs, shift));
             }
         }
     }

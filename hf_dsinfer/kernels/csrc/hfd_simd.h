@@ -1,15 +1,232 @@
 /* Vector helpers shared by the native CPU kernels (cpu_quant.c, cpu_moe.c, cpu_decode.c), which
- * _native.py compiles together into one library with AVX-512 F/BW/VL/VNNI/BF16.
+ * _native.py compiles together into one library per ISA tier (see _native.py's TIERS).
+ *
+ * The kernels are written with AVX-512 intrinsics (16 fp32 lanes). SIMDe (simde-py) maps each
+ * intrinsic to the instruction where the build's target has it, and otherwise to an emulation
+ * on the target's own vectors (two AVX2 registers, NEON, or plain C): vpdpbusd's exact integer
+ * sums, vdpbf16ps' pair products, masked loads and stores. Every lane computes the same IEEE
+ * operations in every tier, and the horizontal sums below use the order of gcc's AVX-512
+ * reductions, so a kernel returns the same bits on every tier (tests/kernels/test_native_tiers.py
+ * checks it; without hardware FMA, SIMDe's fused multiply-add is libm's fmaf, still one rounding).
+ * The one documented difference: vdpbf16ps flushes denormals, its emulation does not (below).
+ * AMX tile code is compiled only into the amx tier; elsewhere the tile intrinsics trap, and
+ * amx_usable() (cpu_moe.c) is 0 there, so they are never reached.
  *
  * Rounding follows torch: fp32 -> bf16 / fp16 round to nearest even, NaN kept quiet, so a kernel
  * that rounds where a torch op would round reproduces it bit for bit. */
 #ifndef HFD_SIMD_H
 #define HFD_SIMD_H
 
-#include <immintrin.h>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define HFD_AMX 1
+#include <immintrin.h>
+#else
+#define HFD_AMX 0
+#undef _tile_loadconfig
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_release
+#undef _tile_dpbf16ps
+#undef _tile_dpbusd
+#define _tile_loadconfig(cfg) __builtin_trap()
+#define _tile_loadd(t, p, s) __builtin_trap()
+#define _tile_stored(t, p, s) __builtin_trap()
+#define _tile_zero(t) __builtin_trap()
+#define _tile_release() __builtin_trap()
+#define _tile_dpbf16ps(c, a, b) __builtin_trap()
+#define _tile_dpbusd(c, a, b) __builtin_trap()
+#endif
+
+#if !defined(__AVX512F__)
+/* The horizontal sums SIMDe lacks, in gcc's order for _mm512_reduce_*: lanes i and i + 8, then
+   i and i + 4, then i and i + 2, then the last pair. */
+static inline float hfd_reduce_add_ps(__m512 v) {
+    float a[16], b[8];
+    memcpy(a, &v, sizeof(a));
+    for (int i = 0; i < 8; i++) b[i] = a[i + 8] + a[i];
+    for (int i = 0; i < 4; i++) b[i] = b[i + 4] + b[i];
+    for (int i = 0; i < 2; i++) b[i] = b[i] + b[i + 2];
+    return b[0] + b[1];
+}
+static inline int hfd_reduce_add_epi32(__m512i v) {
+    int32_t a[16];
+    memcpy(a, &v, sizeof(a));
+    uint32_t s = 0; /* integer sums: any order gives the same (wrapping) result */
+    for (int i = 0; i < 16; i++) s += (uint32_t)a[i];
+    return (int)s;
+}
+#define _mm512_reduce_add_ps(v) hfd_reduce_add_ps(v)
+#define _mm512_reduce_add_epi32(v) hfd_reduce_add_epi32(v)
+
+/* Conversions, masked loads and a gather that SIMDe 0.8 does not emulate: lane by lane, with
+   the instructions' semantics (truncating narrowing, zeroed masked lanes). */
+#define HFD_LANEWISE(name, ret_t, arg_t, out_e, in_e, n, expr)                                  \
+    static inline ret_t name(arg_t v) {                                                         \
+        in_e a[n];                                                                              \
+        out_e r[n];                                                                             \
+        ret_t o;                                                                                \
+        memcpy(a, &v, sizeof(a));                                                               \
+        for (int i = 0; i < n; i++) r[i] = (out_e)(expr);                                       \
+        memset(&o, 0, sizeof(o));                                                               \
+        memcpy(&o, r, sizeof(r));                                                               \
+        return o;                                                                               \
+    }
+HFD_LANEWISE(hfd_cvtepi32_epi16, simde__m256i, simde__m512i, int16_t, int32_t, 16, a[i])
+HFD_LANEWISE(hfd_cvtepi32_epi8, simde__m128i, simde__m512i, int8_t, int32_t, 16, a[i])
+HFD_LANEWISE(hfd_cvtepi8_epi32, simde__m512i, simde__m128i, int32_t, int8_t, 16, a[i])
+HFD_LANEWISE(hfd_cvtepu8_epi32, simde__m512i, simde__m128i, int32_t, uint8_t, 16, a[i])
+HFD_LANEWISE(hfd_cvtepi32_pd, simde__m512d, simde__m256i, double, int32_t, 8, a[i])
+HFD_LANEWISE(hfd_cvtpd_ps, simde__m256, simde__m512d, float, double, 8, a[i])
+#define _mm512_cvtepi32_epi16(v) hfd_cvtepi32_epi16(v)
+#define _mm512_cvtepi32_epi8(v) hfd_cvtepi32_epi8(v)
+#define _mm512_cvtepi8_epi32(v) hfd_cvtepi8_epi32(v)
+#define _mm512_cvtepu8_epi32(v) hfd_cvtepu8_epi32(v)
+#define _mm512_cvtepi32_pd(v) hfd_cvtepi32_pd(v)
+#define _mm512_cvtpd_ps(v) hfd_cvtpd_ps(v) /* round to nearest even, as the default MXCSR */
+
+static inline simde__m256i hfd_cvtps_ph(simde__m512 v) {
+    simde__m256i o;
+    simde__m128i lo = simde_mm256_cvtps_ph(simde_mm512_extractf32x8_ps(v, 0), 0);
+    simde__m128i hi = simde_mm256_cvtps_ph(simde_mm512_extractf32x8_ps(v, 1), 0);
+    memcpy(&o, &lo, 16);
+    memcpy((char *)&o + 16, &hi, 16);
+    return o;
+}
+#define _mm512_cvtps_ph(v, r) hfd_cvtps_ph(v)
+
+/* Masked loads and stores touch only the lanes the mask selects, as the instructions do (a
+   masked load at the end of a buffer must not read past it, a masked store must leave the other
+   bytes alone: SIMDe 0.8 reads whole vectors there and stores zeros, so these replace it). */
+#define HFD_MASKED(name, lanes, elem_t, vec_t)                                                  \
+    static inline vec_t hfd_maskz_load_##name(uint64_t k, const void *p) {                      \
+        vec_t o;                                                                                \
+        if (lanes == 64 ? k == ~(uint64_t)0 : k == (((uint64_t)1 << (lanes & 63)) - 1)) {       \
+            memcpy(&o, p, sizeof(o));                                                           \
+            return o;                                                                           \
+        }                                                                                       \
+        elem_t r[lanes];                                                                        \
+        for (int i = 0; i < lanes; i++) r[i] = (k >> i) & 1 ? ((const elem_t *)p)[i] : 0;      \
+        memcpy(&o, r, sizeof(o));                                                               \
+        return o;                                                                               \
+    }                                                                                           \
+    static inline void hfd_mask_store_##name(void *p, uint64_t k, vec_t v) {                    \
+        elem_t r[lanes];                                                                        \
+        memcpy(r, &v, sizeof(r));                                                               \
+        for (int i = 0; i < lanes; i++)                                                         \
+            if ((k >> i) & 1) ((elem_t *)p)[i] = r[i];                                          \
+    }
+HFD_MASKED(ps512, 16, float, simde__m512)
+HFD_MASKED(epi32_512, 16, int32_t, simde__m512i)
+HFD_MASKED(epi16_512, 32, uint16_t, simde__m512i)
+HFD_MASKED(epi16_256, 16, uint16_t, simde__m256i)
+HFD_MASKED(epi8_512, 64, uint8_t, simde__m512i)
+HFD_MASKED(epi8_128, 16, uint8_t, simde__m128i)
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_mask_storeu_ps
+#undef _mm512_maskz_loadu_epi16
+#undef _mm256_maskz_loadu_epi16
+#undef _mm256_mask_storeu_epi16
+#define _mm512_maskz_loadu_ps(k, p) hfd_maskz_load_ps512(k, p)
+#define _mm512_mask_storeu_ps(p, k, v) hfd_mask_store_ps512(p, k, v)
+#define _mm512_maskz_loadu_epi32(k, p) hfd_maskz_load_epi32_512(k, p)
+#define _mm512_maskz_loadu_epi16(k, p) hfd_maskz_load_epi16_512(k, p)
+#define _mm256_maskz_loadu_epi16(k, p) hfd_maskz_load_epi16_256(k, p)
+#define _mm256_mask_storeu_epi16(p, k, v) hfd_mask_store_epi16_256(p, k, v)
+#define _mm512_maskz_loadu_epi8(k, p) hfd_maskz_load_epi8_512(k, p)
+#define _mm_maskz_loadu_epi8(k, p) hfd_maskz_load_epi8_128(k, p)
+/* lanes of src where k is clear, else the int32 at base + idx * scale */
+static inline simde__m512i hfd_mask_i32gather_epi32(simde__m512i src, uint16_t k, simde__m512i idx,
+                                                    const void *base, int scale) {
+    int32_t r[16], ix[16];
+    memcpy(r, &src, 64);
+    memcpy(ix, &idx, 64);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) memcpy(&r[i], (const char *)base + (int64_t)ix[i] * scale, 4);
+    simde__m512i o;
+    memcpy(&o, r, 64);
+    return o;
+}
+#define _mm512_mask_i32gather_epi32(s, k, i, b, sc) hfd_mask_i32gather_epi32(s, k, i, b, sc)
+#ifndef _MM_FROUND_NO_EXC
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
+#endif
+
+#if !defined(__AVX512VNNI__)
+/* vpdpbusd: acc + the sums of 4 adjacent u8 x s8 products, exact (int32 lanes). On AVX2 the u8
+   side is split into nibbles so vpmaddubsw's int16 pair sums (at most 2 * 15 * 128) never
+   saturate; the integer sums are the instruction's to the bit. */
+static inline simde__m512i hfd_dpbusd_epi32(simde__m512i acc, simde__m512i a, simde__m512i b) {
+#if defined(__AVX2__)
+    __m256i c[2], x[2], w[2];
+    memcpy(c, &acc, 64);
+    memcpy(x, &a, 64);
+    memcpy(w, &b, 64);
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(x[h], nib), w[h]);
+        __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(x[h], 4), nib), w[h]);
+        c[h] = _mm256_add_epi32(c[h], _mm256_add_epi32(_mm256_madd_epi16(lo, ones),
+                                                       _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4)));
+    }
+    memcpy(&acc, c, 64);
+    return acc;
+#else
+    int32_t s[16];
+    uint8_t x[64];
+    int8_t w[64];
+    memcpy(s, &acc, 64);
+    memcpy(x, &a, 64);
+    memcpy(w, &b, 64);
+    for (int i = 0; i < 16; i++)
+        s[i] += x[4 * i] * w[4 * i] + x[4 * i + 1] * w[4 * i + 1] + x[4 * i + 2] * w[4 * i + 2]
+              + x[4 * i + 3] * w[4 * i + 3];
+    memcpy(&acc, s, 64);
+    return acc;
+#endif
+}
+#undef _mm512_dpbusd_epi32
+#define _mm512_dpbusd_epi32(c, a, b) hfd_dpbusd_epi32(c, a, b)
+#endif
+
+#if !defined(__AVX512BF16__)
+/* vdpbf16ps: acc + a_odd * b_odd, then + a_even * b_even, each rounded once (a bf16 product is
+   exact in fp32, so an FMA or a product and a sum give the same bits). The instruction also
+   flushes denormal inputs and results to zero, which this does not: values below 1.2e-38, never
+   met in weights and activations, are where the tiers may differ. */
+static inline simde__m512 hfd_dpbf16_ps(simde__m512 acc, simde__m512bh a, simde__m512bh b) {
+    simde__m512i ai, bi;
+    memcpy(&ai, &a, 64);
+    memcpy(&bi, &b, 64);
+    const simde__m512i hi = simde_mm512_set1_epi32((int)0xFFFF0000u);
+    acc = simde_mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_and_si512(ai, hi)),
+                               simde_mm512_castsi512_ps(simde_mm512_and_si512(bi, hi)), acc);
+    return simde_mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_slli_epi32(ai, 16)),
+                                simde_mm512_castsi512_ps(simde_mm512_slli_epi32(bi, 16)), acc);
+}
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps(c, a, b) hfd_dpbf16_ps(c, a, b)
+#endif
+
+#if !defined(__F16C__)
+/* fp16 <-> fp32 scalars (round to nearest even), where the target has no F16C */
+static inline float hfd_cvtsh_ss(uint16_t h) {
+    return simde_mm_cvtss_f32(simde_mm_cvtph_ps(simde_mm_set1_epi16((short)h)));
+}
+static inline uint16_t hfd_cvtss_sh(float f) {
+    return (uint16_t)simde_mm_extract_epi16(simde_mm_cvtps_ph(simde_mm_set1_ps(f), 0), 0);
+}
+#define _cvtsh_ss(h) hfd_cvtsh_ss(h)
+#define _cvtss_sh(f, r) hfd_cvtss_sh(f)
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 

@@ -1,0 +1,128 @@
+"""Every ISA tier of the native kernels computes the same numbers (csrc/hfd_simd.h).
+
+Each case runs at every tier this CPU has (HF_DSINFER_ISA caps the tier; the library of each tier
+is built once) and is compared with the CPU's best tier to the bit. AMX is switched off for the
+comparison: AMX tiles sum in another order than the vector kernels (that difference is tested
+against references in test_native*.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+import hf_dsinfer
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import kv_quant as KV
+from hf_dsinfer.kernels import moe as M
+from hf_dsinfer.kernels import quant as Q
+
+pytestmark = pytest.mark.skipif(not _native.builds(),
+                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+
+BEST = _native.cpu_tier()
+LOWER = _native.TIERS[: _native.TIERS.index(BEST)]
+
+
+def _at(monkeypatch, tier: str, fn):
+    with monkeypatch.context() as m:
+        m.setenv(_native.ISA_ENV_VAR, tier)
+        m.setenv(_native.AMX_ENV_VAR, "0")
+        assert _native.tier() == tier and _native.available(), _native.why_unavailable()
+        return fn()
+
+
+def _same(monkeypatch, tier: str, fn) -> None:
+    """fn() at `tier` equals fn() at the CPU's best tier, to the bit."""
+    best, got = _at(monkeypatch, BEST, fn), _at(monkeypatch, tier, fn)
+    for b, g in zip(best if isinstance(best, tuple) else (best,),
+                    got if isinstance(got, tuple) else (got,)):
+        assert torch.equal(g, b), (f"{tier} differs from {BEST}: max |diff| "
+                                   f"{(g.float() - b.float()).abs().max().item()}")
+
+
+def _gaussian(*shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_tier_is_capped_and_named(monkeypatch):
+    monkeypatch.setenv(_native.ISA_ENV_VAR, "generic")
+    assert _native.tier() == "generic"
+    assert "generic tier, capped by HF_DSINFER_ISA" in _native.describe_tier()
+    monkeypatch.setenv(_native.ISA_ENV_VAR, "avx1024")
+    with pytest.raises(ValueError, match="expected one of generic, avx2"):
+        _native.tier()
+    monkeypatch.delenv(_native.ISA_ENV_VAR)
+    assert _native.tier() == BEST
+
+
+ALL_TIERS = pytest.mark.parametrize("tier", LOWER or [BEST])
+
+
+@ALL_TIERS
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows,n,k", [(1, 256, 320), (3, 64, 300), (2, 128, 1024)])
+def test_int8_linear(monkeypatch, tier, dtype, rows, n, k):
+    qw = Q.quantize_int8(_gaussian(n, k, seed=1, dtype=dtype))
+    x = _gaussian(rows, k, seed=2, dtype=dtype)
+    _same(monkeypatch, tier, lambda: Q.linear_int8(x, qw, backend="cpu"))
+
+
+@ALL_TIERS
+@pytest.mark.parametrize("rows,n,k,group", [(1, 64, 1024, 32), (4, 128, 640, 64),
+                                            (2, 64, 160, 32)])
+def test_int4_linear(monkeypatch, tier, rows, n, k, group):
+    qw = Q.quantize_int4(_gaussian(n, k, seed=3), group)
+    x = _gaussian(rows, k, seed=4)
+    _same(monkeypatch, tier, lambda: Q.linear_int4(x, qw, backend="cpu"))
+
+
+@ALL_TIERS
+def test_dequantize_rows(monkeypatch, tier):
+    q4 = Q.quantize_int4(_gaussian(128, 512, seed=5), 64)
+    q8 = Q.quantize_int8(_gaussian(64, 256, seed=6))
+    _same(monkeypatch, tier, lambda: (Q.dequantize_int4_rows(q4, torch.bfloat16, 0, 128),
+                                      Q._int8_rows(q8, torch.bfloat16, 0, 64)))
+
+
+@ALL_TIERS
+def test_kv_codes(monkeypatch, tier):
+    x = _gaussian(3, 2, 40, 64, seed=7)
+    _same(monkeypatch, tier, lambda: tuple(KV.quantize_kv_int4(x, 32, backend="cpu")[:3]))
+
+
+@ALL_TIERS
+def test_moe_expert_rows(monkeypatch, tier):
+    g = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(4, 2 * 96, 64, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(4, 64, 96, generator=g) * 0.1).bfloat16()
+    xs = torch.randn(6, 64, generator=g).bfloat16()
+    offsets = torch.tensor([0, 2, 3, 5, 6])
+    _same(monkeypatch, tier,
+          lambda: M._native_moe_rows(_native.lib(), xs, gate_up, down, offsets, 6))
+
+
+def _decode_logits(quant):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16, quant=quant)
+    cache, out = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        model(torch.tensor([[4, 9, 16, 25]]), past_key_values=cache, use_cache=True)
+        for tok in (7, 11, 13):
+            out.append(model(torch.tensor([[tok]]), past_key_values=cache,
+                             use_cache=True).logits[0, -1])
+    calls = sum(layer.forward._decode.calls for layer in model.model.layers)
+    assert calls > 0, "the native decode layer did not run"
+    return torch.stack(out)
+
+
+@ALL_TIERS
+@pytest.mark.parametrize("quant", [None, {"bits": 8}, {"bits": 4, "group_size": 32}],
+                         ids=("bf16", "int8", "int4"))
+def test_native_decode_layer(monkeypatch, tier, quant):
+    _same(monkeypatch, tier, lambda: _decode_logits(quant))
