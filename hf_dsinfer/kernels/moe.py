@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from hf_dsinfer.kernels import _dispatch, _native
 from hf_dsinfer.kernels.activations import _ACT_CODE, gated_act_ref, resolve_activation
 from hf_dsinfer.kernels.linear import dot_in_fp32
+from hf_dsinfer.kernels.private_ops import verified
 
 
 class MoeAlignment(NamedTuple):
@@ -100,14 +101,30 @@ def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act:
     bf16 on a oneDNN CPU with `fuse`: act and * up fused into the GEMMs' epilogues); written
     into `out` [n, H] (contiguous) when given."""
     if fuse and _onednn_gated(x, gate_up, act):
-        inter = gate_up.shape[0] // 2
-        gate = torch.ops.mkldnn._linear_pointwise(x, gate_up[:inter], None, "swish", [], "")
-        a = torch.ops.mkldnn._linear_pointwise.binary(x, gate, gate_up[inter:], None, "mul")
+        a = _gated_onednn(x, gate_up)
     else:
         a = gated_act_ref(F.linear(x, gate_up), None, act)  # [n, I]
     if out is None:
         return F.linear(a, down)  # [n, H]
     return torch.matmul(a, down.t(), out=out)
+
+
+def _gated_onednn(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T) [n, I] by torch's private oneDNN linear-pointwise ops."""
+    inter = gate_up.shape[0] // 2
+    gate = torch.ops.mkldnn._linear_pointwise(x, gate_up[:inter], None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, gate_up[inter:], None, "mul")
+
+
+LINEAR_POINTWISE = "mkldnn._linear_pointwise"
+
+
+def _probe_linear_pointwise(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """_gated_onednn against HF's op sequence on fixed operands (x [5, 64], gate_up [96, 64])."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    gate_up = (torch.randn(96, 64, generator=gen) / 8).to(dtype)
+    return _gated_onednn(x, gate_up), gated_act_ref(F.linear(x, gate_up), None, "silu")
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,10 +138,12 @@ def _onednn_gated(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> bool:
     linear-pointwise ops, the ones inductor emits): in bf16 this skips a read-modify-write pass
     over the [n, 2I] intermediate (~30% of the gate-up time at 512 rows per expert). The
     activation is applied to the fp32 accumulator before rounding, one bf16 rounding fewer than
-    HF's op sequence; fp32 keeps HF's exact ops."""
+    HF's op sequence; fp32 keeps HF's exact ops. Private ops: used once a probe on this CPU
+    agreed with HF's op sequence (private_ops.py)."""
     return (act == "silu" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
             and gate_up.dtype == torch.bfloat16 and x.is_contiguous()
-            and gate_up.is_contiguous() and not torch.compiler.is_compiling() and _onednn_bf16())
+            and gate_up.is_contiguous() and not torch.compiler.is_compiling() and _onednn_bf16()
+            and verified(LINEAR_POINTWISE, x.dtype, _probe_linear_pointwise))
 
 
 def grouped_expert_mlp_ref(hidden, gate_up_proj, down_proj, weights, ids, act="silu"):

@@ -27,8 +27,12 @@ Shapes and layouts:
                .cpu_packed / .cpu_scales_zeros: the same values in the layout of
                torch.ops.aten._weight_int4pack_mm_for_cpu, built once at quantize time on CPU
                where the codes are not tiles (the native kernels read tiles for any number
-               of rows) or when asked for (torch_layout=True); None when the shape does not
-               fit that kernel (out % 16 != 0)
+               of rows); None when the shape does not fit that kernel (out % 16 != 0), when
+               torch's kernel failed its probe on this CPU (private_ops.py), or for portable
+               weights. That layout is torch's private one and differs between CPUs
+               (ATEN_CPU_CAPABILITY): it is made and read by torch's ops in one process only,
+               never read here nor stored; what is stored (the offload engine's disk tier) is
+               the row-major codes of quantize_int4(..., portable=True).
     out     [..., out] in x.dtype
 
 CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_ops.py):
@@ -37,7 +41,9 @@ CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_
 dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
 ~17-35 ms flat. Up to QUANT_PACK_MAX_ROWS rows use the packed kernels, above it the chunked path,
 except where the native kernels (csrc/) run: int8 on them up to AMX_INT8_MAX_ROWS rows, int4
-on them up to QUANT_PACK_MAX_ROWS (see linear_int8_cpu, linear_int4_cpu).
+on them up to QUANT_PACK_MAX_ROWS (see linear_int8_cpu, linear_int4_cpu). torch's packed
+kernels are private ops: each is used only after a probe on this CPU agreed with the reference
+(private_ops.verified), else the chunked path runs.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch, _native
 from hf_dsinfer.kernels.linear import dot_in_fp32
+from hf_dsinfer.kernels.private_ops import verified
 
 # Rows of x up to which the CPU path uses torch's packed int8/int4 kernels (measured crossover
 # with the chunked dequantize + F.linear path is ~24-32 rows at 8192x8192 bf16).
@@ -79,8 +86,8 @@ class Int4Weight(NamedTuple):
     mins: torch.Tensor  # [out, in // group_size]; W ~ q * scale + min
     group_size: int
     symmetric: bool
-    cpu_packed: torch.Tensor | None  # torch's int4 CPU layout, or None
-    cpu_scales_zeros: torch.Tensor | None  # [in // group_size, out, 2] (scale, zero), or None
+    cpu_packed: torch.Tensor | None = None  # torch's int4 CPU layout (this process only)
+    cpu_scales_zeros: torch.Tensor | None = None  # [in // group_size, out, 2] (scale, zero)
     tiled: bool = False  # packed holds tiles [out // 4, in // 128, 4, 64]
 
 
@@ -234,26 +241,35 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
-def _cpu_int4_layout(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
-    """torch's int4 CPU kernel layout: it computes W = (q - 8) * scale + zero per group."""
-    if q.device.type != "cpu" or q.shape[0] % 16:
-        return None, None
+def _torch_int4_copy(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """codes q [out, in] (values 0-15) as torch's int4 CPU kernel takes them, through torch's
+    own conversion (its layout is opaque here): packed codes, and (scale, zero) pairs
+    [G, out, 2], as that kernel computes W = (q - 8) * scale + zero per group."""
     cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     zeros = (mins.float() + 8.0 * scales.float()).to(scales.dtype)  # [out, G]
     scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [G,out,2]
     return cpu_packed, scales_zeros
 
 
+def _cpu_int4_layout(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """_torch_int4_copy where torch's kernel takes the shape and passed its probe, else Nones."""
+    if (q.device.type != "cpu" or q.shape[0] % 16
+            or not verified(INT4PACK_MM, scales.dtype, _probe_int4pack_mm)):
+        return None, None
+    return _torch_int4_copy(q, scales, mins)
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int = 128, symmetric: bool = False,
-    torch_layout: bool | None = None,
+    portable: bool = False,
 ) -> Int4Weight:
     """4-bit group-wise quantization of a [out, in] weight (see the module docstring).
 
-    torch_layout: also keep the codes in torch's int4 CPU layout (cpu_packed), a second copy.
-    None (default): only where the codes are not tiles, i.e. where the native kernels do not
-    run (they read the tiles for any number of rows); True: wherever torch's kernel takes the
-    shape (the offload engine stores that layout)."""
+    By default the codes are stored as the native kernels' tiles where those run, else
+    row-major with a second copy in torch's int4 CPU layout (cpu_packed) for its kernel.
+    portable=True: row-major codes [out, in // 2] and nothing else, bytes that mean the same
+    on every CPU, with or without the native kernels (the offload engine stores these; the
+    native kernel and the reference read them as they are)."""
     _check_int4_shape(weight, group_size)
     out_f, in_f = weight.shape
     wg = weight.detach().float().reshape(out_f, in_f // group_size, group_size)  # [out, G, g]
@@ -261,9 +277,11 @@ def quantize_int4(
     q = torch.round((wg - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
     q = q.reshape(out_f, in_f).to(torch.uint8)  # [out, in]
     packed = pack_int4(q)
+    if portable:
+        return Int4Weight(packed, scales, mins, group_size, symmetric)
     tiled = _tiles_fit(packed)
     cpu_packed = cpu_scales_zeros = None
-    if torch_layout or (torch_layout is None and not tiled):
+    if not tiled:
         cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
     stored = tile_rows(int4_super_order(packed)) if tiled else packed
     return Int4Weight(stored, scales, mins, group_size, symmetric, cpu_packed, cpu_scales_zeros,
@@ -447,7 +465,10 @@ def _int8_in_features(qweight: Int8Weight) -> int:
     return q.shape[1] * TILE_BYTES if qweight.tiled else q.shape[1]
 
 
-def _int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+def dequantize_int4_rows(qweight: Int4Weight, dtype: torch.dtype, start: int,
+                         stop: int) -> torch.Tensor:
+    """Output rows [start, stop) of the weight, [rows, in] in `dtype`: dequantize_int4's
+    numerics, by the native kernel where it runs."""
     packed, scales, mins = qweight.packed, qweight.scales, qweight.mins
     lib = _native_dequant_lib(dtype, packed, scales, mins)
     if lib is not None and scales.dtype in _native.DTYPE_CODES and mins.dtype == scales.dtype:
@@ -536,8 +557,8 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
     """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; else the
     native GEMV up to NATIVE_MAX_ROWS rows where it runs; else torch's _weight_int8pack_mm up
-    to QUANT_PACK_MAX_ROWS rows (on a row-major copy of tiles: the same numerics whichever
-    layout the weight has), else chunked dequantize + GEMM."""
+    to QUANT_PACK_MAX_ROWS rows where it passed its probe (on a row-major copy of tiles: the
+    same numerics whichever layout the weight has), else chunked dequantize + GEMM."""
     n = qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     y = _native_int8_amx(x2, qweight, bias)
@@ -548,7 +569,8 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
         return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], n)
     x2, qweight = _fold_in_scale(x2, qweight)  # torch's kernels take plain int8
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
-    if x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0:
+    if (x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0
+            and verified(INT8PACK_MM, x.dtype, _probe_int8pack_mm)):
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
         q = int8_matrix(qweight).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(x2, q, qweight.scales.to(x.dtype))
@@ -557,6 +579,34 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
         rows = functools.partial(_int8_rows, qweight, x.dtype)
         y = _chunked_dequant_linear(x2, n, rows, bias)
     return y.reshape(*x.shape[:-1], n)
+
+
+# torch's private packed kernels, used as black boxes once a probe agreed (private_ops.py)
+INT8PACK_MM = "aten._weight_int8pack_mm"
+INT4PACK_MM = "aten._weight_int4pack_mm_for_cpu"  # after _convert_weight_to_int4pack_for_cpu
+
+
+def _probe_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed weight [80, 256] and x [3, 256] for the probes: 80 output rows (a partial block of
+    torch's 64-row int4 layout), in % 16 == 0 (what _weight_int8pack_mm needs), 8 groups of 32."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(80, 256, generator=gen).to(dtype),
+            torch.randn(3, 256, generator=gen).to(dtype))
+
+
+def _probe_int8pack_mm(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    w, x = _probe_operands(dtype)
+    qw = quantize_int8(w)
+    q = int8_matrix(qw).contiguous()
+    return torch.ops.aten._weight_int8pack_mm(x, q, qw.scales), linear_int8_ref(x, qw)
+
+
+def _probe_int4pack_mm(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    w, x = _probe_operands(dtype)
+    qw = quantize_int4(w, 32, portable=True)  # no torch copy: that would ask for this probe
+    cpu_packed, scales_zeros = _torch_int4_copy(unpack_int4(qw.packed), qw.scales, qw.mins)
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, cpu_packed, 32, scales_zeros)
+    return got, linear_int4_ref(x, qw)
 
 
 def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
@@ -584,91 +634,24 @@ def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
 
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """Up to QUANT_PACK_MAX_ROWS rows: the native int4 kernel where it runs (it reads the codes
-    as stored, so a tiled weight keeps one copy of them), else _weight_int4pack_mm_for_cpu on
-    torch's layout where the weight has it; chunked dequantize + GEMM otherwise. The product
-    is rounded to x's dtype, then the bias added, as torch's kernel and nn.Linear order it."""
+    as stored, tiles or row-major), else _weight_int4pack_mm_for_cpu on torch's layout where
+    the weight has it and that kernel passed its probe for x's dtype; chunked dequantize + GEMM
+    otherwise. The product is rounded to x's dtype, then the bias added, as torch's kernel and
+    nn.Linear order it."""
     n, g = qweight.scales.shape[0], qweight.group_size
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     y = _native_int4(x2, qweight) if x2.shape[0] <= QUANT_PACK_MAX_ROWS else None
     if y is not None:
         y = y.to(x.dtype)
         y = y if bias is None else y + bias
-    elif x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None:
+    elif (x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None
+          and verified(INT4PACK_MM, x.dtype, _probe_int4pack_mm)):
         sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight.cpu_packed, g, sz)
         y = y if bias is None else y + bias
     else:
-        y = _chunked_dequant_linear(x2, n, functools.partial(_int4_rows, qweight, x.dtype), bias)
-    return y.reshape(*x.shape[:-1], n)
-
-
-# ----------------------------------------------------------------------------------------------
-# torch's int4 CPU layout as a storage format (the offload engine keeps 4-bit weights in it, so
-# a decode step multiplies by the codes read from disk, with no dequantize pass)
-# ----------------------------------------------------------------------------------------------
-
-# Output rows per block of torch's CPU int4 layout (checked against
-# _convert_weight_to_int4pack_for_cpu on torch 2.13 for out % 64 == 0): the [out, in // 2]
-# uint8 result is [out // 64, in, 32] bytes, byte [b, k, j] = q[64b + j, k] | q[64b + 32 + j, k] << 4.
-INT4PACK_BLOCK_N = 64
-
-
-def int4pack_cpu_supported(out_features: int, in_features: int, group_size: int) -> bool:
-    return (out_features % INT4PACK_BLOCK_N == 0 and group_size in INT4_GROUP_SIZES
-            and in_features % group_size == 0)
-
-
-def dequantize_int4pack_rows(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                             dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    """Output rows [start, stop) (multiples of 64) of a weight in torch's CPU int4 layout
-    (codes [out, in // 2] uint8, scales_zeros [in // group, out, 2]) as [rows, in] in `dtype`:
-    W = (q - 8) * scale + zero, fp32 math, as the CPU kernel computes it. The native kernel
-    (same operations, same bits) runs where it can: 97 -> 18 ms for a 10240 x 2560 weight."""
-    in_f, half = codes.shape[1] * 2, INT4PACK_BLOCK_N // 2
-    lib = _native_dequant_lib(dtype, codes, scales_zeros)
-    if (lib is not None and group_size % 16 == 0 and codes.dtype == torch.uint8
-            and scales_zeros.dtype in _native.DTYPE_CODES and start % INT4PACK_BLOCK_N == 0
-            and stop % INT4PACK_BLOCK_N == 0):
-        out = torch.empty(stop - start, in_f, dtype=dtype)
-        lib.hfd_dequant_int4pack_rows(codes.data_ptr(), scales_zeros.data_ptr(),
-                                      _native.DTYPE_CODES[scales_zeros.dtype], group_size,
-                                      codes.shape[0], in_f, start, stop, out.data_ptr(),
-                                      _native.DTYPE_CODES[dtype], torch.get_num_threads())
-        return out
-    groups = in_f // group_size
-    blocks = codes.view(-1, in_f, half)[start // INT4PACK_BLOCK_N: stop // INT4PACK_BLOCK_N]
-    b = blocks.shape[0]  # blocks: [b, in, 32]
-    sz = scales_zeros[:, start:stop].float()  # [G, rows, 2]
-    scale = sz[..., 0].t().reshape(b, 2, half, groups, 1)  # row 64b + 32h + j
-    shift = (sz[..., 1] - 8.0 * sz[..., 0]).t().reshape(b, 2, half, groups, 1)  # zero - 8 scale
-    out = torch.empty(b, 2, half, groups, group_size, dtype=torch.float32, device=codes.device)
-    for h, nibbles in enumerate((blocks & 0xF, blocks >> 4)):  # rows j, then rows 32 + j
-        q = nibbles.transpose(1, 2).reshape(b, half, groups, group_size).float()
-        torch.addcmul(shift[:, h], q, scale[:, h], out=out[:, h])  # one fp32 pass
-    return out.view(stop - start, in_f).to(dtype)
-
-
-def linear_int4pack_cpu(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor,
-                        group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias for W in torch's CPU int4 layout: the packed kernel up to
-    QUANT_PACK_MAX_ROWS rows (it reads 0.5 byte per weight), else chunked dequantize + GEMM."""
-    n = codes.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if x2.shape[0] <= QUANT_PACK_MAX_ROWS:
-        sz = scales_zeros.to(x.dtype)  # no-op when x has the scales' dtype
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), codes, group_size, sz)
-        y = y if bias is None else y + bias
-    else:
-        chunk = max(DEQUANT_CHUNK_ROWS // INT4PACK_BLOCK_N, 1) * INT4PACK_BLOCK_N
-
-        def rows(start: int, stop: int) -> torch.Tensor:
-            return dequantize_int4pack_rows(codes, scales_zeros, group_size, x.dtype, start, stop)
-
-        y = torch.empty(x2.shape[0], n, dtype=x.dtype)  # [M, out]
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            y[:, start:stop] = F.linear(x2, rows(start, stop),
-                                        None if bias is None else bias[start:stop])
+        rows = functools.partial(dequantize_int4_rows, qweight, x.dtype)
+        y = _chunked_dequant_linear(x2, n, rows, bias)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -23,9 +23,10 @@ from accelerate.hooks import remove_hook_from_module
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.kernels.quant import Int4Weight
 from hf_dsinfer.offload import files
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
-from hf_dsinfer.offload.packed import PackedWeight, swap_in_packed
+from hf_dsinfer.offload.packed import swap_in_packed
 from hf_dsinfer.offload.policy import OffloadPolicy
 from hf_dsinfer.offload.schedule import OffloadedLayer, OffloadEngine, offload_generate
 from hf_dsinfer.offload.store import WeightStore, fingerprint, place_layer
@@ -219,10 +220,10 @@ def _disk_folder(policy: OffloadPolicy, model: nn.Module, slots, num_layers: int
     return root / "weights" / fp[:20]
 
 
-def _bind(blocks: nn.ModuleList, j: int, name: str, tensor: torch.Tensor | PackedWeight) -> None:
+def _bind(blocks: nn.ModuleList, j: int, name: str, tensor: torch.Tensor | Int4Weight) -> None:
     path, _, attr = name.rpartition(".")
     module = blocks[j].get_submodule(path) if path else blocks[j]
-    if isinstance(tensor, PackedWeight):
+    if isinstance(tensor, Int4Weight):
         module.bind(tensor)
     else:
         module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)

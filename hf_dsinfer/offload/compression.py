@@ -64,5 +64,6 @@ def compressed_nbytes(numel: int, group_size: int) -> int:
 
 
 def packed_nbytes(numel: int, group_size: int, scale_bytes: int) -> int:
-    """Bytes of a weight in torch's CPU int4 layout: codes + (scale, zero) per group."""
+    """Bytes of a packed 4-bit weight (a portable Int4Weight): codes + scale and min per group,
+    `scale_bytes` each."""
     return numel // 2 + 2 * scale_bytes * (numel // group_size)

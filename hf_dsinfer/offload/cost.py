@@ -46,11 +46,7 @@ from hf_dsinfer.kernels.kv_quant import (
     dequantize_kv_int4_tokens,
     quantize_kv_int4,
 )
-from hf_dsinfer.kernels.quant import (
-    QUANT_PACK_MAX_ROWS,
-    dequantize_int4pack_rows,
-    linear_int4pack_cpu,
-)
+from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS, dequantize_int4_rows, linear_int4_cpu
 from hf_dsinfer.offload.compression import compress, decompress
 from hf_dsinfer.offload.memory import ModelShape
 from hf_dsinfer.offload.packed import pack_weight
@@ -259,13 +255,12 @@ def measure_h2d(device: torch.device) -> float:
 
 
 def measure_decompress(dtype: torch.dtype, device: torch.device) -> float:
-    """Dense bytes/s of decoding 4-bit weights: the packed layout's whole-matrix dequantize on
-    a CPU (once per layer per prefill), FlexGen's codes on CUDA."""
+    """Dense bytes/s of decoding 4-bit weights: a packed weight's whole-matrix dequantize on a
+    CPU (once per layer per prefill, PackedInt4Linear.materialize), FlexGen's codes on CUDA."""
     weight = torch.randn(4096, 2048, device=device).to(dtype)
     if device.type == "cpu":
         packed = pack_weight(weight, 64)
-        seconds = median_time(lambda i: dequantize_int4pack_rows(*packed, 64, dtype, 0, 4096),
-                              3, device)
+        seconds = median_time(lambda i: dequantize_int4_rows(packed, dtype, 0, 4096), 3, device)
     else:
         codes = compress(weight, 64)
         out = torch.empty_like(weight)
@@ -274,13 +269,14 @@ def measure_decompress(dtype: torch.dtype, device: torch.device) -> float:
 
 
 def measure_int4_mm(dtype: torch.dtype, device: torch.device, rows: int = 8) -> float:
-    """Weights x rows per second of the packed int4 CPU matmul at a few rows (decode)."""
+    """Weights x rows per second of the packed int4 CPU matmul at a few rows (decode): the
+    native kernel where it runs, else dequantize + matmul (what PackedInt4Linear runs)."""
     if device.type != "cpu":
         return float("inf")
     weight = torch.randn(4096, 4096).to(dtype)
     packed = pack_weight(weight, 64)
     x = torch.randn(rows, 4096).to(dtype)
-    seconds = median_time(lambda i: linear_int4pack_cpu(x, *packed, 64), 5, device)
+    seconds = median_time(lambda i: linear_int4_cpu(x, packed), 5, device)
     return weight.numel() * rows / seconds
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.kernels.quant import DEQUANT_CHUNK_ROWS
 from hf_dsinfer.offload.cache import KV_READ_THREADS, attends_in_cache
 from hf_dsinfer.offload.compression import compressed_nbytes
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
@@ -166,12 +167,14 @@ def footprint(shape: ModelShape, policy: OffloadPolicy, cuda: bool, batch: int, 
 
 def _prefill_dequantized(shape: ModelShape, policy: OffloadPolicy) -> float:
     """Packed 4-bit linears of one layer dequantized for a prefill (PackedInt4Linear), plus the
-    fp32 and uint8 temporaries of the largest one."""
+    temporaries of dequantizing one chunk of rows of the largest: torch's dequantization (where
+    the native kernel does not run) holds ~12 bytes per weight (fp32 codes, products, sums)."""
     from hf_dsinfer.offload.store import is_packed
 
-    sizes = [math.prod(s) for s, lin in zip(shape.param_shapes, shape.linear_params)
-             if is_packed(s, lin, policy, True)]
-    return sum(sizes) * shape.dtype_bytes + max(sizes, default=0) * 6
+    shapes = [s for s, lin in zip(shape.param_shapes, shape.linear_params)
+              if is_packed(s, lin, policy, True)]
+    chunk = max((min(s[0], DEQUANT_CHUNK_ROWS) * s[1] for s in shapes), default=0)
+    return sum(math.prod(s) for s in shapes) * shape.dtype_bytes + chunk * 12
 
 
 def _workspace(shape: ModelShape, batch: int, mb: int, prompt: int) -> float:

@@ -1,13 +1,15 @@
-"""4-bit linears of an offloaded model that compute on their packed codes (CPU compute device).
+"""4-bit linears of an offloaded model that compute on their codes (CPU compute device).
 
-A compressed nn.Linear weight is stored (in RAM or in the disk tier) in torch's CPU int4 layout
-with its (scale, zero) pairs in the compute dtype, not as FlexGen's min-max codes, so that a
-decode step multiplies by the codes as they were read: `_weight_int4pack_mm_for_cpu` reads half
-a byte per weight, where dequantizing first costs several passes over the dense weight (~0.2 GB/s
-of bf16 output here with torch's element-wise ops, slower than reading the dense weight from
-disk). Prefill (more rows than QUANT_PACK_MAX_ROWS) dequantizes a chunk of output rows at a time
-inside the matmul. The quantization is the same min-max groups along the input dim: W = q * scale
-+ min = (q - 8) * scale + (min + 8 * scale).
+A compressed nn.Linear weight is stored (in RAM or in the disk tier) as the project's own 4-bit
+format, an Int4Weight of `quantize_int4(..., portable=True)`: row-major codes [out, in // 2]
+(low nibble = even input column) and per-group scales and mins [out, in // group] in the
+compute dtype, W = q * scale + min. Those bytes mean the same on every CPU, with or without the
+native kernels (torch's private int4 layout does not: it differs between avx2 and avx512
+builds of its dispatch, and a store read on another CPU, or code reading that layout itself,
+gave garbage). A decode step multiplies by the codes as they were read, through the project's
+CPU int4 path (kernels/quant.py: linear_int4_cpu): the native kernel where it runs (half a
+byte per weight), else torch's dequantize + matmul. A prefill (more rows than
+QUANT_PACK_MAX_ROWS) dequantizes the whole layer once for all its micro-batches (materialize).
 
 `PackedInt4Linear` replaces such an nn.Linear in its parent; the offload engine binds its codes
 (`bind`) while the layer runs and drops them after (`unbind`). It subclasses QuantizedLinear so
@@ -16,33 +18,36 @@ that the fused blocks call its `matmul`, and HF forwards call it like any linear
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.kernels.quant import (
-    dequantize_int4pack_rows,
-    linear_int4pack_cpu,
+    DEQUANT_CHUNK_ROWS,
+    Int4Weight,
+    dequantize_int4_rows,
+    linear_int4_cpu,
     quantize_int4,
 )
 
-
-class PackedWeight(NamedTuple):
-    codes: torch.Tensor  # [out, in // 2] uint8, torch's CPU int4 layout
-    scales_zeros: torch.Tensor  # [in // group, out, 2] in the compute dtype
+# Suffixes of a packed weight's tensors in a layer file: Int4Weight's packed, scales, mins
+PARTS = ("int4", "scales", "mins")
 
 
-def pack_weight(weight: torch.Tensor, group_size: int) -> PackedWeight:
-    """[out, in] weight -> min-max 4-bit groups along `in`, in torch's CPU int4 layout."""
-    q = quantize_int4(weight, group_size, torch_layout=True)
-    return PackedWeight(q.cpu_packed, q.cpu_scales_zeros)
+def pack_weight(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """[out, in] weight -> min-max 4-bit groups along `in`, in the portable row-major format."""
+    return quantize_int4(weight, group_size, portable=True)
+
+
+def from_parts(parts: tuple[torch.Tensor, ...], group_size: int) -> Int4Weight:
+    """The Int4Weight of stored tensors (PARTS order), e.g. views of a layer file as read."""
+    codes, scales, mins = parts
+    return Int4Weight(codes, scales, mins, group_size, symmetric=False)
 
 
 class PackedInt4Linear(QuantizedLinear):
-    """y = x @ W.T + b with W bound as a PackedWeight (see the module docstring)."""
+    """y = x @ W.T + b with W bound as a portable Int4Weight (see the module docstring)."""
 
     def __init__(self, linear: nn.Linear, group_size: int):
         # QuantizedLinear's buffers and weight tuple are not used (codes come and go): only the
@@ -51,10 +56,10 @@ class PackedInt4Linear(QuantizedLinear):
         self.group_size = group_size
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.weight_codes: PackedWeight | None = None
+        self.weight_codes: Int4Weight | None = None
         self.dense: torch.Tensor | None = None  # [out, in] while a prefill runs
 
-    def bind(self, weight: PackedWeight) -> None:
+    def bind(self, weight: Int4Weight) -> None:
         self.weight_codes = weight
 
     def unbind(self) -> None:
@@ -63,15 +68,20 @@ class PackedInt4Linear(QuantizedLinear):
 
     def materialize(self, dtype: torch.dtype) -> None:
         """Dequantize the whole weight once, for the many-row matmuls of a prefill (all its
-        micro-batches share it): one pass over the layer instead of one per micro-batch."""
-        codes, scales_zeros = self.weight_codes
-        self.dense = dequantize_int4pack_rows(codes, scales_zeros, self.group_size, dtype, 0,
-                                              self.out_features)
+        micro-batches share it): one pass over the layer instead of one per micro-batch,
+        DEQUANT_CHUNK_ROWS output rows at a time so that the fp32 temporaries of torch's
+        dequantization (where the native kernel does not run) stay those of one chunk."""
+        n = self.out_features
+        dense = torch.empty(n, self.in_features, dtype=dtype)  # [out, in]
+        for start in range(0, n, DEQUANT_CHUNK_ROWS):
+            stop = min(start + DEQUANT_CHUNK_ROWS, n)
+            dense[start:stop] = dequantize_int4_rows(self.weight_codes, dtype, start, stop)
+        self.dense = dense
 
     @property
     def quantized(self):
-        raise NotImplementedError("PackedInt4Linear holds torch's CPU int4 layout, not an "
-                                  "Int4Weight")
+        raise NotImplementedError("PackedInt4Linear: its codes are bound by the offload engine "
+                                  "only while its layer runs (weight_codes)")
 
     def matmul(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         if self.weight_codes is None:
@@ -80,11 +90,11 @@ class PackedInt4Linear(QuantizedLinear):
         bias = self.bias if with_bias else None
         if self.dense is not None:
             return F.linear(x, self.dense, bias)
-        return linear_int4pack_cpu(x, *self.weight_codes, self.group_size, bias)
+        return linear_int4_cpu(x, self.weight_codes, bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits=4 "
-                f"(torch CPU int4 layout), group_size={self.group_size}, offloaded")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits=4, "
+                f"group_size={self.group_size}, offloaded")
 
 
 def swap_in_packed(block: nn.Module, names: list[str], group_size: int) -> None:

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
-from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS
+from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS, Int4Weight
 from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache, attends_in_cache
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
-from hf_dsinfer.offload.packed import PackedInt4Linear, PackedWeight
+from hf_dsinfer.offload.packed import PackedInt4Linear
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 from hf_dsinfer.offload.store import WeightStore
 
@@ -103,7 +103,7 @@ class OffloadEngine:
                 self._pending[nxt] = (spare, self.weight_io.submit(self._timed_load, nxt, spare))
         for name, tensor in weights.items():
             module, attr, _ = self._params[j][name]
-            if isinstance(tensor, PackedWeight):
+            if isinstance(tensor, Int4Weight):
                 module.bind(tensor)
             else:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)

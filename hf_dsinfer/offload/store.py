@@ -29,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_dsinfer.kernels.kv_quant import KVInt4
-from hf_dsinfer.kernels.quant import int4pack_cpu_supported
+from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES, Int4Weight
 from hf_dsinfer.offload import files
 from hf_dsinfer.offload.compression import (
     CompressedTensor,
@@ -38,13 +38,15 @@ from hf_dsinfer.offload.compression import (
     decompress,
     packed_nbytes,
 )
-from hf_dsinfer.offload.packed import PackedWeight, pack_weight
+from hf_dsinfer.offload.packed import PARTS, from_parts, pack_weight
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 # Bumped when what a layer file holds changes. A folder written by an older layout (4-bit linears
 # as FlexGen codes before the packed int4 layout, under the same slots) was reused by its
-# fingerprint and failed deep in the first load with a KeyError.
-STORE_FORMAT = 2
+# fingerprint and failed deep in the first load with a KeyError. 3: packed 4-bit linears as the
+# project's portable Int4Weight (row-major codes, scales, mins), no longer torch's private int4
+# layout, whose bytes differ between CPUs (a format-2 folder is rewritten, never misread).
+STORE_FORMAT = 3
 Source = Callable[[int, str], torch.Tensor]  # (layer index, name in block) -> CPU tensor
 
 
@@ -57,7 +59,7 @@ class Slot:
     dtype: torch.dtype
     tier: str
     compressed: bool
-    packed: bool = False  # 4-bit in torch's CPU int4 layout, multiplied without dequantizing
+    packed: bool = False  # 4-bit as a portable Int4Weight, multiplied without dequantizing
 
     @property
     def dense_nbytes(self) -> int:
@@ -69,7 +71,7 @@ class Slot:
         return 0 if self.packed else self.dense_nbytes
 
     def stored_nbytes(self, group_size: int) -> int:
-        if self.packed:  # codes + (scale, zero) per group in the compute dtype
+        if self.packed:  # codes + scale and min per group in the compute dtype
             return packed_nbytes(_numel(self.shape), group_size, self.dtype.itemsize)
         return compressed_nbytes(_numel(self.shape), group_size) if self.compressed \
             else self.dense_nbytes
@@ -104,10 +106,10 @@ def is_compressed(shape: tuple[int, ...], policy: OffloadPolicy) -> bool:
 
 
 def is_packed(shape: tuple[int, ...], linear: bool, policy: OffloadPolicy, cpu: bool) -> bool:
-    """A compressed nn.Linear weight kept in torch's CPU int4 layout: on a CPU compute device a
-    decode step multiplies by its codes directly (see PackedInt4Linear)."""
+    """A compressed nn.Linear weight kept as a portable Int4Weight (groups along its input dim):
+    on a CPU compute device a decode step multiplies by its codes directly (PackedInt4Linear)."""
     return (cpu and linear and len(shape) == 2 and is_compressed(shape, policy)
-            and int4pack_cpu_supported(shape[0], shape[1], policy.group_size))
+            and policy.group_size in INT4_GROUP_SIZES and shape[1] % policy.group_size == 0)
 
 
 def linear_weights(block: nn.Module) -> list[bool]:
@@ -247,9 +249,9 @@ class WeightStore:
         return torch.empty(self.per_use_bytes, dtype=torch.uint8, device=self.device)
 
     def load(self, j: int, buffer: torch.Tensor | None = None
-             ) -> dict[str, torch.Tensor | PackedWeight]:
-        """Compute-device tensors of layer j's non-bound parameters (dense, or PackedWeight
-        codes), as views of `buffer` (from new_buffer(); a fresh one when None)."""
+             ) -> dict[str, torch.Tensor | Int4Weight]:
+        """Compute-device tensors of layer j's non-bound parameters (dense, or packed 4-bit
+        Int4Weight codes), as views of `buffer` (from new_buffer(); a fresh one when None)."""
         buffer = self.new_buffer() if buffer is None else buffer
         views = {}
         if self.whole_file and self.disk[j] is not None:
@@ -259,7 +261,8 @@ class WeightStore:
             if slot.bound:
                 continue
             if slot.packed:  # disk tier: the codes as read
-                out[slot.name] = PackedWeight(views[f"{slot.name}.int4"], views[f"{slot.name}.sz"])
+                parts = tuple(views[f"{slot.name}.{p}"] for p in PARTS)
+                out[slot.name] = from_parts(parts, self.policy.group_size)
             elif self.whole_file and slot.tier == "disk" and not slot.compressed:
                 out[slot.name] = views[slot.name]
             else:
@@ -346,8 +349,8 @@ def _compress(tensor: torch.Tensor, slot: Slot, group_size: int):
 
 
 def _flatten(name: str, item) -> dict[str, torch.Tensor]:
-    if isinstance(item, PackedWeight):
-        return {f"{name}.int4": item.codes, f"{name}.sz": item.scales_zeros}
+    if isinstance(item, Int4Weight):
+        return dict(zip((f"{name}.{p}" for p in PARTS), (item.packed, item.scales, item.mins)))
     if isinstance(item, CompressedTensor):
         codes = item.codes
         return {f"{name}.packed": codes.packed, f"{name}.scales": codes.scales,

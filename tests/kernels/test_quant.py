@@ -114,6 +114,23 @@ def test_linear_int4_cpu_matches_ref(monkeypatch, dtype, lead, n, group, sym):
     assert_close_tol(out, Q.linear_int4_ref(x, qw, bias), dtype, DEQUANT_TOL)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_portable_int4_is_row_major_codes_only(dtype):
+    """portable=True (the offload store's format): pack_int4's row-major codes and nothing else
+    (no tiles, no copy in torch's private layout), the same bytes whether or not the native
+    kernels run; the CPU path and the row dequantization read them as they are."""
+    w = _gaussian(64, 128).to(dtype)
+    qw, default = Q.quantize_int4(w, 32, portable=True), Q.quantize_int4(w, 32)
+    assert not qw.tiled and qw.cpu_packed is None and qw.cpu_scales_zeros is None
+    assert qw.packed.shape == (64, 64) and torch.equal(qw.packed, Q.int4_codes(default))
+    assert torch.equal(qw.scales, default.scales) and torch.equal(qw.mins, default.mins)
+    rows = Q.dequantize_int4_rows(qw, dtype, 16, 48)
+    assert torch.equal(rows, Q.dequantize_int4(qw, dtype)[16:48])
+    x = _gaussian(3, 128, seed=1).to(dtype)
+    out = Q.linear_int4(x, qw, backend="cpu")
+    assert_close_tol(out, Q.linear_int4_ref(x, qw), dtype, DEQUANT_TOL)
+
+
 @pytest.mark.parametrize("backend", ["ref", "cpu", "triton"])
 def test_int8_equalized_matches_its_dequantized_weight(backend):
     """equalize=True: the kernels compute with x * in_scale against plain int8 rows; the result
