@@ -74,14 +74,13 @@ def explain(model: nn.Module) -> str:
     if report.unmodified_reason:
         return f"{head}\nunmodified: {report.unmodified_reason}"
     extras = []
-    if next(model.parameters()).device.type == "cpu":
-        from hf_dsinfer.kernels import _native
-
-        extras.append(f"CPU ISA: {_native.describe_tier()}")
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu:
+        extras += _cpu_lines()
     if report.quant is not None:
         extras.append(f"quantized: {report.quant.describe()}")
-        if report.quant.bits == 8 and next(model.parameters()).device.type == "cpu":
-            extras.append(f"int8 CPU kernel: {_int8_cpu_kernel()}")
+        if report.quant.bits == 8 and on_cpu:
+            extras.append(f"int8 CPU kernel: {_int8_cpu_kernel(next(model.parameters()).dtype)}")
     if report.head is not None:
         extras.append(report.head.describe())
     if report.decode is not None:
@@ -157,12 +156,27 @@ def _batched_linear_line(report: InjectionReport, model: nn.Module) -> str | Non
     return f"{what} F.linear (native AMX kernel unavailable: {why})"
 
 
-def _int8_cpu_kernel() -> str:
-    from hf_dsinfer.kernels import _native
+def _cpu_lines() -> list[str]:
+    """The ISA tier of the native kernels, and torch's private ops refused by their probes."""
+    from hf_dsinfer.kernels import _native, private_ops
+
+    lines = [f"CPU ISA: {_native.describe_tier()}"]
+    refused = [v.reason for v in private_ops.verdicts().values() if not v.ok]
+    if refused:
+        lines.append(f"private torch ops refused (their reference paths run): {'; '.join(refused)}")
+    return lines
+
+
+def _int8_cpu_kernel(dtype: torch.dtype) -> str:
+    from hf_dsinfer.kernels import _native, private_ops
+    from hf_dsinfer.kernels.quant import INT8PACK_MM
 
     why = _native.why_unavailable()
     if why is None:
-        return "native (kernels/csrc/cpu_quant.c, AVX-512 VNNI)"
+        return f"native (kernels/csrc/cpu_quant.c, {_native.tier()} tier)"
+    verdict = private_ops.verdicts().get((INT8PACK_MM, dtype))
+    if verdict is not None and not verdict.ok:
+        return f"dequantize + GEMM (torch's {INT8PACK_MM} refused; native kernel unavailable: {why})"
     return f"torch's _weight_int8pack_mm (native kernel unavailable: {why})"
 
 

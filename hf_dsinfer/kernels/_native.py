@@ -116,18 +116,6 @@ def cpu_tier() -> str:
     return best
 
 
-def tier() -> str:
-    """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
-    best = cpu_tier()
-    cap = os.environ.get(ISA_ENV_VAR, "").strip().lower()
-    if not cap:
-        return best
-    if cap not in TIERS:
-        raise ValueError(f"{ISA_ENV_VAR}={cap!r} is not an ISA tier: expected one of "
-                         f"{', '.join(TIERS)}; unset it to use this CPU's best ({best})")
-    return TIERS[min(TIERS.index(cap), TIERS.index(best))]
-
-
 def _cache_root() -> Path:
     root = os.environ.get("HF_DSINFER_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "hf_dsinfer"
@@ -165,6 +153,8 @@ def _build(level: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32, i32]
@@ -221,23 +211,45 @@ def _load(level: str) -> ctypes.CDLL | None:
 
 # Tiers whose kernels the dispatchers use unless HF_DSINFER_ISA names a tier. The kernels are
 # shaped for 32 AVX-512 registers; on the avx2 and generic tiers they compute the same numbers but
-# spill, and measured slower than torch's own CPU paths (2-core AMD EPYC with AVX-512, capped at
-# avx2 with ATEN_CPU_CAPABILITY=avx2, SmolLM2 batch-1 decode, 2026-11-24: bf16 0.51x, int8 0.27x
-# HF eager). There they run only when asked for, as the tests do.
+# spill, and the matrix-vector kernels and the decode layer measured slower than torch's own CPU
+# paths there (2-core AMD EPYC with AVX-512, capped at avx2 with ATEN_CPU_CAPABILITY=avx2,
+# 2026-11-24: SmolLM2 batch-1 decode bf16 0.51x, int8 0.27x HF eager; a 5632 x 2048 weight at
+# one row: int8 0.60 ms against _weight_int8pack_mm's 0.38, int4 1.49 against
+# _weight_int4pack_mm_for_cpu's 0.54). Callers whose alternative is torch's element-wise ops
+# (dequantization, KV codes, int4 codes torch's kernel cannot read) take any tier,
+# lib(any_tier=True): there every tier was faster (same machine: int4 rows 26 against 43 ms,
+# int8 rows 15 against 25, KV codes 37 against 116, an int4 linear on row-major codes 2.3
+# against 6.3 ms).
 DEFAULT_TIERS = ("avx512", "avx512_bf16", "amx")
 
 
-def _slow_tier(level: str) -> bool:
-    return level not in DEFAULT_TIERS and not os.environ.get(ISA_ENV_VAR, "").strip()
+def _running() -> tuple[str, bool]:
+    """The tier the kernels run (see tier()) and whether HF_DSINFER_ISA named one."""
+    cap = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    best = cpu_tier()
+    if not cap:
+        return best, False
+    if cap not in TIERS:
+        raise ValueError(f"{ISA_ENV_VAR}={cap!r} is not an ISA tier: expected one of "
+                         f"{', '.join(TIERS)}; unset it to use this CPU's best ({best})")
+    return TIERS[min(TIERS.index(cap), TIERS.index(best))], True
 
 
-def lib() -> ctypes.CDLL | None:
+def tier() -> str:
+    """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
+    return _running()[0]
+
+
+def lib(any_tier: bool = False) -> ctypes.CDLL | None:
     """The loaded library of the running tier, or None when the native kernels do not run
-    here."""
+    here. any_tier: the caller's alternative is torch's element-wise ops, slower than the
+    kernels at every tier (see DEFAULT_TIERS)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
-    level = tier()
-    return None if _slow_tier(level) else _load(level)
+    level, named = _running()
+    if not (named or any_tier or level in DEFAULT_TIERS):
+        return None
+    return _load(level)
 
 
 def available() -> bool:
@@ -253,10 +265,11 @@ def why_unavailable() -> str | None:
     """Why `lib()` is None (None when it is not)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return f"disabled by {ENV_VAR}=0"
-    level = tier()
-    if _slow_tier(level):
-        return (f"this CPU's best tier is {level}, where the kernels run slower than torch's "
-                f"(see _native.DEFAULT_TIERS); {ISA_ENV_VAR}={level} runs them anyway")
+    level, named = _running()
+    if not (named or level in DEFAULT_TIERS):
+        return (f"this CPU's best tier is {level}, where the matrix kernels run slower than "
+                f"torch's (see _native.DEFAULT_TIERS; dequantization still runs natively); "
+                f"{ISA_ENV_VAR}={level} runs them all")
     return None if _load(level) is not None else f"{level} tier: {_why.get(level, '')}"
 
 

@@ -440,7 +440,7 @@ def _native_dequant_lib(dtype: torch.dtype, *tensors: torch.Tensor | None):
     if dtype not in codes or any(t is not None and (t.device.type != "cpu" or not t.is_contiguous())
                                  for t in tensors):
         return None
-    return _native.lib()
+    return _native.lib(any_tier=True)  # the alternative is torch's element-wise ops
 
 
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
@@ -612,8 +612,9 @@ def _probe_int4pack_mm(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
     """x2 [M, in] times the weight by the native int4 kernel (csrc/cpu_decode.c:
     hfd_int4_linear) in fp32, or None where it does not run (no library, dtypes or shapes it
-    does not take)."""
-    lib, dtypes = _native.lib(), _native.DTYPE_CODES
+    does not take). At any ISA tier where torch's int4 kernel has no copy of these codes
+    (tiles, or the offload engine's row-major codes): the alternative is dequantize + GEMM."""
+    lib, dtypes = _native.lib(any_tier=qweight.cpu_packed is None), _native.DTYPE_CODES
     scales, mins = qweight.scales, qweight.mins
     if (lib is None or x2.device.type != "cpu" or x2.dtype not in dtypes
             or scales.dtype not in dtypes or mins.dtype != scales.dtype

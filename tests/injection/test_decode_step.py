@@ -145,6 +145,7 @@ def test_layer_chain_refuses_a_cache_buffer_it_cannot_write():
     assert out.shape == x.shape and all(layer.calls > 0 for layer in layers)
 
 
+@pytest.mark.amx
 @pytest.mark.skipif(not _native.amx_available(), reason="no AMX-BF16: batches take HF's loop")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_batched_step_equals_hf_layer_loop(cache, monkeypatch):

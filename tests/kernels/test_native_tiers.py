@@ -57,9 +57,40 @@ def test_tier_is_capped_and_named(monkeypatch):
     assert _native.tier() == BEST
 
 
-ALL_TIERS = pytest.mark.parametrize("tier", LOWER or [BEST])
+def test_slow_tiers_serve_only_callers_that_would_run_torch_element_wise(monkeypatch):
+    """On a CPU whose best tier is below DEFAULT_TIERS (here: pretended avx2), the matrix
+    kernels stay off (torch's packed kernels are faster there) and explain says so, while the
+    dequantization and KV-code kernels still run (any_tier), and a named tier runs them all."""
+    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
+    assert _native.tier() == "avx2" and _native.lib() is None
+    assert "best tier is avx2" in _native.why_unavailable()
+    assert _native.lib(any_tier=True) is _native._load("avx2")
+    q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
+    assert not q8.tiled  # tiles only where the matrix kernels run
+    calls = []
+    monkeypatch.setattr(Q, "_native_int8", lambda *a: calls.append(1))
+    Q.linear_int8(_gaussian(1, 256, seed=10), q8, backend="cpu")
+    assert calls == []
+    real, given = _native.lib, []
+
+    def spy(any_tier=False):
+        given.append(real(any_tier=any_tier))
+        return given[-1]
+
+    monkeypatch.setattr(_native, "lib", spy)
+    KV.quantize_kv_int4(_gaussian(2, 4, 64, seed=11), 32, backend="cpu")
+    assert given and all(lib is not None for lib in given)  # the native KV kernel ran
+    monkeypatch.setattr(_native, "lib", real)
+    monkeypatch.setenv(_native.ISA_ENV_VAR, "avx2")
+    assert _native.lib() is _native._load("avx2")
 
 
+ALL_TIERS = pytest.mark.parametrize("tier", LOWER)
+NO_LOWER = pytest.mark.skipif(not LOWER, reason=f"no tier below {BEST} to compare with")
+
+
+@NO_LOWER
 @ALL_TIERS
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("rows,n,k", [(1, 256, 320), (3, 64, 300), (2, 128, 1024)])
@@ -69,6 +100,7 @@ def test_int8_linear(monkeypatch, tier, dtype, rows, n, k):
     _same(monkeypatch, tier, lambda: Q.linear_int8(x, qw, backend="cpu"))
 
 
+@NO_LOWER
 @ALL_TIERS
 @pytest.mark.parametrize("rows,n,k,group", [(1, 64, 1024, 32), (4, 128, 640, 64),
                                             (2, 64, 160, 32)])
@@ -78,6 +110,7 @@ def test_int4_linear(monkeypatch, tier, rows, n, k, group):
     _same(monkeypatch, tier, lambda: Q.linear_int4(x, qw, backend="cpu"))
 
 
+@NO_LOWER
 @ALL_TIERS
 def test_dequantize_rows(monkeypatch, tier):
     q4 = Q.quantize_int4(_gaussian(128, 512, seed=5), 64)
@@ -86,12 +119,14 @@ def test_dequantize_rows(monkeypatch, tier):
                                       Q._int8_rows(q8, torch.bfloat16, 0, 64)))
 
 
+@NO_LOWER
 @ALL_TIERS
 def test_kv_codes(monkeypatch, tier):
     x = _gaussian(3, 2, 40, 64, seed=7)
     _same(monkeypatch, tier, lambda: tuple(KV.quantize_kv_int4(x, 32, backend="cpu")[:3]))
 
 
+@NO_LOWER
 @ALL_TIERS
 def test_moe_expert_rows(monkeypatch, tier):
     g = torch.Generator().manual_seed(8)
@@ -121,6 +156,7 @@ def _decode_logits(quant):
     return torch.stack(out)
 
 
+@NO_LOWER
 @ALL_TIERS
 @pytest.mark.parametrize("quant", [None, {"bits": 8}, {"bits": 4, "group_size": 32}],
                          ids=("bf16", "int8", "int4"))

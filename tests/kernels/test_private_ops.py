@@ -20,7 +20,7 @@ def fresh(monkeypatch):
     """No probe run yet in this process (the real ops' verdicts come back afterwards), and no
     native kernels: where they run, the callers never reach torch's ops."""
     monkeypatch.setattr(private_ops, "_VERDICTS", {})
-    monkeypatch.setattr(_native, "lib", lambda: None)
+    monkeypatch.setattr(_native, "lib", lambda any_tier=False: None)
     return monkeypatch
 
 
@@ -75,6 +75,22 @@ def test_wrong_int8pack_mm_is_refused(fresh, dtype):
     assert len(calls) == 1  # the probe only
     assert not private_ops.verdicts()[(Q.INT8PACK_MM, dtype)].ok
     assert_close_tol(out, Q.linear_int8_ref(x, qw), dtype, REDUCTION_TOL)
+
+
+def test_explain_names_a_refused_op(fresh):
+    """explain lists refused private ops, and its int8 line names the path that runs."""
+    from tiny_models import make_model
+
+    import hf_dsinfer
+
+    fresh.setenv(_native.ENV_VAR, "0")
+    model = hf_dsinfer.init_inference(make_model("llama"), quant={"bits": 8})  # fp32
+    assert "private torch ops refused" not in hf_dsinfer.explain(model)
+    fresh.setitem(private_ops._VERDICTS, (Q.INT8PACK_MM, torch.float32),
+                  private_ops.Verdict(False, "torch's aten._weight_int8pack_mm disagrees"))
+    text = hf_dsinfer.explain(model)
+    assert "private torch ops refused (their reference paths run): torch's aten." in text
+    assert "int8 CPU kernel: dequantize + GEMM (torch's aten._weight_int8pack_mm refused" in text
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))

@@ -50,11 +50,11 @@ def test_installed_wheel_builds_the_native_kernels(wheel, tmp_path):
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
                    check=True)
-    probe = ("import hf_dsinfer.kernels._native as n, pathlib; "
+    probe = ("import hf_dsinfer.kernels._native as n; "
              "assert 'site-packages' in str(n.CSRC), n.CSRC; "
              "assert n.builds(), n.why_unavailable(); print(n.describe_tier())")
     env = {**os.environ, "HF_DSINFER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
     got = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)
+                         cwd=tmp_path, check=False)
     assert got.returncode == 0, got.stderr[-3000:]
     assert list((tmp_path / "cache").rglob("libhfd_cpu.so")), "nothing was built"

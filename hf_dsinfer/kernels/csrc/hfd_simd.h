@@ -75,14 +75,59 @@ static inline int hfd_reduce_add_epi32(__m512i v) {
         ret_t o;                                                                                \
         memcpy(a, &v, sizeof(a));                                                               \
         for (int i = 0; i < n; i++) r[i] = (out_e)(expr);                                       \
-        memset(&o, 0, sizeof(o));                                                               \
         memcpy(&o, r, sizeof(r));                                                               \
         return o;                                                                               \
     }
+#if defined(__AVX2__)
+/* The widening and narrowing of the dequantization and rounding loops, in AVX2 instructions
+   (the lane-by-lane versions below compile to scalar moves through the stack there). */
+static inline simde__m512i hfd_cvtepu8_epi32(simde__m128i v) {
+    __m128i b;
+    __m256i r[2];
+    simde__m512i o;
+    memcpy(&b, &v, 16);
+    r[0] = _mm256_cvtepu8_epi32(b);
+    r[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    memcpy(&o, r, 64);
+    return o;
+}
+static inline simde__m512i hfd_cvtepi8_epi32(simde__m128i v) {
+    __m128i b;
+    __m256i r[2];
+    simde__m512i o;
+    memcpy(&b, &v, 16);
+    r[0] = _mm256_cvtepi8_epi32(b);
+    r[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    memcpy(&o, r, 64);
+    return o;
+}
+/* the low 16 bits of each int32, in order (vpackusdw works per 128-bit lane: 0xD8 reorders) */
+static inline __m256i hfd_low16(simde__m512i v) {
+    __m256i h[2];
+    memcpy(h, &v, 64);
+    const __m256i m = _mm256_set1_epi32(0xFFFF);
+    return _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(h[0], m), _mm256_and_si256(h[1], m)), 0xD8);
+}
+static inline simde__m256i hfd_cvtepi32_epi16(simde__m512i v) {
+    __m256i r = hfd_low16(v);
+    simde__m256i o;
+    memcpy(&o, &r, 32);
+    return o;
+}
+static inline simde__m128i hfd_cvtepi32_epi8(simde__m512i v) {
+    __m256i w = _mm256_and_si256(hfd_low16(v), _mm256_set1_epi16(0xFF));
+    __m128i r = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    simde__m128i o;
+    memcpy(&o, &r, 16);
+    return o;
+}
+#else
 HFD_LANEWISE(hfd_cvtepi32_epi16, simde__m256i, simde__m512i, int16_t, int32_t, 16, a[i])
 HFD_LANEWISE(hfd_cvtepi32_epi8, simde__m128i, simde__m512i, int8_t, int32_t, 16, a[i])
 HFD_LANEWISE(hfd_cvtepi8_epi32, simde__m512i, simde__m128i, int32_t, int8_t, 16, a[i])
 HFD_LANEWISE(hfd_cvtepu8_epi32, simde__m512i, simde__m128i, int32_t, uint8_t, 16, a[i])
+#endif
 HFD_LANEWISE(hfd_cvtepi32_pd, simde__m512d, simde__m256i, double, int32_t, 8, a[i])
 HFD_LANEWISE(hfd_cvtpd_ps, simde__m256, simde__m512d, float, double, 8, a[i])
 #define _mm512_cvtepi32_epi16(v) hfd_cvtepi32_epi16(v)
