@@ -81,26 +81,19 @@ static inline int hfd_reduce_add_epi32(__m512i v) {
 #if defined(__AVX2__)
 /* The widening and narrowing of the dequantization and rounding loops, in AVX2 instructions
    (the lane-by-lane versions below compile to scalar moves through the stack there). */
-static inline simde__m512i hfd_cvtepu8_epi32(simde__m128i v) {
-    __m128i b;
-    __m256i r[2];
-    simde__m512i o;
-    memcpy(&b, &v, 16);
-    r[0] = _mm256_cvtepu8_epi32(b);
-    r[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    memcpy(&o, r, 64);
-    return o;
-}
-static inline simde__m512i hfd_cvtepi8_epi32(simde__m128i v) {
-    __m128i b;
-    __m256i r[2];
-    simde__m512i o;
-    memcpy(&b, &v, 16);
-    r[0] = _mm256_cvtepi8_epi32(b);
-    r[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-    memcpy(&o, r, 64);
-    return o;
-}
+#define HFD_WIDEN8(name, widen)                                                                 \
+    static inline simde__m512i name(simde__m128i v) {                                           \
+        __m128i b;                                                                              \
+        __m256i r[2];                                                                           \
+        simde__m512i o;                                                                         \
+        memcpy(&b, &v, 16);                                                                     \
+        r[0] = widen(b);                                                                        \
+        r[1] = widen(_mm_srli_si128(b, 8));                                                     \
+        memcpy(&o, r, 64);                                                                      \
+        return o;                                                                               \
+    }
+HFD_WIDEN8(hfd_cvtepu8_epi32, _mm256_cvtepu8_epi32)
+HFD_WIDEN8(hfd_cvtepi8_epi32, _mm256_cvtepi8_epi32)
 /* the low 16 bits of each int32, in order (vpackusdw works per 128-bit lane: 0xD8 reorders) */
 static inline __m256i hfd_low16(simde__m512i v) {
     __m256i h[2];
