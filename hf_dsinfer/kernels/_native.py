@@ -209,18 +209,22 @@ def _load(level: str) -> ctypes.CDLL | None:
     return lib
 
 
-# Tiers whose kernels the dispatchers use unless HF_DSINFER_ISA names a tier. The kernels are
-# shaped for 32 AVX-512 registers; on the avx2 and generic tiers they compute the same numbers but
-# spill, and the matrix-vector kernels and the decode layer measured slower than torch's own CPU
-# paths there (2-core AMD EPYC with AVX-512, capped at avx2 with ATEN_CPU_CAPABILITY=avx2,
-# 2026-11-24: SmolLM2 batch-1 decode bf16 0.51x, int8 0.27x HF eager; a 5632 x 2048 weight at
-# one row: int8 0.60 ms against _weight_int8pack_mm's 0.38, int4 1.49 against
-# _weight_int4pack_mm_for_cpu's 0.54). Callers whose alternative is torch's element-wise ops
-# (dequantization, KV codes, int4 codes torch's kernel cannot read) take any tier,
-# lib(any_tier=True): there every tier was faster (same machine: int4 rows 26 against 43 ms,
-# int8 rows 15 against 25, KV codes 37 against 116, an int4 linear on row-major codes 2.3
-# against 6.3 ms).
-DEFAULT_TIERS = ("avx512", "avx512_bf16", "amx")
+# The lowest tier at which each use of the kernels measured faster than the torch path it
+# replaces; below it lib(use) is None unless HF_DSINFER_ISA names a tier. Measured on a 2-core AMD
+# EPYC with AVX-512 capped at avx2, torch's dispatch capped likewise (ATEN_CPU_CAPABILITY=avx2),
+# 2026-11-24, quiet machine:
+#   "kernels": the decode layer, GEMVs and MoE experts against torch's packed / oneDNN kernels.
+#       SmolLM2 batch-1 decode at the avx2 tier: bf16 1.47x HF eager (torch path 0.79x), int8
+#       1.67x (1.56x); MoE layer (benchmarks/moe.py) at 1 token 0.87x best HF (0.75x).
+#   "int4": int4 products against torch's int4 kernel: int4 decode 0.63x HF at avx2 (torch's
+#       kernel 1.64x; the int4 dot loop spills on 16 registers), so only from avx512.
+#   "over_torch_ops": callers whose alternative is torch's element-wise ops (dequantization, KV
+#       codes, int4 codes torch's kernel has no copy of): faster at every tier, generic included
+#       (avx2 / generic / torch: int4 rows 27 / 21 / 43 ms, int8 rows 11 / 8.5 / 25 ms, KV codes
+#       33 / 46 / 116 ms).
+# The generic tier's matrix kernels were not measured on a CPU whose best tier is generic
+# (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
+MIN_TIER = {"kernels": "avx2", "int4": "avx512", "over_torch_ops": "generic"}
 
 
 def _running() -> tuple[str, bool]:
@@ -240,16 +244,17 @@ def tier() -> str:
     return _running()[0]
 
 
-def lib(any_tier: bool = False) -> ctypes.CDLL | None:
-    """The loaded library of the running tier, or None when the native kernels do not run
-    here. any_tier: the caller's alternative is torch's element-wise ops, slower than the
-    kernels at every tier (see DEFAULT_TIERS)."""
+def _below_min(level: str, named: bool, use: str) -> bool:
+    return not named and TIERS.index(level) < TIERS.index(MIN_TIER[use])
+
+
+def lib(use: str = "kernels") -> ctypes.CDLL | None:
+    """The loaded library of the running tier for `use` (a MIN_TIER key), or None when the
+    native kernels do not run here, or run slower than torch's path at this tier."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
     level, named = _running()
-    if not (named or any_tier or level in DEFAULT_TIERS):
-        return None
-    return _load(level)
+    return None if _below_min(level, named, use) else _load(level)
 
 
 def available() -> bool:
@@ -261,25 +266,27 @@ def builds() -> bool:
     return _load(cpu_tier()) is not None
 
 
-def why_unavailable() -> str | None:
-    """Why `lib()` is None (None when it is not)."""
+def why_unavailable(use: str = "kernels") -> str | None:
+    """Why `lib(use)` is None (None when it is not)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return f"disabled by {ENV_VAR}=0"
     level, named = _running()
-    if not (named or level in DEFAULT_TIERS):
-        return (f"this CPU's best tier is {level}, where the matrix kernels run slower than "
-                f"torch's (see _native.DEFAULT_TIERS; dequantization still runs natively); "
-                f"{ISA_ENV_VAR}={level} runs them all")
+    if _below_min(level, named, use):
+        return (f"the {level} tier, where {use!r} kernels measured slower than torch's path "
+                f"(they run from {MIN_TIER[use]}: _native.MIN_TIER); {ISA_ENV_VAR}={level} "
+                "runs them anyway")
     return None if _load(level) is not None else f"{level} tier: {_why.get(level, '')}"
 
 
 def describe_tier() -> str:
-    """One line for explain: the tier the native kernels run and why."""
-    if not available():
-        return f"native kernels off: {why_unavailable()}"
+    """One line for explain: the tier the native kernels run, and what they leave to torch."""
+    if lib("over_torch_ops") is None:
+        return f"native kernels off: {why_unavailable('over_torch_ops')}"
     level, best = tier(), cpu_tier()
     capped = f", capped by {ISA_ENV_VAR} (this CPU: {best})" if level != best else ""
-    return f"native kernels: {level} tier{capped}"
+    off = [f"{use} ({why_unavailable(use)})" for use in MIN_TIER if lib(use) is None]
+    return f"native kernels: {level} tier{capped}" + (f"; torch's path for {'; '.join(off)}"
+                                                        if off else "")
 
 
 # Tensors from this size up are placed on transparent huge pages by `streamed_copy`.

@@ -97,6 +97,8 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        qw.rowsum.data_ptr(), None)
         else:
+            if _native.lib("int4") is None:
+                raise Unsupported(f"int4 weights: {_native.why_unavailable('int4')}")
             if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES
                     or k // qw.group_size > MAX_INT4_GROUPS):
                 raise Unsupported(f"int4 group size {qw.group_size} for input size {k}")

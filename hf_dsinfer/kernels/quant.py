@@ -115,12 +115,12 @@ def untile_rows(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.transpose(1, 2).reshape(blocks * TILE_ROWS, chunks * TILE_BYTES)
 
 
-def _tiles_fit(m: torch.Tensor) -> bool:
+def _tiles_fit(m: torch.Tensor, use: str) -> bool:
     """Whether a [out, row_bytes] weight is stored as tiles: on CPU where the native kernels
-    run, and when its shape is whole tiles."""
+    for `use` ("kernels": int8, "int4") run, and when its shape is whole tiles."""
     n, b = m.shape
     return (m.device.type == "cpu" and n % TILE_ROWS == 0 and b % TILE_BYTES == 0
-            and _native.lib() is not None)
+            and _native.lib(use) is not None)
 
 
 def int8_matrix(qweight: Int8Weight) -> torch.Tensor:
@@ -182,7 +182,7 @@ def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     rowsum = q.sum(dim=1, dtype=torch.int32) if q.device.type == "cpu" else None
-    if _tiles_fit(q):
+    if _tiles_fit(q, "kernels"):
         return Int8Weight(tile_rows(q), scales, in_scale, rowsum, tiled=True)
     q = _native.streamed_copy(q) if q.device.type == "cpu" else q.contiguous()
     return Int8Weight(q, scales, in_scale, rowsum)
@@ -279,7 +279,7 @@ def quantize_int4(
     packed = pack_int4(q)
     if portable:
         return Int4Weight(packed, scales, mins, group_size, symmetric)
-    tiled = _tiles_fit(packed)
+    tiled = _tiles_fit(packed, "int4")
     cpu_packed = cpu_scales_zeros = None
     if not tiled:
         cpu_packed, cpu_scales_zeros = _cpu_int4_layout(q, scales, mins)
@@ -440,7 +440,7 @@ def _native_dequant_lib(dtype: torch.dtype, *tensors: torch.Tensor | None):
     if dtype not in codes or any(t is not None and (t.device.type != "cpu" or not t.is_contiguous())
                                  for t in tensors):
         return None
-    return _native.lib(any_tier=True)  # the alternative is torch's element-wise ops
+    return _native.lib("over_torch_ops")  # the alternative is torch's element-wise ops
 
 
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
@@ -612,9 +612,11 @@ def _probe_int4pack_mm(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
     """x2 [M, in] times the weight by the native int4 kernel (csrc/cpu_decode.c:
     hfd_int4_linear) in fp32, or None where it does not run (no library, dtypes or shapes it
-    does not take). At any ISA tier where torch's int4 kernel has no copy of these codes
-    (tiles, or the offload engine's row-major codes): the alternative is dequantize + GEMM."""
-    lib, dtypes = _native.lib(any_tier=qweight.cpu_packed is None), _native.DTYPE_CODES
+    does not take). Where torch's int4 kernel has a copy of these codes, only from the tier
+    where this kernel is the faster (_native.MIN_TIER["int4"]); else (tiles, the offload
+    engine's row-major codes) at any tier: the alternative is dequantize + GEMM."""
+    use = "int4" if qweight.cpu_packed is not None else "over_torch_ops"
+    lib, dtypes = _native.lib(use), _native.DTYPE_CODES
     scales, mins = qweight.scales, qweight.mins
     if (lib is None or x2.device.type != "cpu" or x2.dtype not in dtypes
             or scales.dtype not in dtypes or mins.dtype != scales.dtype

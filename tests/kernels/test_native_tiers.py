@@ -57,33 +57,53 @@ def test_tier_is_capped_and_named(monkeypatch):
     assert _native.tier() == BEST
 
 
-def test_slow_tiers_serve_only_callers_that_would_run_torch_element_wise(monkeypatch):
-    """On a CPU whose best tier is below DEFAULT_TIERS (here: pretended avx2), the matrix
-    kernels stay off (torch's packed kernels are faster there) and explain says so, while the
-    dequantization and KV-code kernels still run (any_tier), and a named tier runs them all."""
-    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
-    monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
-    assert _native.tier() == "avx2" and _native.lib() is None
-    assert "best tier is avx2" in _native.why_unavailable()
-    assert _native.lib(any_tier=True) is _native._load("avx2")
-    q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
-    assert not q8.tiled  # tiles only where the matrix kernels run
-    calls = []
-    monkeypatch.setattr(Q, "_native_int8", lambda *a: calls.append(1))
-    Q.linear_int8(_gaussian(1, 256, seed=10), q8, backend="cpu")
-    assert calls == []
+def _spy_lib(monkeypatch) -> list:
+    """Record what every _native.lib(use) call returns."""
     real, given = _native.lib, []
 
-    def spy(any_tier=False):
-        given.append(real(any_tier=any_tier))
-        return given[-1]
+    def spy(use="kernels"):
+        given.append((use, real(use)))
+        return given[-1][1]
 
     monkeypatch.setattr(_native, "lib", spy)
-    KV.quantize_kv_int4(_gaussian(2, 4, 64, seed=11), 32, backend="cpu")
-    assert given and all(lib is not None for lib in given)  # the native KV kernel ran
-    monkeypatch.setattr(_native, "lib", real)
+    return given
+
+
+HAS_AVX2 = _native.TIERS.index(BEST) >= _native.TIERS.index("avx2")
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="pretends an AVX2 CPU: runs the avx2 library")
+def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
+    """On a CPU whose best tier is avx2 (pretended), the decode layer runs natively in bf16,
+    while int4 weights keep torch's int4 kernel (MIN_TIER), and explain says so; a named tier
+    runs them all."""
+    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
+    assert _native.lib() is _native._load("avx2") and _native.lib("int4") is None
+    assert "int4 (the avx2 tier, where 'int4' kernels measured slower" in _native.describe_tier()
+    assert _decode_logits(None) is not None  # asserts the native layer ran
+    q4 = Q.quantize_int4(_gaussian(64, 256, seed=12), 32)
+    assert not q4.tiled and q4.cpu_packed is not None  # torch's kernel reads it
+    model = hf_dsinfer.init_inference(_llama(), dtype=torch.bfloat16,
+                                      quant={"bits": 4, "group_size": 32})
+    assert "int4 weights: the avx2 tier" in hf_dsinfer.explain(model)
     monkeypatch.setenv(_native.ISA_ENV_VAR, "avx2")
-    assert _native.lib() is _native._load("avx2")
+    assert _native.lib("int4") is _native._load("avx2")
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="compares with the avx2 library")
+def test_a_generic_cpu_runs_only_what_beats_torch_element_wise(monkeypatch):
+    """Below MIN_TIER["kernels"] (a pretended generic CPU) the matrix kernels stay off, while
+    the KV-code kernel still runs (counted: fails if the use were ignored)."""
+    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
+    assert _native.lib() is None and "the generic tier" in _native.why_unavailable()
+    assert _native.lib("over_torch_ops") is _native._load("generic")
+    q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
+    assert not q8.tiled  # tiles only where the matrix kernels run
+    given = _spy_lib(monkeypatch)
+    KV.quantize_kv_int4(_gaussian(2, 4, 64, seed=11), 32, backend="cpu")
+    assert given and all(lib is not None for _, lib in given)  # the native KV kernel ran
 
 
 ALL_TIERS = pytest.mark.parametrize("tier", LOWER)
@@ -138,13 +158,16 @@ def test_moe_expert_rows(monkeypatch, tier):
           lambda: M._native_moe_rows(_native.lib(), xs, gate_up, down, offsets, 6))
 
 
-def _decode_logits(quant):
+def _llama():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16, quant=quant)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def _decode_logits(quant):
+    model = hf_dsinfer.init_inference(_llama(), dtype=torch.bfloat16, quant=quant)
     cache, out = DynamicCache(config=model.config), []
     with torch.inference_mode():
         model(torch.tensor([[4, 9, 16, 25]]), past_key_values=cache, use_cache=True)

@@ -20,7 +20,7 @@ def fresh(monkeypatch):
     """No probe run yet in this process (the real ops' verdicts come back afterwards), and no
     native kernels: where they run, the callers never reach torch's ops."""
     monkeypatch.setattr(private_ops, "_VERDICTS", {})
-    monkeypatch.setattr(_native, "lib", lambda any_tier=False: None)
+    monkeypatch.setattr(_native, "lib", lambda use="kernels": None)
     return monkeypatch
 
 
