@@ -211,20 +211,27 @@ def _load(level: str) -> ctypes.CDLL | None:
 
 # The lowest tier at which each use of the kernels measured faster than the torch path it
 # replaces; below it lib(use) is None unless HF_DSINFER_ISA names a tier. Measured on a 2-core AMD
-# EPYC with AVX-512 capped at avx2, torch's dispatch capped likewise (ATEN_CPU_CAPABILITY=avx2),
-# 2026-11-24, quiet machine:
-#   "kernels": the decode layer, GEMVs and MoE experts against torch's packed / oneDNN kernels.
-#       SmolLM2 batch-1 decode at the avx2 tier: bf16 1.47x HF eager (torch path 0.79x), int8
-#       1.67x (1.56x); MoE layer (benchmarks/moe.py) at 1 token 0.87x best HF (0.75x).
-#   "int4": int4 products against torch's int4 kernel: int4 decode 0.63x HF at avx2 (torch's
-#       kernel 1.64x; the int4 dot loop spills on 16 registers), so only from avx512.
-#   "over_torch_ops": callers whose alternative is torch's element-wise ops (dequantization, KV
-#       codes, int4 codes torch's kernel has no copy of): faster at every tier, generic included
-#       (avx2 / generic / torch: int4 rows 27 / 21 / 43 ms, int8 rows 11 / 8.5 / 25 ms, KV codes
-#       33 / 46 / 116 ms).
-# The generic tier's matrix kernels were not measured on a CPU whose best tier is generic
+# EPYC with AVX-512 made to run as an AVX2 CPU (the detected tier forced to avx2, torch's
+# dispatch capped by ATEN_CPU_CAPABILITY=avx2), 2026-11-24, quiet machine, SmolLM2 batch-1
+# (benchmarks/decode.py) unless said:
+#   "kernels": the decode layer and MoE experts against torch's ops: bf16 decode 1.50x HF eager
+#       at avx2 (torch path 0.80x); MoE layer (benchmarks/moe.py) at 1 token 0.87x best HF
+#       (0.75x).
+#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers) against
+#       torch's int8 kernel: a 5632 x 2048 weight at one row 0.60 ms at avx2 against 0.38 ms; with
+#       it from avx512, int8 decode went from 1.49x to 1.71x HF (torch path 1.54x).
+#   "int4": int4 products against torch's int4 kernel: int4 decode 0.63x HF with them at avx2,
+#       1.66x without (the int4 dot loop spills on 16 registers).
+#   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time, against torch's
+#       element-wise ops: prefill of 128 tokens int8 213 ms with them at avx2, 113 without.
+#   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
+#       offload engine's row-major codes, where the alternative is dequantize + GEMM): every
+#       tier (KV codes of a [32, 16, 512, 64] cache: avx2 33 ms, generic 46, torch 116; an int4
+#       linear on 5632 x 2048 row-major codes: avx2 2.3 ms, dequantize + GEMM 6.3).
+# Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
-MIN_TIER = {"kernels": "avx2", "int4": "avx512", "over_torch_ops": "generic"}
+MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize": "avx512",
+            "codes": "generic"}
 
 
 def _running() -> tuple[str, bool]:
@@ -280,8 +287,8 @@ def why_unavailable(use: str = "kernels") -> str | None:
 
 def describe_tier() -> str:
     """One line for explain: the tier the native kernels run, and what they leave to torch."""
-    if lib("over_torch_ops") is None:
-        return f"native kernels off: {why_unavailable('over_torch_ops')}"
+    if lib("codes") is None:  # the use that runs at every tier
+        return f"native kernels off: {why_unavailable('codes')}"
     level, best = tier(), cpu_tier()
     capped = f", capped by {ISA_ENV_VAR} (this CPU: {best})" if level != best else ""
     off = [f"{use} ({why_unavailable(use)})" for use in MIN_TIER if lib(use) is None]

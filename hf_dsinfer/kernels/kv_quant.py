@@ -236,7 +236,7 @@ def quantize_kv_int4_cpu(x: torch.Tensor, group_size: int = 64) -> KVInt4:
     _check_group(x.shape[-1], group_size)
     takes = (x.dtype in _native.DTYPE_CODES and group_size % 16 == 0 and x.is_contiguous()
              and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled()))
-    lib = _native.lib("over_torch_ops") if takes else None
+    lib = _native.lib("codes") if takes else None
     if lib is None:
         return quantize_kv_int4_ref(x, group_size)
     d = x.shape[-1]
@@ -301,7 +301,7 @@ def _native_kv_lib(kv: KVInt4, dtype: torch.dtype, out: torch.Tensor):
             or out.stride(3) != 1 or out.stride(2) != d or out.stride(1) % d
             or out.stride(0) != heads * out.stride(1) or out.requires_grad):
         return None
-    return _native.lib("over_torch_ops")
+    return _native.lib("codes")
 
 
 # ----------------------------------------------------------------------------------------------

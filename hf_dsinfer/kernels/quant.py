@@ -117,7 +117,8 @@ def untile_rows(tiles: torch.Tensor) -> torch.Tensor:
 
 def _tiles_fit(m: torch.Tensor, use: str) -> bool:
     """Whether a [out, row_bytes] weight is stored as tiles: on CPU where the native kernels
-    for `use` ("kernels": int8, "int4") run, and when its shape is whole tiles."""
+    for `use` ("gemv": int8, "int4") run, and when its shape is whole tiles (torch's kernels
+    read row-major codes, which the native decode layer reads too)."""
     n, b = m.shape
     return (m.device.type == "cpu" and n % TILE_ROWS == 0 and b % TILE_BYTES == 0
             and _native.lib(use) is not None)
@@ -182,7 +183,7 @@ def quantize_int8(weight: torch.Tensor, equalize: bool = False) -> Int8Weight:
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)  # [out]
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     rowsum = q.sum(dim=1, dtype=torch.int32) if q.device.type == "cpu" else None
-    if _tiles_fit(q, "kernels"):
+    if _tiles_fit(q, "gemv"):
         return Int8Weight(tile_rows(q), scales, in_scale, rowsum, tiled=True)
     q = _native.streamed_copy(q) if q.device.type == "cpu" else q.contiguous()
     return Int8Weight(q, scales, in_scale, rowsum)
@@ -440,7 +441,7 @@ def _native_dequant_lib(dtype: torch.dtype, *tensors: torch.Tensor | None):
     if dtype not in codes or any(t is not None and (t.device.type != "cpu" or not t.is_contiguous())
                                  for t in tensors):
         return None
-    return _native.lib("over_torch_ops")  # the alternative is torch's element-wise ops
+    return _native.lib("dequantize")
 
 
 def _int8_rows(qweight: Int8Weight, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
@@ -513,7 +514,7 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
     fits = (x2.shape[0] <= NATIVE_MAX_ROWS and qweight.rowsum is not None
             and x2.dtype in dtypes and qweight.scales.dtype in dtypes
             and (bias is None or (bias.dtype in dtypes and bias.is_contiguous())))
-    return _native.lib() if fits else None
+    return _native.lib("gemv") if fits else None
 
 
 # Rows of x from which an int8 linear runs on AMX-INT8 tiles (csrc/cpu_moe.c: hfd_int8_amx,
@@ -615,7 +616,7 @@ def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
     does not take). Where torch's int4 kernel has a copy of these codes, only from the tier
     where this kernel is the faster (_native.MIN_TIER["int4"]); else (tiles, the offload
     engine's row-major codes) at any tier: the alternative is dequantize + GEMM."""
-    use = "int4" if qweight.cpu_packed is not None else "over_torch_ops"
+    use = "int4" if qweight.cpu_packed is not None else "codes"
     lib, dtypes = _native.lib(use), _native.DTYPE_CODES
     scales, mins = qweight.scales, qweight.mins
     if (lib is None or x2.device.type != "cpu" or x2.dtype not in dtypes

@@ -75,15 +75,22 @@ HAS_AVX2 = _native.TIERS.index(BEST) >= _native.TIERS.index("avx2")
 @pytest.mark.skipif(not HAS_AVX2, reason="pretends an AVX2 CPU: runs the avx2 library")
 def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
     """On a CPU whose best tier is avx2 (pretended), the decode layer runs natively in bf16,
-    while int4 weights keep torch's int4 kernel (MIN_TIER), and explain says so; a named tier
-    runs them all."""
+    while int4 products, int8 GEMVs of their own and prefill dequantization keep torch's
+    kernels (MIN_TIER), and explain says so; a named tier runs them all."""
     monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
-    assert _native.lib() is _native._load("avx2") and _native.lib("int4") is None
+    assert _native.lib() is _native._load("avx2")
+    assert all(_native.lib(use) is None for use in ("int4", "gemv", "dequantize"))
     assert "int4 (the avx2 tier, where 'int4' kernels measured slower" in _native.describe_tier()
     assert _decode_logits(None) is not None  # asserts the native layer ran
     q4 = Q.quantize_int4(_gaussian(64, 256, seed=12), 32)
     assert not q4.tiled and q4.cpu_packed is not None  # torch's kernel reads it
+    q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
+    assert not q8.tiled  # row-major: torch's int8 kernel reads it as it is
+    gemv = []
+    monkeypatch.setattr(Q, "_native_int8", lambda *a: gemv.append(1))
+    Q.linear_int8(_gaussian(1, 256, seed=10), q8, backend="cpu")
+    assert gemv == []
     model = hf_dsinfer.init_inference(_llama(), dtype=torch.bfloat16,
                                       quant={"bits": 4, "group_size": 32})
     assert "int4 weights: the avx2 tier" in hf_dsinfer.explain(model)
@@ -98,9 +105,7 @@ def test_a_generic_cpu_runs_only_what_beats_torch_element_wise(monkeypatch):
     monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
     assert _native.lib() is None and "the generic tier" in _native.why_unavailable()
-    assert _native.lib("over_torch_ops") is _native._load("generic")
-    q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
-    assert not q8.tiled  # tiles only where the matrix kernels run
+    assert _native.lib("codes") is _native._load("generic")
     given = _spy_lib(monkeypatch)
     KV.quantize_kv_int4(_gaussian(2, 4, 64, seed=11), 32, backend="cpu")
     assert given and all(lib is not None for _, lib in given)  # the native KV kernel ran
