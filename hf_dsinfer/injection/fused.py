@@ -138,7 +138,6 @@ class FusedBlock:
         self._out = self._attn.get_submodule(policy.out_proj)
         self._ln1 = _sub(block, policy.ln1)
         self._ln2 = _sub(block, policy.ln2)
-        self._eps = {id(n): _norm_eps(n) for n in (self._ln1, self._ln2) if n is not None}
         self._mlp_module = _sub(block, policy.mlp)
         # A sparse-MoE MLP is computed by its own module, whose forward the walker replaced by a
         # FusedMoE (hf_dsinfer.injection.moe); dense layers of MoE models use mlp_in / mlp_out.
@@ -149,7 +148,6 @@ class FusedBlock:
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
         if policy.qk_norm is not None:
             self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
-            self._eps.update({id(n): _norm_eps(n) for n in (self._q_norm, self._k_norm)})
         # the native one-token decode layer (kernels.decode), built on the first decode call
         self._decode: native_decode.DecodeLayer | None = None
         self._decode_key: tuple | None = None  # weights the last failed build looked at
@@ -275,7 +273,7 @@ class FusedBlock:
         mlp_in = self._mlp_in if gated else [self._mlp_in[0], None]
         try:
             self._decode = native_decode.DecodeLayer.build(
-                self._ln1, self._ln2, (self._eps[id(self._ln1)], self._eps[id(self._ln2)]),
+                self._ln1, self._ln2, (_norm_eps(self._ln1), _norm_eps(self._ln2)),
                 [*self._qkv, self._out, *mlp_in, self._mlp_out], spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
                 norm=self.policy.norm, rope=self.policy.positions == P.ROPE,
@@ -347,7 +345,7 @@ class FusedBlock:
     def _norm_add(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                   x_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + (x + x_bias)), residual + (x + x_bias)) in one kernel."""
-        eps = self._eps[id(norm)]
+        eps = _norm_eps(norm)
         if self.spec.norm == "rms":
             return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend)
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
@@ -386,7 +384,7 @@ class FusedBlock:
     def _rms_last(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """RMSNorm of [B, S, heads * D] over D (per head) or over the whole last dim."""
         width = self.spec.head_dim if self.policy.qk_norm == P.QK_NORM_HEAD else t.shape[-1]
-        out, _ = rms_norm(t.unflatten(-1, (-1, width)), norm.weight, self._eps[id(norm)],
+        out, _ = rms_norm(t.unflatten(-1, (-1, width)), norm.weight, _norm_eps(norm),
                           backend=self.backend)
         return out.flatten(-2)
 
