@@ -89,6 +89,11 @@ class NativeDecodeStep:
         self._why_static = self._static_reason()
         self.last_reason: str | None = None  # why the last call went to HF's forward
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the chained native layers out (they point at this model's
+        weights); the copy chains its own on its first step."""
+        return {**self.__dict__, "_layer_chain": None}
+
     def _static_reason(self) -> str | None:
         inner = self.inner
         if type(inner).__name__ not in MODEL_CLASSES:

@@ -187,7 +187,8 @@ def _moe_rows(report: InjectionReport) -> list[str]:
         group = list(group)
         first, moe = group[0]
         span = first if len(group) == 1 else f"{first} .. {len(group)} modules"
-        status = "fused (follows its block)" if moe.enabled else "kept HF forward (its block)"
+        status = ("kept HF forward (its block)" if not moe.enabled
+                  else moe.deferred_why or "fused (follows its block)")
         rows.append(_row(span, f"{type(moe.module).__name__} x{len(group)}",
                          f"FusedMoE ({moe.spec.describe()})", status,
                          sum(m.calls for _, m in group)))

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.integration.outputs import recording
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
@@ -103,7 +104,8 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
 
 class FusedBlock:
     """Callable installed as `block.forward`; falls back to the HF forward when asked for what
-    fused blocks do not compute (attention weights, training, cross-attention)."""
+    fused blocks do not compute (attention weights, by keyword or through the config; training;
+    cross-attention)."""
 
     def __init__(self, block: nn.Module, policy: P.Policy, spec: BlockSpec, backend: str):
         self.block = block
@@ -157,6 +159,13 @@ class FusedBlock:
         self._decode_mlp = ("gated_silu" if gated and act == "silu"
                             else "relu" if not gated and act == "relu" else None)
         self._decode_layout_why: str | None = self._decode_policy_why()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (deepcopy / torch.save of the model) leave the native layer out:
+        it points at this block's weights, and the copy builds its own on first use."""
+        state = self.__dict__.copy()
+        state.update(_decode=None, _decode_key=None, _decode_build_why=None)
+        return state
 
     @property
     def decode_why(self) -> str | None:
@@ -216,6 +225,7 @@ class FusedBlock:
             self.enabled
             and not self.block.training
             and not named.get("output_attentions")
+            and not recording("attentions")  # asked through the config: HF hooks the attention
             and named.get("encoder_hidden_states") is None
         )
 

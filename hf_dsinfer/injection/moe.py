@@ -31,6 +31,7 @@ from hf_dsinfer.config import QuantConfig
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear, quantize_linear, resolve_group_size
+from hf_dsinfer.integration.outputs import recording
 from hf_dsinfer.kernels.activations import gated_act, resolve_activation
 from hf_dsinfer.kernels.linear import linear
 from hf_dsinfer.kernels.moe import (
@@ -125,14 +126,29 @@ class FusedMoE:
         # tp_size > 1: sums the tensor-sliced shared expert's partial output over the TP group
         self.reduce: Any = None
         self.margins: list[torch.Tensor] | None = None  # parity probe: routing margins
+        # HF's experts implementation when injected; model.set_experts_implementation(other)
+        # afterwards hands the experts back to HF's forward (see deferred_why)
+        self.experts_implementation = self._experts_implementation()
 
     @property
     def enabled(self) -> bool:
         return self.owner.enabled
 
+    def _experts_implementation(self) -> str | None:
+        return getattr(getattr(self.experts, "config", None), "_experts_implementation", None)
+
+    @property
+    def deferred_why(self) -> str | None:
+        """Why calls run HF's forward although the block is fused (None: they do not)."""
+        now = self._experts_implementation()
+        if now != self.experts_implementation:
+            return (f"set_experts_implementation({now!r}) after injection (injected with "
+                    f"{self.experts_implementation!r}): HF's experts run")
+        return None
+
     # -- entry point ---------------------------------------------------------------------------
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or self.module.training:
+        if not self.enabled or self.module.training or self.deferred_why is not None:
             return self._hf(hidden_states)
         if not torch.compiler.is_compiling():
             self.calls += 1
@@ -158,7 +174,11 @@ class FusedMoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""
-        logits = self.router_logits(x)
+        if recording("router_logits"):  # HF's output hooks on the router record its logits
+            out = self.router(x)
+            logits = out[0] if isinstance(out, tuple) else out
+        else:
+            logits = self.router_logits(x)
         weights, ids = topk_gating(logits, self.spec.top_k, softmax_first=True,
                                    renormalize=self.spec.renormalize, backend=self.backend)
         if not self.spec.fp32_weights:  # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
@@ -198,9 +218,11 @@ class FusedMoE:
             what = "quantized" if self.quantized is not None else "sharded across ranks"
             raise MoeStateError(
                 f"{type(self.module).__name__}: the Hugging Face forward was requested (training "
-                f"mode, output_attentions, or a block that failed the parity gate) but its "
-                f"experts are {what}, which that forward cannot compute. Fix: call the model in "
-                "eval mode without output_attentions, or load it without quant / ep_size.")
+                f"mode, output_attentions, set_experts_implementation after injection, or a "
+                f"block that failed the parity gate) but its experts are {what}, which that "
+                "forward cannot compute. Fix: call the model in eval mode without "
+                "output_attentions and with the experts implementation it was injected with "
+                f"({self.experts_implementation!r}), or load it without quant / ep_size.")
         if self.margins is not None:
             self.margins.append(self.routing_margin(hidden_states))
         return self.hf_forward(hidden_states)
@@ -221,8 +243,17 @@ class FusedMoE:
 def _quantized_rows(x_sorted: torch.Tensor, qlinears: nn.ModuleList, offsets: torch.Tensor,
                     act: str) -> torch.Tensor:
     """int8 / int4 experts: one weight-only quantized GEMM pair per expert that has rows (torch
-    has no grouped int8/int4 GEMM; idle experts still cost nothing)."""
+    has no grouped int8/int4 GEMM; idle experts still cost nothing). Under torch.compile the
+    offsets are not read on the host: every expert runs over all rows and keeps its own (E / k
+    times the expert work, but one graph, fullgraph included)."""
     y = torch.zeros_like(x_sorted)
+    if torch.compiler.is_compiling():
+        row = torch.arange(x_sorted.shape[0], device=x_sorted.device)[:, None]
+        for e in range(offsets.shape[0] - 1):
+            h = qlinears[2 * e].matmul(x_sorted)
+            out = qlinears[2 * e + 1].matmul(gated_act(h, None, act))
+            y = torch.where((row >= offsets[e]) & (row < offsets[e + 1]), out, y)
+        return y
     bounds = offsets.tolist()
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]

@@ -74,11 +74,14 @@ def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Te
 
 def prefill_and_step(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
     """The probe: prefill all but the last token into a DynamicCache, then one cached decode step
-    with the last token."""
+    with the last token. It runs the base model (the decoder stack every head shares): heads
+    such as BLOOM's or GPT-J's question answering do not pass a cache on, and their outputs are
+    not compared anyway."""
+    base = getattr(model, "base_model", model)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
-          use_cache=True)
-    model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    base(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
+         use_cache=True)
+    base(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
 def run_parity_gate(model: nn.Module, blocks: list) -> dict[str, ParityResult]:

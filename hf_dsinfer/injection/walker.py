@@ -42,6 +42,7 @@ from hf_dsinfer.injection.quantize import (
     quantize_blocks,
 )
 from hf_dsinfer.kernels._dispatch import resolve
+from hf_dsinfer.kernels.quant import probe_private_ops
 
 REPORT_ATTR = "_dsinfer_report"
 
@@ -72,16 +73,27 @@ def get_report(model: nn.Module) -> InjectionReport | None:
 
 
 def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
-    """Fuse every supported decoder block of `model` in place and run the parity gate."""
+    """Fuse every supported decoder block of `model` in place and run the parity gate. On any
+    error the model is left as it was (what was installed comes off) and the error is raised."""
     if get_report(model) is not None:
         revert(model)
     policy = find_policy(model)
     report = InjectionReport(config=config, model_class=type(model).__name__, policy=policy)
     setattr(model, REPORT_ATTR, report)
-    if policy is None:
+    try:
+        _inject(model, config, report)
+    except BaseException as err:
+        _undo(model, report, err)
+        raise
+    return report
+
+
+def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+    policy = report.policy
+    if policy is None or _layers_path(model, policy) is None:
         _handle_unsupported(model, config, report)
         _attach_offload(model, config)
-        return report
+        return
     backend = _model_backend(model, config)
     for path, index, block in _blocks(model, policy):
         if type(block).__name__ not in policy.block_classes:
@@ -94,13 +106,9 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         report.blocks[path] = FusedBlock(block, policy, spec, backend)
     _warn_accelerate_offloaded(report)
     report.moe = build_moe(report.blocks, model.config, config.moe_capacity_factor)
-    try:
-        _check_quant(model, config, report)  # fail before touching the model
-        _check_tp(model, config, policy)
-        _check_moe(config, report)
-    except (ValueError, DSInferError):
-        delattr(model, REPORT_ATTR)
-        raise
+    _check_quant(model, config, report)  # fail before touching the model
+    _check_tp(model, config, policy)
+    _check_moe(config, report)
     for fused in report.blocks.values():
         _install(fused.block, fused)
     install_moe(report.moe)
@@ -120,6 +128,9 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
         report.quant = quantize_blocks(live, config.quant)
         live_moe = {p: m for p, m in report.moe.items() if m.enabled}
         report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
+        param = next(model.parameters())
+        if param.device.type == "cpu":
+            probe_private_ops(config.quant.bits, param.dtype)
     if report.blocks:
         report.head = install_head(model, config, backend)
     if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
@@ -127,7 +138,19 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
-    return report
+
+
+def _undo(model: nn.Module, report: InjectionReport, err: BaseException) -> None:
+    """After a failed inject: take off what it installed (`revert`). Sharded or quantized
+    weights cannot be restored; the error then says so."""
+    if get_report(model) is not report:  # the parity gate reverted already
+        return
+    try:
+        revert(model)
+    except DSInferError as undo_err:
+        delattr(model, REPORT_ATTR)
+        err.add_note(f"hf_dsinfer could not restore the model after this error ({undo_err}). "
+                     "Load it again before using it.")
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -170,7 +193,7 @@ def _warn_accelerate_offloaded(report: InjectionReport) -> None:
     paths = [p for p, why in report.skipped.items() if why is ACCELERATE_OFFLOADED]
     if paths:
         warnings.warn(f"hf_dsinfer: {len(paths)} decoder block(s) ({paths[0]} ...) keep the HF "
-                      f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=4)
+                      f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=5)
 
 
 def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
@@ -189,15 +212,25 @@ def _detach_offload(model: nn.Module) -> None:
 
 def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
     model_type = getattr(model.config, "model_type", "?")
-    families = ", ".join(f"{f} ({'/'.join(t)})" for f, t in supported_families().items())
-    message = (
-        f"hf_dsinfer has no injection policy for {type(model).__name__} "
-        f"(config.model_type={model_type!r}). Supported families (model_type): {families}. "
-        "Fix: use a supported model, or pass strict=False to run this model unmodified."
-    )
+    if report.policy is None:
+        families = ", ".join(f"{f} ({'/'.join(t)})" for f, t in supported_families().items())
+        why = f"no policy for model_type={model_type!r}"
+        message = (
+            f"hf_dsinfer has no injection policy for {type(model).__name__} "
+            f"(config.model_type={model_type!r}). Supported families (model_type): {families}. "
+            "Fix: use a supported model, or pass strict=False to run this model unmodified.")
+    else:
+        tail = report.policy.layers.split(".", 1)[1]
+        why = f"{type(model).__name__} holds no decoder layers at {report.policy.layers!r}"
+        message = (
+            f"hf_dsinfer found no decoder layers in {type(model).__name__}: the "
+            f"{report.policy.family} policy looks for {report.policy.layers!r} (or {tail!r} under "
+            "the model's base_model_prefix). Fix: pass strict=False to run this model "
+            "unmodified, or inject its base model (model.base_model).")
+        report.policy = None
     if config.strict is False:
-        report.unmodified_reason = f"no policy for model_type={model_type!r}; running unmodified"
-        warnings.warn(report.unmodified_reason, stacklevel=3)
+        report.unmodified_reason = f"{why}; running unmodified"
+        warnings.warn(report.unmodified_reason, stacklevel=4)
         return
     delattr(model, REPORT_ATTR)
     raise UnsupportedModelError(message)
@@ -237,16 +270,21 @@ def _model_backend(model: nn.Module, config: DSInferConfig) -> str:
     return resolve(config.kernels, param.device) if config.kernels == "auto" else config.kernels
 
 
-def _layers_path(model: nn.Module, policy: Policy) -> str:
-    """The block list's path in `model` (a *ForCausalLM, or the inner model itself)."""
-    return policy.layers if _has_path(model, policy.layers) else policy.layers.split(".", 1)[1]
+def _layers_path(model: nn.Module, policy: Policy) -> str | None:
+    """The block list's path in `model` (None: not found). `policy.layers` names it from the
+    *ForCausalLM; other heads hold the same base model under their `base_model_prefix`
+    (Llama's question-answering head: `transformer`), and a bare base model holds it itself."""
+    tail = policy.layers.split(".", 1)[1]
+    prefix = getattr(model, "base_model_prefix", None)
+    candidates = (policy.layers, f"{prefix}.{tail}" if prefix else None, tail)
+    return next((path for path in candidates if path and _has_path(model, path)), None)
 
 
 def _blocks(model: nn.Module, policy: Policy):
-    container = _find_layers(model, policy.layers)
-    prefix = _layers_path(model, policy)
+    path = _layers_path(model, policy)
+    container = () if path is None else model.get_submodule(path)
     for index, block in enumerate(container):
-        yield f"{prefix}.{index}", index, block
+        yield f"{path}.{index}", index, block
 
 
 def _has_path(model: nn.Module, path: str) -> bool:
@@ -255,14 +293,6 @@ def _has_path(model: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _find_layers(model: nn.Module, path: str) -> nn.ModuleList:
-    """`path` is relative to the *ForCausalLM; accept the bare base model too."""
-    if _has_path(model, path):
-        return model.get_submodule(path)
-    tail = path.split(".", 1)[1] if "." in path else path
-    return model.get_submodule(tail)
 
 
 def _install(block: nn.Module, fused: FusedBlock) -> None:
@@ -296,4 +326,4 @@ def _apply_parity(model: nn.Module, report: InjectionReport) -> None:
     for fused in report.blocks.values():
         if type(fused.block).__name__ in failed:
             fused.enabled = False
-    warnings.warn(f"hf_dsinfer: parity gate failed, keeping HF forward for {detail}", stacklevel=3)
+    warnings.warn(f"hf_dsinfer: parity gate failed, keeping HF forward for {detail}", stacklevel=4)

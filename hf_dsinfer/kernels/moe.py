@@ -481,6 +481,8 @@ def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int,
 
 
 def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
+    if torch.compiler.is_compiling():
+        return _compiled_rows(x_sorted, gate_up_proj, down_proj, offsets, act)
     act = resolve_activation(act)
     bounds = offsets.tolist()  # one host sync
     lib = _native_moe_lib(x_sorted, gate_up_proj, down_proj, act, bounds)
@@ -492,6 +494,31 @@ def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="sil
     if bounds[-1] < x_sorted.shape[0]:  # dropped rows: never computed, uninitialized
         y[bounds[-1]:] = 0
     return y
+
+
+# Under torch.compile the two CPU entry points run as custom ops: the graph holds one opaque call
+# and the eager code above (host reads of the expert offsets, native kernels) runs inside it, so
+# dynamo never sees a data-dependent branch and fullgraph=True compiles.
+@torch.library.custom_op("hf_dsinfer::grouped_expert_mlp_cpu", mutates_args=())
+def _compiled_mlp(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, act: str) -> torch.Tensor:
+    return grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act).contiguous()
+
+
+@_compiled_mlp.register_fake
+def _(hidden, gate_up_proj, down_proj, weights, ids, act):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("hf_dsinfer::grouped_expert_rows_cpu", mutates_args=())
+def _compiled_rows(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   offsets: torch.Tensor, act: str) -> torch.Tensor:
+    return grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act).contiguous()
+
+
+@_compiled_rows.register_fake
+def _(x_sorted, gate_up_proj, down_proj, offsets, act):
+    return x_sorted.new_empty(x_sorted.shape)
 
 
 def grouped_expert_rows_ref(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
@@ -515,6 +542,8 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     expert in one call, rows weighted as written) or two grouped GEMMs, and combine; or, with
     many rows per expert off the native path, one GEMM pair per active expert, each combined
     while its rows are hot."""
+    if torch.compiler.is_compiling():  # one opaque op in the traced graph (see _compiled_mlp)
+        return _compiled_mlp(hidden, gate_up_proj, down_proj, weights, ids, act)
     align = moe_align(ids, gate_up_proj.shape[0])
     x = hidden.index_select(0, align.token_idx)  # [T*k, H], contiguous per expert
     bounds = align.expert_offsets.tolist()  # one host sync

@@ -252,6 +252,16 @@ def _torch_int4_copy(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
     return cpu_packed, scales_zeros
 
 
+def probe_private_ops(bits: int, dtype: torch.dtype) -> None:
+    """Run now, eagerly, the probe of the private op that CPU linears of `bits` consult for
+    activations of `dtype`, so that a first call under torch.compile finds the verdict (the
+    probe runs outside the graph, a graph break that fullgraph=True refuses)."""
+    if bits == 8:
+        verified(INT8PACK_MM, dtype, _probe_int8pack_mm)
+    else:
+        verified(INT4PACK_MM, dtype, _probe_int4pack_mm)
+
+
 def _cpu_int4_layout(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
     """_torch_int4_copy where torch's kernel takes the shape and passed its probe, else Nones."""
     if (q.device.type != "cpu" or q.shape[0] % 16

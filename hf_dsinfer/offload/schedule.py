@@ -73,6 +73,13 @@ class OffloadEngine:
                       "kv_read_s": 0.0, "kv_wait_s": 0.0, "kv_attend": 0}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise DSInferError(
+            "a model with streamed offload cannot be copied or pickled (copy.deepcopy, pickle, "
+            "torch.save of the module): its weights live in the offload store and I/O threads "
+            "stream them in. Fix: instead of copying it, load a second model the same way "
+            "(from_pretrained(path, dsinfer={'offload': ...})).")
+
     # -- weights --------------------------------------------------------------------------------
     def _timed_load(self, j: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
