@@ -62,7 +62,8 @@ ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
 HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
-BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
+# -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
 TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 # per tier: what it adds to the one below, as gcc flags and as /proc/cpuinfo flags
 _TIER_ADDS = {
