@@ -312,6 +312,21 @@ static void step(const char *name, const hfd_layer *L, const uint16_t *x, const 
     PUT(key, DT_BF16, o, HID);
 }
 
+/* The bf16 weights of layer L (a Llama layer of lin_bf16 projections), for the test's
+   reference. */
+static void put_weights(const char *name, const hfd_layer *L) {
+    static const char *const names[L_COUNT] = {"q", "k", "v", "o", "gate", "up", "down"};
+    char key[64];
+    snprintf(key, sizeof(key), "%s.ln1", name);
+    PUT(key, DT_BF16, L->ln1, HID);
+    snprintf(key, sizeof(key), "%s.ln2", name);
+    PUT(key, DT_BF16, L->ln2, HID);
+    for (int i = 0; i < L_COUNT; i++) {
+        snprintf(key, sizeof(key), "%s.w_%s", name, names[i]);
+        PUT(key, DT_BF16, L->lin[i].w, L->lin[i].n, L->lin[i].k);
+    }
+}
+
 static void decode_cases(void) {
     const int64_t n = 4; /* the step's token: 4 cached before it */
     const uint8_t keep[5] = {1, 0, 1, 1, 1};
@@ -350,6 +365,12 @@ static void decode_cases(void) {
         xin = outs[l];
     }
     PUT("decode.x", DT_BF16, x, HID);
+    PUT("decode.cos", DT_BF16, cos, HD);
+    PUT("decode.sin", DT_BF16, sin, HD);
+    PUT("decode.keep", DT_U8, keep, n + 1);
+    PUT("llama_bf16.kc", DT_BF16, caches[0][0], KVH, CACHE, HD); /* token n: the step's own */
+    PUT("llama_bf16.vc", DT_BF16, caches[0][1], KVH, CACHE, HD);
+    put_weights("llama_bf16", &layers[0]);
     PUT("decode.layers_out", DT_BF16, out, HID);
     PUT("decode.two_calls_out", DT_BF16, outs[2], HID);
 }

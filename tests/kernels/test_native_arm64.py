@@ -16,8 +16,9 @@ and outputs. The same driver is built three times:
                                     where it sums in another order)
 
 The tiers promise the same numbers (csrc/hfd_simd.h), so every output is compared to the bit.
-The decode layer's agreement with HF is tested at every tier by test_native_decode.py; here its
-one-call loop must equal its two calls. Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian:
+The bf16 Llama layer is also checked against HF's bf16 ops (q, k, v, the output); the quantized
+and OPT layers against the same bits on every build, and the one-call loop against the two
+calls (their agreement with HF is tested at every tier by test_native_decode.py). Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian:
 apt-get install gcc-aarch64-linux-gnu qemu-user); where they are missing the aarch64 test skips
 and says so. The host comparisons need only gcc.
 """
@@ -218,3 +219,49 @@ def _check_decode(r: dict) -> None:
     for name in ("llama_bf16", "llama_quant", "opt_bf16"):
         out = r[f"{name}.out"].float()
         assert out.isfinite().all() and out.abs().max() > 0, f"{name}: output {out}"
+    q, k, v, out = _llama_layer_ref(r, "llama_bf16")
+    heads_k = r["llama_bf16.kc"].shape[0]
+    assert torch.equal(r["llama_bf16.kc"][:, 4], r["llama_bf16.k"].view(heads_k, -1))
+    for what, want in (("q", q), ("k", k), ("v", v)):  # a projection's fp32 sum, rounded once
+        _close(r[f"llama_bf16.{what}"], want.flatten(), 2 ** -7, f"decode layer {what}")
+    # bf16 roundings at HF's points, sums in other orders: two bf16 ulps of the largest value
+    # (one here; the layer without its keep mask is 40 ulps away)
+    _close(r["llama_bf16.out"], out, 2 ** -7, "decode layer output")
+
+
+def _rms(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """HF's LlamaRMSNorm on bf16 (eps 1e-5, as the driver's layers)."""
+    v32 = v.float()
+    return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE on bf16 [heads, d]."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
+def _llama_layer_ref(r: dict, p: str):
+    """q, k, v and the output of the driver's bf16 Llama layer, as HF's bf16 modules compute
+    them; attention over the cache the step wrote its key and value into (token 4)."""
+    x, cos, sin, keep = r["decode.x"], r["decode.cos"], r["decode.sin"], r["decode.keep"].bool()
+    d = cos.shape[0]
+
+    def lin(h, name):
+        return (h.float() @ r[f"{p}.w_{name}"].float().T).bfloat16()
+
+    h = _rms(x, r[f"{p}.ln1"])
+    q = _rotate(lin(h, "q").view(-1, d), cos, sin)  # [heads, d]
+    k = _rotate(lin(h, "k").view(-1, d), cos, sin)  # [kv_heads, d]
+    v = lin(h, "v")
+    tokens = keep.shape[0]
+    rep = q.shape[0] // k.shape[0]
+    kc = r[f"{p}.kc"][:, :tokens].float().repeat_interleave(rep, 0)  # [heads, tokens, d]
+    vc = r[f"{p}.vc"][:, :tokens].float().repeat_interleave(rep, 0)
+    scores = torch.einsum("hd,htd->ht", q.float(), kc) * d ** -0.5
+    probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    a = torch.einsum("ht,htd->hd", probs, vc).bfloat16().flatten()
+    x1 = x + lin(a, "o")
+    h2 = _rms(x1, r[f"{p}.ln2"])
+    act = F.silu(lin(h2, "gate")) * lin(h2, "up")
+    return q, k, v, x1 + lin(act, "down")
