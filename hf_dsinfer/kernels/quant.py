@@ -517,7 +517,7 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
     return _native.lib("gemv") if fits else None
 
 
-# Rows of x from which (to which) an int8 linear runs on AMX-INT8 tiles (csrc/cpu_moe.c: hfd_int8_amx,
+# Rows of x from which an int8 linear runs on AMX-INT8 tiles (csrc/cpu_moe.c: hfd_int8_amx,
 # the native GEMV's numerics to the bit) where the CPU has them. 5632 x 2048 int8 weight, 8
 # copies cycled, 2 threads, medians of 5: GEMV 0.35 / 0.44 / 0.64 / 1.16 / 2.12 / 3.87 ms at
 # 1 / 2 / 4 / 8 / 16 / 32 rows; AMX 0.65 / 0.63 / 0.62 / 0.68 / 0.72 / 1.12 ms (64 rows 1.71,
@@ -642,8 +642,8 @@ def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
     """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
     as stored, tiles or row-major); else, up to int4_pack_max_rows rows (kernels/crossovers.py),
     _weight_int4pack_mm_for_cpu on torch's layout where the weight has it and that kernel
-    passed its probe for x's dtype; chunked dequantize + GEMM otherwise. The product is rounded to x's dtype, then the bias added, as torch's kernel and
-    nn.Linear order it."""
+    passed its probe for x's dtype; chunked dequantize + GEMM otherwise. The product is rounded
+    to x's dtype, then the bias added, as torch's kernel and nn.Linear order it."""
     n, g = qweight.scales.shape[0], qweight.group_size
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     bounds = crossovers.rows()  # of this tier
