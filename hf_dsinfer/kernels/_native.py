@@ -61,8 +61,9 @@ AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles k
 ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
-HEADERS = [CSRC / "hfd_simd.h"]
-BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
+HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
+# -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
 TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 # per tier: what it adds to the one below, as gcc flags and as /proc/cpuinfo flags
 _TIER_ADDS = {
@@ -129,10 +130,18 @@ def _simde_include() -> str:
     return simde_py.get_include()
 
 
-def _build(level: str) -> Path:
-    """Compile the sources for `level` (a tier) once; the path of the library."""
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else gcc or cc on PATH."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(level: str, cc: str | None = None) -> Path:
+    """Compile the sources for `level` (a tier) once with `cc` (default: compiler()); the path
+    of the library. A cross compiler builds the tier for its own target (generic, the one tier
+    without x86 flags, for aarch64: tests/kernels/test_native_arm64.py); each compiler's library
+    is cached apart."""
     source = b"".join(path.read_bytes() for path in (*HEADERS, *SOURCES))
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     flags = [*tier_flags(level), "-I", _simde_include()]
@@ -200,7 +209,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 @functools.cache
 def _load(level: str) -> ctypes.CDLL | None:
     try:
-        path = _build(level)
+        path = build(level)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as err:
         _why[level] = f"build failed: {err}"

@@ -60,8 +60,8 @@ class _Layer(ctypes.Structure):
                 ("lin", _Lin * 7)]
 
 
-NORMS = {"rms": 0, "layer": 1}  # cpu_decode.c: NORM_RMS, NORM_LAYER
-MLPS = {"gated_silu": 0, "relu": 1}  # cpu_decode.c: MLP_GATED_SILU, MLP_RELU
+NORMS = {"rms": 0, "layer": 1}  # csrc/hfd_api.h: NORM_RMS, NORM_LAYER
+MLPS = {"gated_silu": 0, "relu": 1}  # csrc/hfd_api.h: MLP_GATED_SILU, MLP_RELU
 
 
 class Unsupported(Exception):

@@ -40,7 +40,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _dispatch, _native, crossovers
 
 # Rows of x up to which the Triton launcher uses the GEMV kernel instead of the tiled GEMM:
 # below this a 16-row tl.dot tile is mostly padding and the kernel is bound by weight reads.
@@ -49,8 +49,9 @@ GEMV_MAX_ROWS = 4
 CPU_MV_MAX_ROWS = 1
 # Dtypes for which torch.mv beats F.linear on this CPU at one row.
 CPU_MV_DTYPES = (torch.bfloat16,)
-# Rows of x up to which (from 2) bf16 linears use the native AMX kernel on CPU (see above).
-CPU_AMX_MAX_ROWS = 256
+# Rows of x up to which (from 2) bf16 linears use the native AMX kernel on CPU (see above): the
+# amx tier's row of kernels/crossovers.py (the only tier with AMX tiles).
+CPU_AMX_MAX_ROWS = crossovers.TABLE["amx"].amx_bf16_max_rows
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -39,11 +39,12 @@ CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and run at
 ~3 ms vs ~9 ms for bf16 F.linear at 1 row, but cost ~0.8 ms more per extra row; a chunked
 dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
-~17-35 ms flat. Up to QUANT_PACK_MAX_ROWS rows use the packed kernels, above it the chunked path,
-except where the native kernels (csrc/) run: int8 on them up to AMX_INT8_MAX_ROWS rows, int4
-on them up to QUANT_PACK_MAX_ROWS (see linear_int8_cpu, linear_int4_cpu). torch's packed
-kernels are private ops: each is used only after a probe on this CPU agreed with the reference
-(private_ops.verified), else the chunked path runs.
+~17-35 ms flat. Up to int8_pack_max_rows / int4_pack_max_rows rows use the packed kernels,
+above them the chunked path, except where the native kernels (csrc/) run: int8 on them up to
+int8_gemv_max_rows rows (to AMX_INT8_MAX_ROWS on AMX), int4 up to int4_native_max_rows (see
+linear_int8_cpu, linear_int4_cpu); those bounds are per ISA tier, in kernels/crossovers.py.
+torch's packed kernels are private ops: each is used only after a probe on this CPU agreed with
+the reference (private_ops.verified), else the chunked path runs.
 """
 
 from __future__ import annotations
@@ -54,19 +55,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _dispatch, _native, crossovers
 from hf_dsinfer.kernels.linear import dot_in_fp32
 from hf_dsinfer.kernels.private_ops import verified
 
-# Rows of x up to which the CPU path uses torch's packed int8/int4 kernels (measured crossover
-# with the chunked dequantize + F.linear path is ~24-32 rows at 8192x8192 bf16).
-QUANT_PACK_MAX_ROWS = 32
-# Rows of x up to which the CPU int8 path uses the native kernel of csrc/cpu_quant.c
-# (_native.py). Measured per 5632 x 2048 weight, bf16 x, 6 weights cycled (69 MB, so partly
-# L3-resident on this VM; from DRAM both are slower, the native one ~1.4x faster): native
-# 0.41 / 0.52 / 0.72 / 1.34 / 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's _weight_int8pack_mm
-# 0.63 / 0.66 / 0.88 / 1.84 / 3.42 ms.
-NATIVE_MAX_ROWS = 16
+# How many rows of x each CPU path takes is data per ISA tier: kernels/crossovers.py
+# (int8_ / int4_pack_max_rows: torch's packed kernels, then the chunked dequantize + F.linear;
+# int8_gemv_max_rows, int4_native_max_rows: the native kernels). The Xeon's values
+# (crossovers.XEON) came from these measurements there: packed kernels against the chunked path
+# ~24-32 rows at 8192 x 8192 bf16; per 5632 x 2048 weight, bf16 x, 6 weights cycled (69 MB, so
+# partly L3-resident on that VM; from DRAM both are slower, the native one ~1.4x faster): native
+# GEMV 0.41 / 0.52 / 0.72 / 1.34 / 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's
+# _weight_int8pack_mm 0.63 / 0.66 / 0.88 / 1.84 / 3.42 ms.
 # Output rows dequantized at a time in the chunked path (512 x 8192 bf16 = 8 MB, cache-resident).
 DEQUANT_CHUNK_ROWS = 512
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -521,7 +521,7 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
     """The native library when its kernel takes this call, else None (the weight-side checks
     hold by construction: quantize_int8 makes rowsum and contiguous int8 rows on CPU)."""
     dtypes = _native.DTYPE_CODES
-    fits = (x2.shape[0] <= NATIVE_MAX_ROWS and qweight.rowsum is not None
+    fits = (x2.shape[0] <= crossovers.rows().int8_gemv_max_rows and qweight.rowsum is not None
             and x2.dtype in dtypes and qweight.scales.dtype in dtypes
             and (bias is None or (bias.dtype in dtypes and bias.is_contiguous())))
     return _native.lib("gemv") if fits else None
@@ -535,7 +535,9 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 # 16-row weight block reads every row's x planes, 3 bytes per element: at 512 rows they leave
 # L2): one 5632 x 2048 weight, AMX / chunked 1.8 / 5.0 ms at 64 rows, 5.6 / 7.9 at 256, 20.3 /
 # 17.0 at 512, 89.4 / 31.0 at 2048.
-AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS = 4, 256
+# (crossovers.XEON; the amx tier is the only one with AMX).
+AMX_INT8_MIN_ROWS = crossovers.TABLE["amx"].amx_int8_min_rows
+AMX_INT8_MAX_ROWS = crossovers.TABLE["amx"].amx_int8_max_rows
 
 
 def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None):
@@ -567,8 +569,8 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
     """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; else the
-    native GEMV up to NATIVE_MAX_ROWS rows where it runs; else torch's _weight_int8pack_mm up
-    to QUANT_PACK_MAX_ROWS rows where it passed its probe (on a row-major copy of tiles: the
+    native GEMV up to int8_gemv_max_rows rows where it runs; else torch's _weight_int8pack_mm
+    up to int8_pack_max_rows rows where it passed its probe (on a row-major copy of tiles: the
     same numerics whichever layout the weight has), else chunked dequantize + GEMM."""
     n = qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
@@ -580,7 +582,7 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
         return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], n)
     x2, qweight = _fold_in_scale(x2, qweight)  # torch's kernels take plain int8
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
-    if (x2.shape[0] <= QUANT_PACK_MAX_ROWS and x2.shape[1] % 16 == 0
+    if (x2.shape[0] <= crossovers.rows().int8_pack_max_rows and x2.shape[1] % 16 == 0
             and verified(INT8PACK_MM, x.dtype, _probe_int8pack_mm)):
         # The kernel wants scales in x.dtype; the cast is of an [out] vector.
         q = int8_matrix(qweight).contiguous()
@@ -647,18 +649,19 @@ def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
 
 
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
-    """Up to QUANT_PACK_MAX_ROWS rows: the native int4 kernel where it runs (it reads the codes
-    as stored, tiles or row-major), else _weight_int4pack_mm_for_cpu on torch's layout where
-    the weight has it and that kernel passed its probe for x's dtype; chunked dequantize + GEMM
-    otherwise. The product is rounded to x's dtype, then the bias added, as torch's kernel and
-    nn.Linear order it."""
+    """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
+    as stored, tiles or row-major); else, up to int4_pack_max_rows rows (kernels/crossovers.py),
+    _weight_int4pack_mm_for_cpu on torch's layout where the weight has it and that kernel
+    passed its probe for x's dtype; chunked dequantize + GEMM otherwise. The product is rounded
+    to x's dtype, then the bias added, as torch's kernel and nn.Linear order it."""
     n, g = qweight.scales.shape[0], qweight.group_size
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
-    y = _native_int4(x2, qweight) if x2.shape[0] <= QUANT_PACK_MAX_ROWS else None
+    bounds = crossovers.rows()  # of this tier
+    y = _native_int4(x2, qweight) if x2.shape[0] <= bounds.int4_native_max_rows else None
     if y is not None:
         y = y.to(x.dtype)
         y = y if bias is None else y + bias
-    elif (x2.shape[0] <= QUANT_PACK_MAX_ROWS and qweight.cpu_packed is not None
+    elif (x2.shape[0] <= bounds.int4_pack_max_rows and qweight.cpu_packed is not None
           and verified(INT4PACK_MM, x.dtype, _probe_int4pack_mm)):
         sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight.cpu_packed, g, sz)

@@ -40,13 +40,14 @@ from pathlib import Path
 import torch
 
 from hf_dsinfer.hardware import median_time, read_bandwidth, synchronize
+from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels.kv_quant import (
     KVSpan,
     attend_kv_int4,
     dequantize_kv_int4_tokens,
     quantize_kv_int4,
 )
-from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS, dequantize_int4_rows, linear_int4_cpu
+from hf_dsinfer.kernels.quant import dequantize_int4_rows, linear_int4_cpu
 from hf_dsinfer.offload.compression import compress, decompress
 from hf_dsinfer.offload.memory import ModelShape
 from hf_dsinfer.offload.packed import pack_weight
@@ -484,16 +485,17 @@ def _matmul_seconds(shape: ModelShape, hw: Hardware, batch: int, micro: int, pre
     Every pass over the weights is compute-bound or bound by reading them from the compute
     device's memory, whichever is slower. CUDA (and any prefill) runs one pass per micro-batch;
     a CPU decode step runs the whole block in one pass. 4-bit weights: on CUDA they are
-    decompressed per use; on the CPU a decode step of at most QUANT_PACK_MAX_ROWS rows
-    multiplies by the packed codes (int4_mm), and more rows (a prefill) dequantize the layer
-    once. A prefill measured on the model's own layer (`prefill_layer_s`, one sequence) is
+    decompressed per use; on the CPU a decode step of at most int4_native_max_rows rows
+    (kernels/crossovers.py) multiplies by the packed codes (int4_mm), and more rows (a prefill)
+    dequantize the layer once. A prefill measured on the model's own layer (`prefill_layer_s`, one sequence) is
     priced as that time per sequence: it includes the layer's attention and other work."""
     cuda = hw.device.startswith("cuda")
     passes = -(-batch // micro) if (prefill or cuda) else 1
     work = (batch * prefill_layer_s if prefill and prefill_layer_s is not None
             else flops / hw.flops)
     one_pass = max(work / passes, dense / hw.memory_bw)
-    if compress_w and not cuda and not prefill and batch <= QUANT_PACK_MAX_ROWS:
+    if (compress_w and not cuda and not prefill
+            and batch <= crossovers.rows().int4_native_max_rows):
         return max(flops / hw.flops, shape.layer_numel * batch / hw.int4_mm)
     decode = dense / hw.decompress if compress_w else 0.0
     return passes * one_pass + decode

@@ -8,8 +8,9 @@ native kernels (torch's private int4 layout does not: it differs between avx2 an
 builds of its dispatch, and a store read on another CPU, or code reading that layout itself,
 gave garbage). A decode step multiplies by the codes as they were read, through the project's
 CPU int4 path (kernels/quant.py: linear_int4_cpu): the native kernel where it runs (half a
-byte per weight), else torch's dequantize + matmul. A prefill (more rows than
-QUANT_PACK_MAX_ROWS) dequantizes the whole layer once for all its micro-batches (materialize).
+byte per weight), else torch's dequantize + matmul. A prefill (more rows than the tier's
+int4_native_max_rows, kernels/crossovers.py) dequantizes the whole layer once for all its
+micro-batches (materialize).
 
 `PackedInt4Linear` replaces such an nn.Linear in its parent; the offload engine binds its codes
 (`bind`) while the layer runs and drops them after (`unbind`). It subclasses QuantizedLinear so

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
-from hf_dsinfer.kernels.quant import QUANT_PACK_MAX_ROWS, Int4Weight
+from hf_dsinfer.kernels import crossovers
+from hf_dsinfer.kernels.quant import Int4Weight
 from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache, attends_in_cache
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
 from hf_dsinfer.offload.packed import PackedInt4Linear
@@ -239,7 +240,7 @@ class OffloadedLayer:
     def _materialize_packed(self, hidden: torch.Tensor, rows: int) -> None:
         """Prefill: packed 4-bit linears are dequantized once for all micro-batches (release()
         drops the dense copies with the codes)."""
-        if rows * hidden.shape[1] <= QUANT_PACK_MAX_ROWS:
+        if rows * hidden.shape[1] <= crossovers.rows().int4_native_max_rows:
             return
         for module in self.engine.packed[self.index]:
             module.materialize(hidden.dtype)

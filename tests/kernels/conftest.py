@@ -83,3 +83,17 @@ def count_calls(monkeypatch, module, name: str) -> list[int]:
 
     monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def pin_crossovers(monkeypatch, tier: str | None = None, **bounds: int):
+    """Give the row of `tier` (default: the running tier) in kernels/crossovers.py these bounds
+    for this test, e.g. so that a test of a kernel's numerics runs it on every row count it
+    checks, whatever the crossover measured for that tier. Returns the pinned row."""
+    import dataclasses
+
+    from hf_dsinfer.kernels import crossovers
+
+    tier = tier or crossovers._native.tier()
+    row = dataclasses.replace(crossovers.TABLE[tier], **bounds)
+    monkeypatch.setitem(crossovers.TABLE, tier, row)
+    return row

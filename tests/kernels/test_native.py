@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import quant as Q
-from tests.kernels.conftest import count_calls
+from tests.kernels.conftest import count_calls, pin_crossovers
 
 pytestmark = [pytest.mark.skipif(not _native.builds(),
                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
@@ -43,6 +43,7 @@ def _exact(x, w, bias=None):
 @pytest.mark.parametrize("equalize", (False, True))
 @pytest.mark.parametrize("n", (37, 40))  # 40 x 128: stored as int8 tiles
 def test_int8_native_matches_exact(monkeypatch, dtype, k, rows, equalize, n):
+    pin_crossovers(monkeypatch, int8_gemv_max_rows=8)  # the kernel's numerics, at every tier
     calls = _count(monkeypatch, "_native_int8")
     w = _gaussian(n, k) * torch.linspace(0.2, 3.0, k)
     qw = Q.quantize_int8(w.to(dtype), equalize=equalize)
@@ -69,9 +70,9 @@ def test_int8_native_extreme_inputs():
 
 
 def test_native_not_used_above_its_rows(monkeypatch):
-    """More rows than NATIVE_MAX_ROWS: torch's kernels, same results."""
+    """More rows than the tier's int8_gemv_max_rows: torch's kernels, same results."""
     c8 = _count(monkeypatch, "_native_int8")
-    rows = Q.NATIVE_MAX_ROWS + 1
+    rows = crossovers.rows().int8_gemv_max_rows + 1
     q8 = Q.quantize_int8(_gaussian(32, 64).bfloat16())
     x = _gaussian(rows, 64, seed=1).bfloat16()
     out, ref = Q.linear_int8(x, q8, backend="cpu").float(), Q.linear_int8_ref(x, q8).float()
@@ -122,6 +123,7 @@ def test_native_int4_rows_against_float64(monkeypatch, dtype, n, k, group, rows)
     in float64: within half an ulp of the output dtype plus 1e-4 of the largest output (x as
     24-bit fixed point per group, integer sums). A tiled weight keeps no second copy of its
     codes in torch's layout."""
+    pin_crossovers(monkeypatch, int4_native_max_rows=32)  # the kernel's numerics, every tier
     w = (_gaussian(n, k) * 0.05).to(dtype)
     x, bias = _gaussian(rows, k, seed=1).to(dtype), _gaussian(n, seed=2).to(dtype)
     x[:, ::7] *= 100.0  # groups spanning 4 decades
@@ -137,9 +139,10 @@ def test_native_int4_rows_against_float64(monkeypatch, dtype, n, k, group, rows)
     assert ((out.double() - ref).abs() <= bound).all(), (out.double() - ref).abs().max()
 
 
-def test_native_int4_rows_do_not_depend_on_the_batch():
+def test_native_int4_rows_do_not_depend_on_the_batch(monkeypatch):
     """32 rows and 1 row give the same per-row result: a row of x is computed the same way
     whatever the batch around it (the batch-1 numerics, row by row)."""
+    pin_crossovers(monkeypatch, int4_native_max_rows=32)
     w, x = _gaussian(64, 1152) * 0.05, _gaussian(32, 1152, seed=1).bfloat16()
     qw = Q.quantize_int4(w.bfloat16(), 32)
     many = Q.linear_int4(x, qw, backend="cpu")
@@ -250,7 +253,9 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
     lib = _native.lib()
     calls = []
     monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: calls.append(1) or lib)
-    x = _gaussian(Q.QUANT_PACK_MAX_ROWS + 1, 256, seed=1).to(dtype)
+    bounds = crossovers.rows()  # more rows than any direct kernel takes: the chunked path
+    x = _gaussian(max(bounds.int4_native_max_rows, bounds.int4_pack_max_rows) + 1, 256,
+                  seed=1).to(dtype)
     out = Q.linear_int4(x, Q.quantize_int4(w, 32), backend="cpu")
     assert calls and torch.equal(out, Q.linear_int4_ref(x, Q.quantize_int4(w, 32)))
 

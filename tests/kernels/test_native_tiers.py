@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import hf_dsinfer
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import moe as M
 from hf_dsinfer.kernels import quant as Q
@@ -26,9 +26,12 @@ LOWER = _native.TIERS[: _native.TIERS.index(BEST)]
 
 
 def _at(monkeypatch, tier: str, fn):
+    """fn() with the kernels capped at `tier`, dispatching on the best tier's row counts
+    (kernels/crossovers.py): the same kernels run, whatever each tier's crossovers are."""
     with monkeypatch.context() as m:
         m.setenv(_native.ISA_ENV_VAR, tier)
         m.setenv(_native.AMX_ENV_VAR, "0")
+        m.setitem(crossovers.TABLE, tier, crossovers.TABLE[BEST])
         assert _native.tier() == tier and _native.available(), _native.why_unavailable()
         return fn()
 

@@ -92,7 +92,7 @@ def test_linear_int4_triton_matches_ref(triton_interpret, dtype, rows, k, n, gro
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))  # 40 rows > QUANT_PACK_MAX_ROWS
+@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))  # 40 rows > every tier's *_pack_max_rows
 def test_linear_int8_cpu_matches_ref(monkeypatch, dtype, lead):
     monkeypatch.setattr(Q, "DEQUANT_CHUNK_ROWS", 16)  # exercise several chunks
     qw = Q.quantize_int8(_gaussian(48, 80).to(dtype))

@@ -1,7 +1,7 @@
 """4-bit offloaded weights as the project's portable Int4Weight (PackedInt4Linear): the decode
 step multiplies by the codes, in RAM or as read from disk. Checked against HF eager running on
-the same 4-bit weights dequantized to fp32: logits (whole prompt, > QUANT_PACK_MAX_ROWS rows:
-dequantized once) and greedy tokens (decode steps of 3 rows: the project's int4 CPU path).
+the same 4-bit weights dequantized to fp32: logits (whole prompt, more rows than the tier's
+int4_native_max_rows: dequantized once) and greedy tokens (decode steps of 3 rows: the project's int4 CPU path).
 A disk tier written by a process whose torch dispatches avx2 (and without the native kernels,
 as on an AVX2-only machine) holds the same bytes and is read back here to the same tokens."""
 
@@ -18,6 +18,7 @@ from tiny_models import CONFIGS, prompts
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
+from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels import quant as Q
 from hf_dsinfer.offload import files, get_engine, store
 from hf_dsinfer.offload.packed import PackedInt4Linear
@@ -48,7 +49,7 @@ def _dequantized_reference() -> torch.nn.Module:
 @pytest.mark.parametrize("tiers", [(0, 100, 0), (0, 0, 100)], ids=["ram", "disk"])
 def test_packed_weights_match_dequantized_hf(tiers, tmp_path):
     ids, mask = prompts()
-    wide = torch.randint(3, 100, (1, Q.QUANT_PACK_MAX_ROWS + 8))
+    wide = torch.randint(3, 100, (1, crossovers.rows().int4_native_max_rows + 8))
     reference = _dequantized_reference()
     model = hf_dsinfer.init_inference(_model(), offload={
         "weights": tiers, "cache": (0, 100, 0), "compress_weights": True, "group_size": GROUP,

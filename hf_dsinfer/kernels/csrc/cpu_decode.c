@@ -36,40 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "hfd_api.h"
 #include "hfd_simd.h"
-
-/* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row) */
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 };
-
-/* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
-   hf_dsinfer/kernels/decode.py). */
-typedef struct {
-    int64_t kind, n, k, group; /* group: int4 group size */
-    int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
-    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2], or tiles */
-    const void *scales;        /* int8: [n]; int4: [n, k / group] */
-    const void *mins;          /* int4: [n, k / group] */
-    const float *in_scale;     /* int8: [k] input equalization, or NULL */
-    const int32_t *rowsum;     /* int8: [n] sums of each row of q */
-    const void *bias;          /* [n] or NULL */
-} hfd_lin;
-
-enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
-
-/* norm: RMSNorm (Llama) or LayerNorm with optional bias (OPT); mlp: SiLU-gated (gate, up,
-   down) or fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2). */
-enum { NORM_RMS = 0, NORM_LAYER = 1 };
-enum { MLP_GATED_SILU = 0, MLP_RELU = 1 };
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter;
-    float eps1, eps2, scale; /* scale: of q . k in the softmax */
-    float q_scale;           /* OPT: q = bf16(q_proj(h) * q_scale) before attention; 0: none */
-    const uint16_t *ln1, *ln2;     /* bf16 [hidden] */
-    const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
-    int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
-    hfd_lin lin[L_COUNT];
-} hfd_layer;
 
 /* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
 typedef struct {
@@ -751,17 +719,6 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
  * cos + r * cs_stride (0: one position for every row); its keys at kc + r * kbs, its keep row
  * at keep + r * keep_stride. Return codes: 0, -2 out of memory, -3 not computable here (a
  * projection that is not bf16 with bf16 bias, shapes the AMX kernel does not take, no AMX). */
-
-int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                    int64_t M, int64_t N, int64_t K, int nthreads); /* cpu_moe.c */
-
-int hfd_int8_amx(const void *x, int x_dt, const float *in_scale, const int8_t *q,
-                 const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
-                 int b_dt, void *y, int64_t M, int64_t N, int64_t K, int nthreads); /* cpu_moe.c */
-int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *q,
-                  const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
-                  int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled,
-                  int nthreads); /* cpu_quant.c */
 
 /* Rows of x under the AMX-INT8 kernel's: kernels/quant.py's AMX_INT8_MIN_ROWS (the two give the
    same bits; the GEMV is faster for so few rows) */

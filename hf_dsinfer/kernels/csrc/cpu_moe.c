@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hfd_api.h"
 #include "hfd_simd.h"
 
 #if HFD_AMX

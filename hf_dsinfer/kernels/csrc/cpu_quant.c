@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include "hfd_api.h"
 #include "hfd_simd.h"
 
 int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *q,
@@ -273,11 +274,6 @@ static inline void code_pairs16(const uint8_t *p, __mmask16 mk, __m512 *lo, __m5
     *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
-
-typedef struct {
-    const uint8_t *kp, *ks, *km, *vp, *vs, *vm;
-    int64_t p_stride, s_stride, tokens;
-} hfd_kv_span;
 
 int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int nspans,
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, int64_t group,

@@ -7,7 +7,11 @@
  * sums, vdpbf16ps' pair products, masked loads and stores. Every lane computes the same IEEE
  * operations in every tier, and the horizontal sums below use the order of gcc's AVX-512
  * reductions, so a kernel returns the same bits on every tier (tests/kernels/test_native_tiers.py
- * checks it; without hardware FMA, SIMDe's fused multiply-add is libm's fmaf, still one rounding).
+ * checks it, and tests/kernels/test_native_arm64.py for aarch64, where SIMDe maps the intrinsics
+ * to NEON). A fused multiply-add rounds once everywhere: the FMA instruction on x86 from avx2 up
+ * and NEON's on aarch64, libm's fmaf on baseline x86-64 (below: SIMDe's emulation there is a
+ * product and a sum, two roundings). _native.py builds with -ffp-contract=off, so gcc never
+ * fuses a product and a sum that the source keeps apart, whatever FMA unit the target has.
  * The one documented difference: vdpbf16ps flushes denormals, its emulation does not (below).
  * AMX tile code is compiled only into the amx tier; elsewhere the tile intrinsics trap, and
  * amx_usable() (cpu_moe.c) is 0 there, so they are never reached.
@@ -198,6 +202,28 @@ static inline simde__m512i hfd_mask_i32gather_epi32(simde__m512i src, uint16_t k
 #endif
 #endif
 
+#if !defined(__FMA__) && !defined(__ARM_FEATURE_FMA)
+/* No FMA unit (baseline x86-64): SIMDe would compute a * b + c with two roundings, where every
+   other target rounds once; fmaf per lane gives the one-rounding result (slowly: this target is
+   the last resort of CPUs older than AVX2). */
+#define HFD_FMA_LANES(name, neg)                                                                \
+    static inline simde__m512 name(simde__m512 a, simde__m512 b, simde__m512 c) {              \
+        float x[16], y[16], z[16];                                                              \
+        memcpy(x, &a, 64);                                                                      \
+        memcpy(y, &b, 64);                                                                      \
+        memcpy(z, &c, 64);                                                                      \
+        for (int i = 0; i < 16; i++) z[i] = fmaf(neg x[i], y[i], z[i]);                        \
+        memcpy(&c, z, 64);                                                                      \
+        return c;                                                                               \
+    }
+HFD_FMA_LANES(hfd_fmadd_ps, +)
+HFD_FMA_LANES(hfd_fnmadd_ps, -)
+#undef _mm512_fmadd_ps
+#undef _mm512_fnmadd_ps
+#define _mm512_fmadd_ps(a, b, c) hfd_fmadd_ps(a, b, c)
+#define _mm512_fnmadd_ps(a, b, c) hfd_fnmadd_ps(a, b, c)
+#endif
+
 #if !defined(__AVX512VNNI__)
 /* vpdpbusd: acc + the sums of 4 adjacent u8 x s8 products, exact (int32 lanes). On AVX2 the u8
    side is split into nibbles so vpmaddubsw's int16 pair sums (at most 2 * 15 * 128) never
@@ -245,9 +271,9 @@ static inline simde__m512 hfd_dpbf16_ps(simde__m512 acc, simde__m512bh a, simde_
     memcpy(&ai, &a, 64);
     memcpy(&bi, &b, 64);
     const simde__m512i hi = simde_mm512_set1_epi32((int)0xFFFF0000u);
-    acc = simde_mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_and_si512(ai, hi)),
+    acc = _mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_and_si512(ai, hi)),
                                simde_mm512_castsi512_ps(simde_mm512_and_si512(bi, hi)), acc);
-    return simde_mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_slli_epi32(ai, 16)),
+    return _mm512_fmadd_ps(simde_mm512_castsi512_ps(simde_mm512_slli_epi32(ai, 16)),
                                 simde_mm512_castsi512_ps(simde_mm512_slli_epi32(bi, 16)), acc);
 }
 #undef _mm512_dpbf16_ps

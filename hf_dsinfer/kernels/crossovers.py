@@ -1,0 +1,85 @@
+"""Row counts at which the CPU linears hand over from one kernel to the next, per ISA tier.
+
+Which kernel is fastest for an x of M rows depends on the CPU: a matrix-vector kernel that
+streams the weight once wins at few rows, torch's packed kernels or tiles at more, a dequantized
+weight and a GEMM at many. The crossovers are data, one row per tier of the native kernels
+(_native.TIERS), each value with the machine it was measured on; `rows()` gives the row of the
+tier that runs (_native.tier(): the CPU's best, capped by HF_DSINFER_ISA), so a capped test runs
+the lower tier's dispatch too. benchmarks/crossovers.py measures them (medians of interleaved
+repeats per tier, the candidate paths side by side); the table below says where each came
+from, and which values no measurement backs (inherited from the tier above, or from the Xeon).
+
+Whether a use of the native kernels runs at a tier at all is _native.MIN_TIER's; these rows
+bound how many rows it takes where it runs. Below its MIN_TIER a kernel runs only when
+HF_DSINFER_ISA names the tier (tests), and the row keeps the bound of the tier above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_dsinfer.kernels import _native
+
+
+@dataclass(frozen=True)
+class Crossovers:
+    int8_gemv_max_rows: int  # native int8 GEMV (csrc/cpu_quant.c) for 1..this many rows
+    int8_pack_max_rows: int  # torch's _weight_int8pack_mm up to this; then dequantize + GEMM
+    int4_native_max_rows: int  # native int4 linear (csrc/cpu_decode.c) for 1..this many rows
+    int4_pack_max_rows: int  # torch's _weight_int4pack_mm_for_cpu up to this; then dequantize
+    # AMX tiles (the amx tier only; None elsewhere): bf16 linears of 2..amx_bf16_max_rows rows
+    # (kernels/linear.py), int8 linears of amx_int8_min_rows..amx_int8_max_rows (quant.py)
+    amx_bf16_max_rows: int | None = None
+    amx_int8_min_rows: int | None = None
+    amx_int8_max_rows: int | None = None
+
+
+# The 2-core Xeon with AMX-BF16/INT8 (480 MB L3) of NOTES.md, 2 threads, weights cycled past
+# the L3; the measurements are in the comments of kernels/quant.py and kernels/linear.py.
+XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=32,
+                  int4_pack_max_rows=32, amx_bf16_max_rows=256, amx_int8_min_rows=4,
+                  amx_int8_max_rows=256)
+
+# The tiers below amx: benchmarks/crossovers.py on a 2-core AMD EPYC Zen 5 (AVX-512 with VNNI and
+# BF16, no AMX, 32 MB L3), 2026-11-24: one 5632 x 2048 weight (Llama-1.1B's MLP) of 8 copies
+# cycled, bf16 x, int4 group 32, 1 thread (the machine was shared with other jobs, load 4-6 on
+# its 2 cores: 2-thread timings there were scheduler noise), medians of 9 interleaved repeats.
+# Each lower tier by capping that CPU: the native kernels built for the tier and torch's dispatch
+# capped to match (ATEN_CPU_CAPABILITY), so "avx2" imitates an AVX2 CPU with Zen 5's memory, and
+# "generic" a CPU without AVX2. ms at 1 / 4 / 16 / 32 rows:
+#   avx512_bf16: int8 GEMV 0.36 / 0.77 / 2.07 / 7.66 (noise; 48 rows 5.25), dequantize + GEMM
+#       3.08 / 2.89 / 7.23 / 4.07, _weight_int8pack_mm (on a row-major copy of the tiles)
+#       1.58 / 1.69 / 7.09 / 5.11; int4 native 0.28 / 0.79 / 2.12 / 7.88, dequantize + GEMM
+#       2.26 / 4.95 / 2.73 / 7.52, _weight_int4pack_mm_for_cpu 0.32 / 0.53 / 2.04 / 7.38.
+#       Crossovers: GEMV 48, int8 pack 16, int4 native 16, int4 pack 32.
+#   avx512 (the same code for these paths; a separate run): GEMV 0.38 / 0.78 / 2.43 / 4.41,
+#       dequantize 3.71 / 2.89 / 4.67 / 4.08; int4 native 0.27 / 0.78 / 2.13 / 6.16, dequantize
+#       3.01 / 2.23 / 3.61 / 4.11. Crossovers: GEMV 24, int8 pack 24, int4 native 24, pack 32.
+#   Both avx512 tiers take the lower of the two runs (the differences are noise).
+#   avx2: GEMV 1.23 / 6.46 at 1 / 4 rows against _weight_int8pack_mm 0.91 / 1.43 (the GEMV does
+#       not run here by default: MIN_TIER), which the chunked path passes after 12 rows (3.94
+#       vs 6.63 at 12, 6.47 vs 5.56 at 16); int4 native 4.00 / 13.10 / 55.5, dequantize
+#       11.5 / 12.1 / 12.3: 3 rows; _weight_int4pack_mm_for_cpu up to 32 rows (12.1 vs 13.9).
+#   generic: GEMV 15.8 ms at 1 row against torch's int8 kernel 11.8 and dequantize + GEMM
+#       17.2 (20.3 at 2 rows, where the packed kernel takes 23.5); int4 native 29.0 / 60.2 at 1 /
+#       2 rows, dequantize 33.8 / 35.1; _weight_int4pack_mm_for_cpu 24.5 / 46.5.
+# A value a tier does not use by default is inherited: the GEMV's below avx512 (MIN_TIER)
+# keeps avx512's bound, used only when HF_DSINFER_ISA names the tier.
+ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16, int4_native_max_rows=16,
+                         int4_pack_max_rows=32)
+
+TABLE: dict[str, Crossovers] = {
+    "amx": XEON,  # every value measured on the Xeon; not re-measured on Zen 5 (no AMX)
+    "avx512_bf16": ZEN5_AVX512,
+    "avx512": ZEN5_AVX512,
+    "avx2": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
+                       int8_pack_max_rows=12, int4_native_max_rows=3, int4_pack_max_rows=32),
+    "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
+                          int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1),
+}
+assert set(TABLE) == set(_native.TIERS)
+
+
+def rows(tier: str | None = None) -> Crossovers:
+    """The crossovers of `tier` (default: the tier the native kernels run here)."""
+    return TABLE[tier or _native.tier()]

@@ -1,0 +1,112 @@
+/* The library's exported functions and the structs they take: what _native.py's _declare binds
+ * through ctypes (and kernels/decode.py mirrors as ctypes Structures), and what C callers such as
+ * the test driver tests/kernels/native_driver.c link against. The kernels' files include it, so
+ * the compiler checks each definition against its declaration here. Plain C, no SIMD types.
+ *
+ * Dtype codes (x_dt, s_dt, o_dt, ...): 0 fp32, 1 bf16, 2 fp16 (hfd_simd.h: DT_*). Return codes:
+ * 0, -1 bad arguments, -2 out of memory, -3 not computable here (use another kernel). */
+#ifndef HFD_API_H
+#define HFD_API_H
+
+#include <stdint.h>
+
+/* ---- cpu_decode.c: one decoder layer for one token ---- */
+
+/* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row) */
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 };
+
+/* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
+   hf_dsinfer/kernels/decode.py). */
+typedef struct {
+    int64_t kind, n, k, group; /* group: int4 group size */
+    int64_t s_dt, b_dt;        /* dtypes of scales / mins and of bias */
+    const void *w;             /* bf16 [n, k] | int8 [n, k] | uint8 [n, k / 2], or tiles */
+    const void *scales;        /* int8: [n]; int4: [n, k / group] */
+    const void *mins;          /* int4: [n, k / group] */
+    const float *in_scale;     /* int8: [k] input equalization, or NULL */
+    const int32_t *rowsum;     /* int8: [n] sums of each row of q */
+    const void *bias;          /* [n] or NULL */
+} hfd_lin;
+
+enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
+
+/* norm: RMSNorm (Llama) or LayerNorm with optional bias (OPT); mlp: SiLU-gated (gate, up,
+   down) or fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2). */
+enum { NORM_RMS = 0, NORM_LAYER = 1 };
+enum { MLP_GATED_SILU = 0, MLP_RELU = 1 };
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps1, eps2, scale; /* scale: of q . k in the softmax */
+    float q_scale;           /* OPT: q = bf16(q_proj(h) * q_scale) before attention; 0: none */
+    const uint16_t *ln1, *ln2;     /* bf16 [hidden] */
+    const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
+    int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
+    hfd_lin lin[L_COUNT];
+} hfd_layer;
+
+int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
+                       const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
+int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q,
+                        const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
+                        int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
+                        uint16_t *out, int nthreads);
+int hfd_decode_layers(const hfd_layer *const *L, int64_t count, const uint16_t *x,
+                      const uint16_t *cos, const uint16_t *sin, uint16_t *const *kc,
+                      uint16_t *const *vc, const int64_t *strides, int64_t n,
+                      const uint8_t *keep, uint16_t *out, int nthreads);
+int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                            const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+                            uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
+int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                             const uint16_t *q, const uint16_t *kc, int64_t kbs, int64_t khs,
+                             int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
+                             int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
+                             uint16_t *out, int nthreads);
+int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
+                    const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                    float *y, int nthreads);
+
+/* ---- cpu_moe.c: MoE experts and the AMX linears ---- */
+
+int hfd_moe_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
+                 const int64_t *offsets, int64_t E, int64_t H, int64_t I, uint16_t *a,
+                 uint16_t *y, const float *rw, int act, int allow_amx, int nthreads);
+int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads);
+int hfd_int8_amx(const void *x, int x_dt, const float *in_scale, const int8_t *q,
+                 const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
+                 int b_dt, void *y, int64_t M, int64_t N, int64_t K, int nthreads);
+int hfd_amx_available(void);
+int hfd_amx_int8_available(void);
+
+/* ---- cpu_quant.c: int8 GEMV, dequantization, 4-bit KV codes ---- */
+
+/* One span of a token-major 4-bit KV cache (see hfd_attend_kv_int4). */
+typedef struct {
+    const uint8_t *kp, *ks, *km, *vp, *vs, *vm;
+    int64_t p_stride, s_stride, tokens;
+} hfd_kv_span;
+
+int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *q,
+                  const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
+                  int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled, int nthreads);
+int hfd_advise_hugepages(void *p, int64_t nbytes);
+int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
+                          int64_t group, int64_t K, int64_t row0, int64_t row1, void *out,
+                          int o_dt, int tiled, int nthreads);
+int hfd_dequant_int8_rows(const int8_t *q, const void *scales, int s_dt, const float *in_scale,
+                          int64_t K, int64_t row0, int64_t row1, void *out, int o_dt, int tiled,
+                          int nthreads);
+int hfd_dequant_kv_int4(const uint8_t *packed, const uint8_t *scales, const uint8_t *mins,
+                        int64_t p_stride, int64_t s_stride, int64_t tokens, int64_t units,
+                        int64_t D, int64_t group, void *out, int o_dt, int64_t out_stride,
+                        int nthreads);
+int hfd_quant_kv_int4(const void *x, int x_dt, int64_t n, int64_t D, int64_t group,
+                      uint8_t *packed, uint16_t *scales, uint16_t *mins, int nthreads);
+int hfd_attend_kv_int4(const void *q, int q_dt, const hfd_kv_span *spans, int nspans,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, int64_t group,
+                       const uint8_t *keep, int64_t keep_stride, float scale, int p_dt,
+                       void *out, int o_dt, int nthreads);
+
+#endif

@@ -1,0 +1,81 @@
+"""The per-tier row crossovers (kernels/crossovers.py): one row per ISA tier, the running tier's
+row is the one the CPU linears read, and their dispatch follows it (counted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_dsinfer.kernels import _native, crossovers
+from hf_dsinfer.kernels import quant as Q
+from tests.kernels.conftest import count_calls, pin_crossovers
+
+BEST = _native.cpu_tier()
+RUNNABLE = _native.TIERS[: _native.TIERS.index(BEST) + 1]
+AMX_FIELDS = ("amx_bf16_max_rows", "amx_int8_min_rows", "amx_int8_max_rows")
+
+
+def test_every_tier_has_a_row():
+    assert set(crossovers.TABLE) == set(_native.TIERS)
+    for tier, row in crossovers.TABLE.items():
+        values = dataclasses.asdict(row)
+        amx = [values.pop(name) for name in AMX_FIELDS]
+        assert all(isinstance(v, int) and v >= 1 for v in values.values()), (tier, row)
+        if tier == "amx":  # the only tier with AMX tiles
+            assert all(isinstance(v, int) and v >= 1 for v in amx) and amx[1] <= amx[2]
+        else:
+            assert amx == [None, None, None], f"{tier} has no AMX, but bounds for it: {amx}"
+
+
+def test_below_its_min_tier_a_kernel_keeps_the_bound_of_the_tier_above():
+    """A tier where the int8 GEMV does not run by default (MIN_TIER) has no measurement of its
+    own: it keeps the bound of the lowest tier where it runs (used when HF_DSINFER_ISA names
+    the tier)."""
+    first = _native.MIN_TIER["gemv"]
+    for tier in _native.TIERS[: _native.TIERS.index(first)]:
+        assert (crossovers.TABLE[tier].int8_gemv_max_rows
+                == crossovers.TABLE[first].int8_gemv_max_rows), tier
+
+
+@pytest.mark.parametrize("tier", RUNNABLE)
+def test_rows_are_the_running_tiers(monkeypatch, tier):
+    monkeypatch.setenv(_native.ISA_ENV_VAR, tier)
+    assert crossovers.rows() is crossovers.TABLE[tier]
+    assert crossovers.rows("amx") is crossovers.TABLE["amx"]
+
+
+def test_rows_follow_the_cpu(monkeypatch):
+    """Without a cap, the CPU's best tier decides (an AMX Xeon pretended here)."""
+    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "amx")
+    assert crossovers.rows() is crossovers.TABLE["amx"]
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
+    assert crossovers.rows() is crossovers.TABLE["generic"]
+
+
+@pytest.mark.skipif(not _native.builds(), reason=f"native kernels: {_native.why_unavailable()}")
+def test_linears_dispatch_on_the_row(monkeypatch):
+    """Pinned bounds of 2 rows (int8 GEMV) and 1 row (int4): the native kernels take exactly
+    that many rows, the next row count goes to the next path (and gives the same numbers within
+    the tolerance of the other path's roundings)."""
+    monkeypatch.setenv(_native.ISA_ENV_VAR, BEST)  # a named tier runs every kernel
+    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=1)
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 256, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    q8, q4 = Q.quantize_int8(w), Q.quantize_int4(w, 32)
+    gemv, int4 = count_calls(monkeypatch, Q, "_native_int8"), count_calls(monkeypatch, Q,
+                                                                          "_native_int4")
+    for rows, want in ((2, [1]), (3, [])):
+        gemv.clear()
+        out = Q.linear_int8(x[:rows], q8, backend="cpu")
+        assert gemv == want, rows
+        torch.testing.assert_close(out, Q.linear_int8_ref(x[:rows], q8), atol=2e-2, rtol=2e-2)
+    for rows, want in ((1, [1]), (2, [])):
+        int4.clear()
+        out = Q.linear_int4(x[:rows], q4, backend="cpu")
+        assert int4 == want, rows
+        torch.testing.assert_close(out, Q.linear_int4_ref(x[:rows], q4), atol=2e-2, rtol=2e-2)
