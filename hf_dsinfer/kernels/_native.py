@@ -255,6 +255,7 @@ def _running() -> tuple[str, bool]:
     return TIERS[min(TIERS.index(cap), TIERS.index(best))], True
 
 
+@torch.compiler.assume_constant_result  # traced (kernels.crossovers): a constant of the graph
 def tier() -> str:
     """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
     return _running()[0]
