@@ -55,6 +55,7 @@ class PagedStats:
 
     calls: int = 0
     deferred: dict[str, int] = dataclasses.field(default_factory=dict)
+    refused: int = 0  # calls of a forward with a paged cache that reached the block without it
     # set by integration.continuous_batching for the span of a forward that carries a paged
     # cache: a call of this block without one is then a model that does not pass it on
     expected: bool = False
@@ -83,6 +84,7 @@ def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
     Raises when a forward carrying a paged cache reached this block without it."""
     if named.get(PAGED_ARG) is None:
         if fused.paged.expected:
+            fused.paged.refused += 1
             raise _not_passed_error(fused)
         return False
     why = call_why(fused, named)
