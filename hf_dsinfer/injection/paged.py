@@ -90,7 +90,8 @@ def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
     why = call_why(fused, named)
     if why is None:
         return False
-    fused.paged.deferred[why] = fused.paged.deferred.get(why, 0) + 1
+    if not torch.compiler.is_compiling():  # a mutated Python counter would force recompiles
+        fused.paged.deferred[why] = fused.paged.deferred.get(why, 0) + 1
     return True
 
 
@@ -107,7 +108,8 @@ def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
             f"{fused.spec.layer_idx} but its attention mask has {mask.shape[-1]} columns "
             f"(mask {tuple(mask.shape)}). The cache's read indices and the mask disagree, so "
             "attention would mix requests. Fix: report this with your transformers version.")
-    fused.paged.calls += 1
+    if not torch.compiler.is_compiling():  # as FusedBlock.calls
+        fused.paged.calls += 1
     return keys, values
 
 
