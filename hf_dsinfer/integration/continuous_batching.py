@@ -25,6 +25,7 @@ import inspect
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.generation.continuous_batching import PagedAttentionCache
 
@@ -84,25 +85,24 @@ class ContinuousBatching:
         """transformers' generate_batch; raises ContinuousBatchingError where it would return a
         failed, missing or cut-short request."""
         self._manager = None
+        bound = self._signature.bind(self.model, inputs, *args, **kwargs).arguments
         results = self.hf_generate_batch(inputs, *args, **kwargs)
         manager = None if self._manager is None else self._manager()
         fatal = None if manager is None else manager.background_thread_status.fatal_error
-        expected, max_new_tokens, eos = self._requested(inputs, args, kwargs)
+        expected, max_new_tokens, eos = self._requested(inputs, bound)
         problems = result_problems(results, expected, max_new_tokens, eos)
         if problems or fatal is not None:
             raise ContinuousBatchingError(
                 "generate_batch: " + "; ".join(problems or [f"the manager stopped: {fatal!r}"])
                 + ". transformers' continuous batching manager caught the error in its thread "
                 "(chained below, when it kept it) and would have returned these requests as "
-                "they were. Fix: the chained exception names what failed in the forward.",
+                f"they were. Fix: {_fix(bound)}",
             ) from fatal
         return results
 
-    def _requested(self, inputs: list, args: tuple, kwargs: dict
-                   ) -> tuple[int, int | None, set[int]]:
+    def _requested(self, inputs: list, bound: dict) -> tuple[int, int | None, set[int]]:
         """(number of requests, max_new_tokens, end-of-sequence ids) as HF's generate_batch and
         add_requests resolve them."""
-        bound = self._signature.bind(self.model, inputs, *args, **kwargs).arguments
         config = bound.get("generation_config") or self.model.generation_config
         returns = getattr(config, "num_return_sequences", None) or 1
         max_new = bound.get("kwargs", {}).get("max_new_tokens") or config.max_new_tokens
@@ -110,6 +110,16 @@ class ContinuousBatching:
         eos = self.model.config.eos_token_id if eos is None else eos
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return len(inputs) * returns, max_new, {int(e) for e in eos}
+
+
+def _fix(bound: dict) -> str:
+    if torch.is_inference_mode_enabled() and bound.get("warmup", True):
+        # warmup builds the manager's cache and buffers here, as inference tensors, and its
+        # thread (which does not inherit inference mode) then updates them in place
+        return ("under torch.inference_mode(), pass warmup=False (or call generate_batch "
+                "outside inference mode): HF's warmup makes the cache in inference mode and the "
+                "manager's thread cannot update it.")
+    return "the chained exception names what failed in the forward."
 
 
 def result_problems(results: dict, expected: int, max_new_tokens: int | None,

@@ -143,6 +143,17 @@ def test_error_in_fused_block_reaches_caller():
     assert all(len(t) == NEW_TOKENS for t in _generate_batch(model, _prompts()[:3]))
 
 
+def test_inference_mode_with_warmup_raises_with_fix():
+    """HF's own generate_batch under inference_mode with its default warmup returns every
+    request empty (its thread cannot update the cache made in inference mode); ours raises
+    and says what to change."""
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    cb = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=64, page_size=PAGE)
+    with torch.inference_mode(), pytest.raises(ContinuousBatchingError, match="warmup=False"):
+        model.generate_batch(_prompts()[:2], generation_config=_gen_config(),
+                             continuous_batching_config=cb)  # warmup=True, HF's default
+
+
 def test_revert_restores_hf_entry_points():
     model = hf_dsinfer.init_inference(make_model("llama"))
     assert "generate_batch" in model.__dict__
