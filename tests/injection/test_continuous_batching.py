@@ -99,14 +99,21 @@ def test_generate_batch_equals_hf(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_no_grad_and_repeat(family):
     """Under no_grad, twice on one model (the manager's cache is rebuilt), and through the
-    model's own generate afterwards (the paged marks are gone)."""
-    prompts = _prompts()[:4]
+    model's own generate afterwards (the paged marks are gone). The two prompts sharing whole
+    pages are in: the second reads the first's cached prefix (fewer tokens are computed)."""
+    prompts = _prompts()[2:]
     ref = make_model(family)
     expected = _generate_each(ref, prompts)
     model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    computed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: computed.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
     with torch.no_grad():
         assert _generate_batch(model, prompts) == expected
+        hook.remove()
         assert _generate_batch(model, prompts[::-1]) == expected[::-1]
+    assert sum(computed) < sum(map(len, prompts)) + len(prompts) * (NEW_TOKENS - 1)
     assert _generate_each(model, prompts) == expected
     assert not any(f.paged.expected for f in get_report(model).blocks.values())
 
