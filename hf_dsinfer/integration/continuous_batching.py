@@ -9,8 +9,8 @@ to take for output. On an injected model (instance attributes and hooks only, re
 - `model.generate_batch` is HF's, then raises ContinuousBatchingError, chained to the exception
   the manager's thread caught, when a request failed, is missing, or ended before
   max_new_tokens without an end-of-sequence token;
-- `model.init_continuous_batching` is HF's, remembering the manager it returns (weakly), whose
-  recorded exception the above chains;
+- `model.init_continuous_batching` is HF's; inside generate_batch it keeps the manager it
+  returns until generate_batch has read the exception the manager recorded;
 - a forward pre-hook and hook mark each forward that carries a PagedAttentionCache on the fused
   blocks (`FusedBlock.paged.expected`), so a block that receives no cache in such a forward
   raises instead of attending within the packed row (injection.paged).
@@ -22,7 +22,6 @@ request in `GenerationOutput.error`, as HF does; only `generate_batch` turns the
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ class ContinuousBatching:
         self.model = model
         self.blocks = blocks
         self.marked = False  # blocks' paged.expected, as last set
-        self._manager: weakref.ref | None = None
+        self._managers: list | None = None  # during generate_batch: the managers it made
         self.hf_generate_batch = type(model).generate_batch.__get__(model)
         self.hf_init_continuous_batching = type(model).init_continuous_batching.__get__(model)
         self._signature = inspect.signature(type(model).generate_batch)
@@ -78,17 +77,22 @@ class ContinuousBatching:
     # -- the wrapped entry points --------------------------------------------------------------
     def init_continuous_batching(self, *args: Any, **kwargs: Any) -> Any:
         manager = self.hf_init_continuous_batching(*args, **kwargs)
-        self._manager = weakref.ref(manager)
+        if self._managers is not None:  # inside generate_batch, which reads its error
+            self._managers.append(manager)
         return manager
 
     def generate_batch(self, inputs: list[list[int]], *args: Any, **kwargs: Any) -> dict:
         """transformers' generate_batch; raises ContinuousBatchingError where it would return a
         failed, missing or cut-short request."""
-        self._manager = None
         bound = self._signature.bind(self.model, inputs, *args, **kwargs).arguments
-        results = self.hf_generate_batch(inputs, *args, **kwargs)
-        manager = None if self._manager is None else self._manager()
-        fatal = None if manager is None else manager.background_thread_status.fatal_error
+        self._managers = []
+        try:
+            results = self.hf_generate_batch(inputs, *args, **kwargs)
+            managers = self._managers
+        finally:
+            self._managers = None
+        fatal = next((m.background_thread_status.fatal_error for m in managers
+                      if m.background_thread_status.fatal_error is not None), None)
         expected, max_new_tokens, eos = self._requested(inputs, bound)
         problems = result_problems(results, expected, max_new_tokens, eos)
         if problems or fatal is not None:
