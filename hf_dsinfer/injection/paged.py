@@ -18,7 +18,9 @@ T new keys and values at `write_index` and returns every key and value the T que
 [1, Hkv, K, D], in the order of the mask's columns. A fused block does the same, through the
 same public method: its projections, norms, rotary, MLP (or MoE) and output projection run on the
 packed row as on any [1, T] input (they are per token), and its attention is kernels.attention
-over the returned keys with that mask, exactly as for a dense cache with a 4-D mask.
+over the returned keys with that mask, exactly as for a dense cache with a 4-D mask. Chunked
+prefill, decode steps in the same row and prefix sharing (a request reading pages another one
+wrote) need nothing more: the read indices and the mask already say which keys each query reads.
 
 A call the fused attention does not take goes to the block's HF forward, which is right under
 continuous batching wherever HF's own generate_batch is (`FusedBlock.paged` counts both kinds,
