@@ -9,13 +9,20 @@
 from hf_dsinfer import integration as _integration
 from hf_dsinfer.api import explain, fused_call_counts, init_inference, revert
 from hf_dsinfer.config import DSInferConfig
-from hf_dsinfer.errors import DSInferConfigError, DSInferError, ParityError, UnsupportedModelError
+from hf_dsinfer.errors import (
+    ContinuousBatchingError,
+    DSInferConfigError,
+    DSInferError,
+    ParityError,
+    UnsupportedModelError,
+)
 from hf_dsinfer.injection.policies import supported_families
 
 _integration.activate()
 
 __version__ = "0.1.0"
 __all__ = [
+    "ContinuousBatchingError",
     "DSInferConfig",
     "DSInferConfigError",
     "DSInferError",

@@ -24,3 +24,8 @@ class ParityError(DSInferError):
 
 class DSInferConfigError(ValueError):
     """An invalid DSInferConfig: unknown key, wrong type or impossible value."""
+
+
+class ContinuousBatchingError(DSInferError):
+    """A request under transformers' continuous batching failed or ended short, or a model's
+    forward cannot take continuous batching's packed rows and paged cache."""

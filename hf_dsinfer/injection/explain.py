@@ -88,6 +88,9 @@ def explain(model: nn.Module) -> str:
     native = _native_decode_line(report, model)
     if native:
         extras.append(native)
+    serving = _continuous_batching_line(report)
+    if serving:
+        extras.append(serving)
     batched = _batched_linear_line(report, model)
     if batched:
         extras.append(batched)
@@ -135,6 +138,34 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")
+
+
+def _continuous_batching_line(report: InjectionReport) -> str | None:
+    """How the blocks take transformers' continuous batching (injection.paged): statically,
+    and the calls so far."""
+    from hf_dsinfer.injection import paged
+
+    fused = list(report.blocks.values())
+    if report.serving is None or not fused:
+        return None
+    whys = [paged.layout_why(f) for f in fused]
+    line = (f"continuous batching (generate_batch, init_continuous_batching): fused attention over "
+            f"the paged KV cache in {sum(w is None for w in whys)} of {len(fused)} blocks")
+    static = sorted({w for w in whys if w is not None})
+    calls = sum(f.paged.calls for f in fused)
+    deferred: dict[str, int] = {}
+    for f in fused:
+        for why, n in f.paged.deferred.items():
+            deferred[why] = deferred.get(why, 0) + n
+    line += f" ({'; '.join(static)})" if static else ""
+    line += f"; {calls} fused calls so far"
+    if deferred:
+        line += "; calls sent to the HF forward: " + "; ".join(
+            f"{why} ({n})" for why, n in sorted(deferred.items()))
+    if refused := sum(f.paged.refused for f in fused):
+        line += (f"; {refused} calls refused: the model's forward does not pass the paged cache "
+                 "to its blocks, so generate_batch raises for this model")
+    return line
 
 
 def _batched_linear_line(report: InjectionReport, model: nn.Module) -> str | None:

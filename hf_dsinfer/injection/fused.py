@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from hf_dsinfer.injection import paged
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.integration.outputs import recording
@@ -114,6 +115,7 @@ class FusedBlock:
         self.backend = backend
         self.enabled = True  # False: run the HF forward (parity fallback)
         self.calls = 0       # fused calls, so tests can prove the fused path ran
+        self.paged = paged.PagedStats()  # continuous-batching calls (injection.paged)
         # Tensor parallelism (hf_dsinfer.parallel): sums the row-parallel partial outputs over
         # the TP group before their bias is added; head_slice picks this rank's ALiBi heads.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -211,7 +213,7 @@ class FusedBlock:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         named = dict(zip(self._arg_names, args))
         named.update(kwargs)
-        if not self._can_fuse(named):
+        if paged.defers(self, named) or not self._can_fuse(named):
             if self.reduce is not None:
                 _refuse_hf_forward_under_tp(named)
             return self.hf_forward(*args, **kwargs)
@@ -408,6 +410,8 @@ class FusedBlock:
                 return done
             idx = self.spec.layer_idx
             k, v = append_kv(cache, k, v, idx) if s == 1 else cache.update(k, v, idx)
+        elif (paged_cache := named.get(paged.PAGED_ARG)) is not None:  # continuous batching
+            k, v = paged.update(self, paged_cache, k, v, named)
         return self._attend(q, k, v, named, b, s)
 
     @property

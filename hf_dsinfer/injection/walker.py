@@ -41,6 +41,7 @@ from hf_dsinfer.injection.quantize import (
     check_quant_supported,
     quantize_blocks,
 )
+from hf_dsinfer.integration import continuous_batching
 from hf_dsinfer.kernels._dispatch import resolve
 from hf_dsinfer.kernels.quant import probe_private_ops
 
@@ -66,6 +67,7 @@ class InjectionReport:
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
     step: Any = None  # decode_step.NativeDecodeStep, when installed
+    serving: Any = None  # integration.continuous_batching.ContinuousBatching, when installed
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -135,6 +137,8 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
         report.head = install_head(model, config, backend)
     if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
         report.step = install_decode_step(model, report.blocks, _layers_path(model, policy))
+    if report.blocks:
+        report.serving = continuous_batching.install(model, list(report.blocks.values()))
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
@@ -169,6 +173,7 @@ def revert(model: nn.Module) -> nn.Module:
     _detach_offload(model)
     uninstall_head(model, report.head)
     uninstall_decode_step(report.step)
+    continuous_batching.uninstall(report.serving)
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)

@@ -1,0 +1,126 @@
+"""Fused blocks under transformers' continuous batching: packed rows over the paged KV cache.
+
+transformers' ContinuousBatchingManager (`generate_batch`, `init_continuous_batching`,
+`transformers serve --continuous-batching`) calls the model on every scheduled request at once,
+packed into one row: prefill chunks under a token budget and one-token decode steps side by side.
+A decoder block then gets hidden_states [1, T, H], position_ids [1, T] (each token's position in
+its own request), `past_key_values=None`, the attention mask of its layer type [1, 1, T, K]
+(additive: 0 where query i may read key j, dtype min elsewhere) and, as keyword arguments:
+
+    cache                       the PagedAttentionCache
+    cu_seq_lens_q               [R + 1] query offsets of the R requests in the row
+    cu_seq_lens_k, max_length_k {layer type: ...} key offsets / longest key run, per layer type
+    read_index, write_index     [per cache allocator] physical slots to read / to write
+    block_table                 flash attention's decode fast path (CUDA), else None
+
+HF's attention functions hand these to `cache.update(k, v, layer_idx, kwargs)`, which writes the
+T new keys and values at `write_index` and returns every key and value the T queries may read,
+[1, Hkv, K, D], in the order of the mask's columns. A fused block does the same, through the
+same public method: its projections, norms, rotary, MLP (or MoE) and output projection run on the
+packed row as on any [1, T] input (they are per token), and its attention is kernels.attention
+over the returned keys with that mask, exactly as for a dense cache with a 4-D mask. Chunked
+prefill, decode steps in the same row and prefix sharing (a request reading pages another one
+wrote) need nothing more: the read indices and the mask already say which keys each query reads.
+
+A call the fused attention does not take goes to the block's HF forward, which is right under
+continuous batching wherever HF's own generate_batch is (`FusedBlock.paged` counts both kinds,
+`explain` prints them): no mask (flash attention, whose varlen and block-table kernels read the
+cache themselves) and ALiBi positions (the bias would have to follow each request's key offsets).
+
+transformers' BloomModel and GPTJModel do not pass these arguments on to their blocks: their
+blocks attend within the packed row only, and HF's own generate_batch returns wrong tokens for
+them. An injected model never does: integration.continuous_batching marks each forward that
+carries a paged cache, and a block that receives none in such a forward raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_dsinfer.errors import ContinuousBatchingError
+from hf_dsinfer.injection import policy as P
+
+if TYPE_CHECKING:
+    from hf_dsinfer.injection.fused import FusedBlock
+
+# the keyword argument that carries the PagedAttentionCache, and those `cache.update` reads
+PAGED_ARG = "cache"
+UPDATE_ARGS = ("cu_seq_lens_k", "max_length_k", "read_index", "write_index", "block_table")
+
+
+@dataclasses.dataclass
+class PagedStats:
+    """One block's continuous-batching calls: fused, and sent to the HF forward (per reason)."""
+
+    calls: int = 0
+    deferred: dict[str, int] = dataclasses.field(default_factory=dict)
+    refused: int = 0  # calls of a forward with a paged cache that reached the block without it
+    # set by integration.continuous_batching for the span of a forward that carries a paged
+    # cache: a call of this block without one is then a model that does not pass it on
+    expected: bool = False
+
+
+def layout_why(fused: FusedBlock) -> str | None:
+    """Why no continuous-batching call of this block runs fused (None: calls with a mask do)."""
+    if fused.policy.positions == P.ALIBI:
+        return "ALiBi positions (the bias would follow each request's key offsets): HF forward"
+    return None
+
+
+def call_why(fused: FusedBlock, named: dict[str, Any]) -> str | None:
+    """Why this continuous-batching call goes to the HF forward (None: it runs fused)."""
+    if (why := layout_why(fused)) is not None:
+        return why
+    if named.get("block_table") is not None:
+        return "flash attention's block-table decode (it reads the cache itself): HF forward"
+    if named.get("attention_mask") is None:
+        return "no attention mask (flash attention's varlen kernel): HF forward"
+    return None
+
+
+def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
+    """True: this call is a continuous-batching call that the HF forward computes (counted).
+    Raises when a forward carrying a paged cache reached this block without it."""
+    if named.get(PAGED_ARG) is None:
+        if fused.paged.expected:
+            fused.paged.refused += 1
+            raise _not_passed_error(fused)
+        return False
+    why = call_why(fused, named)
+    if why is None:
+        return False
+    if not torch.compiler.is_compiling():  # a mutated Python counter would force recompiles
+        fused.paged.deferred[why] = fused.paged.deferred.get(why, 0) + 1
+    return True
+
+
+def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
+           named: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the row's new k, v [1, Hkv, T, D] into the paged cache and return the keys and
+    values its queries may read, [1, Hkv, K, D] with K the mask's last dimension."""
+    kwargs = {name: named[name] for name in UPDATE_ARGS if name in named}  # update edits it
+    keys, values = cache.update(k, v, fused.spec.layer_idx, kwargs)
+    mask = named["attention_mask"]
+    if keys.shape[2] != mask.shape[-1]:
+        raise ContinuousBatchingError(
+            f"continuous batching: the paged cache returned {keys.shape[2]} keys for layer "
+            f"{fused.spec.layer_idx} but its attention mask has {mask.shape[-1]} columns "
+            f"(mask {tuple(mask.shape)}). The cache's read indices and the mask disagree, so "
+            "attention would mix requests. Fix: report this with your transformers version.")
+    if not torch.compiler.is_compiling():  # as FusedBlock.calls
+        fused.paged.calls += 1
+    return keys, values
+
+
+def _not_passed_error(fused: FusedBlock) -> ContinuousBatchingError:
+    model = type(fused.block).__name__.removesuffix("Block").removesuffix("DecoderLayer")
+    return ContinuousBatchingError(
+        f"continuous batching: the model's forward received transformers' paged KV cache but "
+        f"did not pass it on to its decoder block {type(fused.block).__name__} "
+        f"(layer {fused.spec.layer_idx}): this transformers version's {model} model code does "
+        "not support continuous batching, and its blocks could only attend within the packed "
+        "row (HF's own generate_batch returns wrong tokens for it). Fix: use model.generate() "
+        "for this family.")

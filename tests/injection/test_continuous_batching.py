@@ -1,0 +1,218 @@
+"""Fused blocks under transformers' continuous batching (injection/paged.py) and its errors
+reaching the caller (integration/continuous_batching.py).
+
+`generate_batch` packs every request into one row over a paged KV cache, chunks prefills under a
+token budget and mixes them with decode steps. For every family: mixed prompt lengths, one
+prompt over the token budget, two prompts sharing a prefix of whole pages (prefix sharing),
+greedy fp32: the injected model's tokens equal HF's own generate_batch on the un-injected model
+and per-prompt generate, every request runs to max_new_tokens, and the fused paged path counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    LlamaConfig,
+)
+
+import hf_dsinfer
+from hf_dsinfer.errors import ContinuousBatchingError
+from hf_dsinfer.injection import paged
+from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.integration.continuous_batching import result_problems
+from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
+from tests.tiny_models import FAMILIES, MOE_MODELS, VOCAB, make_model
+
+NEW_TOKENS = 6
+BUDGET = 32  # max_batch_tokens: the 40-token prompt is prefilled in two chunks
+PAGE = 8
+LENGTHS = (5, 17, 9, 40, 3)
+# HF's generate_batch itself gives wrong tokens for these: their model code does not pass the
+# paged cache to the blocks; an injected model raises instead
+NO_PAGED_CACHE = ("bloom", "gptj")
+CB_FAMILIES = [f for f in FAMILIES if f not in NO_PAGED_CACHE] + MOE_MODELS
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    return prompts + [prompts[3][:2 * PAGE] + [7, 8, 9]]  # shares two pages with prompt 3
+
+
+def _gen_config() -> GenerationConfig:
+    # eos_token_id=-1: no early stop, so every request must run to NEW_TOKENS
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                            pad_token_id=0)
+
+
+def _generate_batch(model, prompts) -> list[list[int]]:
+    cb = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=64, page_size=PAGE)
+    out = model.generate_batch(prompts, generation_config=_gen_config(),
+                               continuous_batching_config=cb, warmup=False)
+    return [r.generated_tokens for r in out.values()]
+
+
+def _generate_each(model, prompts) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), generation_config=_gen_config())[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_eos_warning():
+    # HF warns once per call that eos_token_id=-1 is not a token (on purpose here)
+    logger = logging.getLogger("transformers.generation.configuration_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("family", CB_FAMILIES)
+def test_generate_batch_equals_hf(family):
+    prompts = _prompts()
+    ref = make_model(family)
+    hf_batch = _generate_batch(ref, prompts)
+    hf_each = _generate_each(ref, prompts)
+    assert hf_batch == hf_each  # the reference agrees with itself
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    fused = list(get_report(model).blocks.values())
+    with torch.inference_mode():
+        tokens = _generate_batch(model, prompts)
+    assert tokens == hf_batch
+    assert all(len(t) == NEW_TOKENS for t in tokens)
+    # every block attended over the paged cache itself, in every forward
+    assert all(f.paged.calls > 0 and not f.paged.deferred for f in fused)
+    assert len({f.paged.calls for f in fused}) == 1
+    assert all(f.calls >= f.paged.calls for f in fused)
+    moe = get_report(model).moe.values()
+    assert all(m.calls > 0 for m in moe)
+    assert "fused attention over the paged KV cache in" in hf_dsinfer.explain(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_no_grad_and_repeat(family):
+    """Under no_grad, twice on one model (the manager's cache is rebuilt), and through the
+    model's own generate afterwards (the paged marks are gone). The two prompts sharing whole
+    pages are in: the second reads the first's cached prefix (fewer tokens are computed)."""
+    prompts = _prompts()[2:]
+    ref = make_model(family)
+    expected = _generate_each(ref, prompts)
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    computed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: computed.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    with torch.no_grad():
+        assert _generate_batch(model, prompts) == expected
+        hook.remove()
+        assert _generate_batch(model, prompts[::-1]) == expected[::-1]
+    assert sum(computed) < sum(map(len, prompts)) + len(prompts) * (NEW_TOKENS - 1)
+    assert _generate_each(model, prompts) == expected
+    assert not any(f.paged.expected for f in get_report(model).blocks.values())
+
+
+@pytest.mark.parametrize("family", NO_PAGED_CACHE)
+def test_model_without_paged_cache_raises(family):
+    """HF's own generate_batch returns wrong tokens for these (its blocks never see the paged
+    cache); the injected model raises, naming the block and the fix."""
+    prompts = _prompts()[:3]
+    ref = make_model(family)
+    assert _generate_batch(ref, prompts) != _generate_each(ref, prompts)  # HF's own is wrong
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    with pytest.raises(ContinuousBatchingError, match="did not pass it on") as err:
+        _generate_batch(model, prompts)
+    assert "model.generate()" in str(err.value)
+    assert "calls refused" in hf_dsinfer.explain(model)
+
+
+def test_error_in_fused_block_reaches_caller():
+    """An exception in a fused block, in the manager's thread, is raised by generate_batch
+    (chained), instead of requests coming back short with a log line."""
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    fused = next(iter(get_report(model).blocks.values()))
+    boom = RuntimeError("boom in the fused MLP")
+
+    def fail(x):
+        raise boom
+
+    fused._mlp = fail  # on this one block instance
+    with pytest.raises(ContinuousBatchingError, match="boom in the fused MLP") as err:
+        _generate_batch(model, _prompts()[:3])
+    assert err.value.__cause__ is boom
+    del fused._mlp
+    assert all(len(t) == NEW_TOKENS for t in _generate_batch(model, _prompts()[:3]))
+
+
+def test_inference_mode_with_warmup_raises_with_fix():
+    """HF's own generate_batch under inference_mode with its default warmup returns every
+    request empty (its thread cannot update the cache made in inference mode); ours raises
+    and says what to change."""
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    cb = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=64, page_size=PAGE)
+    with torch.inference_mode(), pytest.raises(ContinuousBatchingError, match="warmup=False"):
+        model.generate_batch(_prompts()[:2], generation_config=_gen_config(),
+                             continuous_batching_config=cb)  # warmup=True, HF's default
+
+
+def test_revert_restores_hf_entry_points():
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    assert "generate_batch" in model.__dict__
+    hf_dsinfer.revert(model)
+    assert "generate_batch" not in model.__dict__
+    assert "init_continuous_batching" not in model.__dict__
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_result_problems_names_failed_missing_and_short():
+    class Out:
+        def __init__(self, tokens, error=None):
+            self.generated_tokens, self.error = tokens, error
+
+    ok = {"a": Out([5] * 4), "b": Out([5, 2])}  # b ended on EOS (2)
+    assert result_problems(ok, 2, 4, {2}) == []
+    bad = {"a": Out([5]), "b": Out([], "RuntimeError: x")}
+    problems = result_problems(bad, 3, 4, {2})
+    assert problems[0].startswith("1 of 3 requests failed (first: b: RuntimeError: x")
+    assert problems[1] == "1 of 3 requests returned no result"
+    assert "first: a: 1 of max_new_tokens=4" in problems[2]
+
+
+def test_calls_without_mask_or_with_alibi_go_to_hf():
+    """Flash attention's calls (no mask, or a block table) and ALiBi layouts: the HF forward."""
+    llama = next(iter(get_report(hf_dsinfer.init_inference(make_model("llama"))).blocks.values()))
+    bloom = next(iter(get_report(hf_dsinfer.init_inference(make_model("bloom"))).blocks.values()))
+    mask = torch.zeros(1, 1, 2, 2)
+    assert paged.call_why(llama, {"attention_mask": mask, "block_table": None}) is None
+    assert "varlen" in paged.call_why(llama, {"attention_mask": None})
+    assert "block-table" in paged.call_why(llama, {"attention_mask": mask,
+                                                   "block_table": torch.zeros(1)})
+    assert "ALiBi" in paged.call_why(bloom, {"attention_mask": mask})
+    assert paged.defers(llama, {"cache": object(), "attention_mask": None})
+    assert sum(llama.paged.deferred.values()) == 1
+    assert not paged.defers(llama, {"attention_mask": mask})  # not a continuous-batching call
+
+
+@pytest.mark.parametrize("extra", [{}, {"compile": True}, {"quant": {"bits": 4, "group_size": 32}}])
+def test_bf16_native_step_and_compiled_decode_hand_over(extra):
+    """bf16 Llama with the native one-loop decode step installed (and compiled decode, and
+    int4 weights): continuous batching's calls go through HF's layer loop to the fused blocks'
+    paged path, the step refuses them, and the model's generation_config (static cache and
+    compile config under compile=True) does not break generate_batch."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
+    model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16, **extra)
+    report = get_report(model)
+    model.generation_config.update(**_gen_config().to_diff_dict())  # used when none is passed
+    cb = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=64, page_size=PAGE)
+    with torch.inference_mode():
+        out = model.generate_batch(_prompts(), continuous_batching_config=cb, warmup=False)
+    assert all(len(r.generated_tokens) == NEW_TOKENS for r in out.values())
+    assert report.step.calls == 0 and report.step.last_reason == "arguments other than HF generate's"
+    assert all(f.paged.calls > 0 for f in report.blocks.values())
