@@ -12,16 +12,20 @@ from transformers import (
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     OlmoeConfig,
     OPTConfig,
     PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 VOCAB = 101
@@ -58,6 +62,18 @@ CONFIGS = {
                                         "num_key_value_heads": 1}, sliding_window=4),
     "qwen2": lambda: Qwen2Config(**{**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2},
                                  use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    # the 2026 families (issue 27). Qwen3: per-head q/k norm, head_dim 16 with hidden 80 / 6
+    # heads, layer 1 sliding.
+    "qwen3": lambda: Qwen3Config(**{**_LLAMA, "hidden_size": 80, "num_key_value_heads": 2},
+                                 use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    # SmolLM3: layer 2 of 3 is NoPE (and sliding, as SmolLM3 slides only NoPE layers)
+    "smollm3": lambda: SmolLM3Config(**{**_LLAMA, "num_hidden_layers": 3},
+                                     no_rope_layer_interval=3, use_sliding_window=True,
+                                     sliding_window=4),
+    "granite": lambda: GraniteConfig(**_LLAMA, embedding_multiplier=3.0, residual_multiplier=0.6,
+                                     attention_multiplier=0.2, logits_scaling=0.8),
+    # OLMo 2: q/k norm over the whole (GQA) projections, post-norms only
+    "olmo2": lambda: Olmo2Config(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).

@@ -68,9 +68,16 @@ def rms_norm_ref(x, weight, eps, residual=None, x_bias=None, style="llama"):
     h = _residual_sum(x, residual, x_bias)
     hf = h.to(torch.float32)
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return rms_weight(hf, weight, h.dtype, style), h
+
+
+def rms_weight(normed: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+               style: str = "llama") -> torch.Tensor:
+    """The weight multiply of an RMSNorm, in the numerics of `style`: `normed` is the fp32
+    normalized value, `dtype` the input's (also used by tensor parallelism's sharded q/k norm)."""
     if _check_style(style) != "llama":
-        return (hf * _fp32_weight(weight, style)).to(h.dtype), h
-    return weight * hf.to(h.dtype), h
+        return (normed * _fp32_weight(weight, style)).to(dtype)
+    return weight * normed.to(dtype)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -206,8 +213,7 @@ def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
     h = _residual_sum(x, residual, x_bias)
     hidden = (h.shape[-1],)
     if _check_style(style) != "llama":
-        return (F.rms_norm(h.float(), hidden, None, eps) * _fp32_weight(weight, style)
-                ).to(h.dtype), h
+        return rms_weight(F.rms_norm(h.float(), hidden, None, eps), weight, h.dtype, style), h
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(h, hidden, weight, eps), h
     # Low precision: normalize in fp32 and round to h's dtype before the weight multiply, as HF

@@ -23,7 +23,8 @@ from torch import nn
 
 from hf_dsinfer.errors import ParityError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
-from hf_dsinfer.injection.policy import QK_NORM_FULL, Policy
+from hf_dsinfer.injection.policy import QK_NORM_FULL, RMS_STYLES, Policy
+from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
 from hf_dsinfer.parallel.plan import (
@@ -178,6 +179,7 @@ class FullQKNorm:
     def __init__(self, fused: Any, shard: BlockShard, tp: RankGroup):
         self.norms = (fused._q_norm, fused._k_norm)
         self.eps = tuple(_norm_eps(n) for n in self.norms)
+        self.style = RMS_STYLES[fused.spec.norm]  # OLMoE: Llama's numerics; OLMo 2: fp32
         d = fused.spec.head_dim
         self.head_dim = d
         device = fused._q_norm.weight.device
@@ -191,7 +193,8 @@ class FullQKNorm:
         k_heads = k32.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)  # [B, S, local KV heads]
         squares = torch.stack([q32.pow(2).sum(-1), (k_heads * self.k_owned).sum(-1)], -1)
         mean = self.tp.all_reduce(squares) / self.widths  # [B, S, 2]
-        return tuple(norm.weight * (x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i])).to(t.dtype)
+        return tuple(rms_weight(x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i]), norm.weight,
+                                t.dtype, self.style)
                      for i, (x, t, norm) in enumerate(zip((q32, k32), (q, k), self.norms)))
 
 

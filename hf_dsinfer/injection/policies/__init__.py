@@ -9,18 +9,23 @@ from hf_dsinfer.injection.policies import (
     gpt2,
     gpt_neox,
     gptj,
+    granite,
     llama,
     mixtral,
+    olmo2,
     olmoe,
     opt,
     qwen2_moe,
+    qwen3,
     qwen3_moe,
+    smollm3,
 )
 from hf_dsinfer.injection.policy import Policy
 
 POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
-    mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY,
+    mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
+    smollm3.POLICY, granite.POLICY, olmo2.POLICY,
 )
 
 
