@@ -17,6 +17,7 @@ from transformers import (
     MistralConfig,
     OPTConfig,
     Qwen2Config,
+    SmolLM3Config,
 )
 
 import hf_dsinfer
@@ -38,6 +39,9 @@ CONFIGS = {
                                         "num_key_value_heads": 1}),  # head_dim 64, MQA
     "qwen2": lambda: Qwen2Config(**_BASE),  # q/k/v biases
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
+    # layer 1 is NoPE: the layer computed without RoPE (kernels.decode rope=False); weights
+    # large enough that rotating its q and k would change the logits
+    "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, initializer_range=0.1),
     # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
     "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
                                         "num_attention_heads": 5, "num_key_value_heads": 1}),
