@@ -62,9 +62,9 @@ CONFIGS = {
                                         "num_key_value_heads": 1}, sliding_window=4),
     "qwen2": lambda: Qwen2Config(**{**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2},
                                  use_sliding_window=True, sliding_window=4, max_window_layers=1),
-    # the 2026 families (issue 27). Qwen3: per-head q/k norm, head_dim 16 with hidden 80 / 6
-    # heads, layer 1 sliding.
-    "qwen3": lambda: Qwen3Config(**{**_LLAMA, "hidden_size": 80, "num_key_value_heads": 2},
+    # the 2026 families (issue 27). Input sizes that int4 groups of 32 divide (64, 96, 160).
+    # Qwen3: per-head q/k norm, 6 heads x 16 = 96 on a hidden size of 64, layer 1 sliding.
+    "qwen3": lambda: Qwen3Config(**{**_LLAMA, "hidden_size": 64, "num_key_value_heads": 2},
                                  use_sliding_window=True, sliding_window=4, max_window_layers=1),
     # SmolLM3: layer 2 of 3 is NoPE (and sliding, as SmolLM3 slides only NoPE layers)
     "smollm3": lambda: SmolLM3Config(**{**_LLAMA, "num_hidden_layers": 3},
@@ -76,6 +76,7 @@ CONFIGS = {
     "olmo2": lambda: Olmo2Config(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
+FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON)}
