@@ -9,6 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
@@ -74,9 +76,18 @@ CONFIGS = {
                                      attention_multiplier=0.2, logits_scaling=0.8),
     # OLMo 2: q/k norm over the whole (GQA) projections, post-norms only
     "olmo2": lambda: Olmo2Config(**_LLAMA),
+    # Gemma 2: sliding (window 4) / global layers alternating, a query_pre_attn_scalar other
+    # than head_dim, attention and final logit soft-caps small enough to bite
+    "gemma2": lambda: Gemma2Config(**{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                   final_logit_softcapping=10.0),
+    # Gemma 3: sliding, global, sliding, with RoPE bases 10k (local) / 1M (global)
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 FAMILIES = list(CONFIGS)
-FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2"]  # test_family_quant.py covers these
+FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON)}
@@ -101,7 +112,21 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                              attn_implementation=attn_implementation)
+    if name in FAMILIES_2026:
+        _randomize_norms(model, seed)
     return model.eval()
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    """HF initializes every RMSNorm weight alike (ones, or zeros for Gemma's 1 + w): a block
+    that reads the wrong norm, or a norm twice, would compute the same. Distinct weights make
+    the families whose norms are their features (sandwich / post-norms, q/k norms) testable."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                noise = 0.2 * torch.randn(module.weight.shape, generator=gen)
+                module.weight.add_(noise.to(module.weight.dtype))
 
 
 def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):
