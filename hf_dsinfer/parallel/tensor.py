@@ -146,7 +146,9 @@ def shard_in_place(model: nn.Module, plan: ModelPlan) -> None:
 # -- wiring --------------------------------------------------------------------------------------
 class VocabParallelEmbedding:
     """Installed as the embedding's `forward`: rows [start, stop) of the vocabulary live here;
-    ids outside give zeros and one all-reduce sums the ranks (exactly one rank contributes)."""
+    ids outside give zeros and one all-reduce sums the ranks (exactly one rank contributes).
+    The lookup is the module class's own forward, so a scaled embedding (Gemma's
+    `embed_scale`) keeps its scale."""
 
     def __init__(self, module: nn.Embedding, start: int, tp: RankGroup):
         self.module, self.start, self.tp = module, start, tp
@@ -155,7 +157,7 @@ class VocabParallelEmbedding:
         local = ids - self.start
         rows = self.module.weight.shape[0]
         inside = (local >= 0) & (local < rows)  # [B, S]
-        out = F.embedding(local.clamp(0, rows - 1), self.module.weight)  # [B, S, H]
+        out = type(self.module).forward(self.module, local.clamp(0, rows - 1))  # [B, S, H]
         return self.tp.all_reduce(out.masked_fill(~inside.unsqueeze(-1), 0))
 
 
