@@ -21,6 +21,7 @@ from transformers import (
     Olmo2Config,
     OlmoeConfig,
     OPTConfig,
+    Phi3Config,
     PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -85,9 +86,12 @@ CONFIGS = {
     "gemma3_text": lambda: Gemma3TextConfig(
         **{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Phi-3: fused qkv_proj (GQA 6 / 2 heads) and gate_up_proj, half the head rotated, window 4
+    "phi3": lambda: Phi3Config(**{**_LLAMA, "num_key_value_heads": 2}, sliding_window=4,
+                               partial_rotary_factor=0.5),
 }
 FAMILIES = list(CONFIGS)
-FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"]  # test_family_quant.py covers these
+FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON)}

@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_dsinfer.errors import ParityError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
-from hf_dsinfer.injection.policy import QK_NORM_FULL, RMS_STYLES, Policy
+from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
 from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
@@ -240,6 +240,10 @@ def _wire_blocks(model: nn.Module, report: Any, plan: ModelPlan, tp: RankGroup) 
     for index, (path, fused) in enumerate(report.blocks.items()):
         fused.bind()
         fused.spec = resolve_spec(fused.block, fused.policy, model.config, index)
+        if fused.policy.qkv_layout == PACKED_GQA:  # the config counts all heads: the shard's
+            heads = plan.blocks[path].heads
+            fused.spec = dataclasses.replace(fused.spec, num_heads=heads.num_q,
+                                             num_kv_heads=len(heads.kv))
         fused.reduce = tp.all_reduce
         q0, q1 = plan.blocks[path].heads.q
         fused.head_slice = slice(q0, q1)

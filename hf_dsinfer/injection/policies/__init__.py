@@ -17,6 +17,7 @@ from hf_dsinfer.injection.policies import (
     olmo2,
     olmoe,
     opt,
+    phi3,
     qwen2_moe,
     qwen3,
     qwen3_moe,
@@ -28,6 +29,7 @@ POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma2.POLICY, gemma3.POLICY,
+    phi3.POLICY,
 )
 
 
