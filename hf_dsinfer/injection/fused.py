@@ -197,7 +197,8 @@ class FusedBlock:
              "positions are neither rotate-half RoPE nor added before the blocks"),
             (p.qkv_layout == P.SEPARATE and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
-            (p.qk_norm is None and spec.clip_qkv is None, "q/k norm or clipping"),
+            (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
+             "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
             (spec.residual_multiplier is None, "residual multiplier"),
             (not p.conv1d, "Conv1D projections"),
@@ -303,6 +304,8 @@ class FusedBlock:
             return layer
         key = (self._ln1.weight.dtype, self._ln1.weight.data_ptr(),
                *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
+        qk_norm = None if self.policy.qk_norm is None else (
+            self._q_norm, self._k_norm, _norm_eps(self._q_norm), _norm_eps(self._k_norm))
         if self._decode_key == key:
             return None  # this set of weights failed already
         self._decode, self._decode_key, self._decode_build_why = None, None, None
@@ -314,7 +317,8 @@ class FusedBlock:
                 [*self._qkv, self._out, *mlp_in, self._mlp_out], spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
                 norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
-                mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None)
+                mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
+                qk_norm=qk_norm)
         except native_decode.Unsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode

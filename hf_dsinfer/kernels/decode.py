@@ -6,7 +6,8 @@ keeps it from that bound on a CPU is the ~60 torch dispatches per layer around t
 (norms, projections, ~20 rotary ops, residuals, attention, the MLP). `DecodeLayer` computes the
 layer in two native calls instead:
 
-    attn_in(x, cos, sin)           -> q, k, v    (norm, q/k/v projections + bias, RoPE)
+    attn_in(x, cos, sin)           -> q, k, v    (norm, q/k/v projections + bias, per-head q/k
+                                                  norms (Qwen3), RoPE)
     k, v = cache.update(k, v, layer_idx)         (HF's, in Python: any Cache class)
     attn_out(x, q, k, v, keep)     -> out        (attention, o_proj, residual, norm, MLP, residual)
 
@@ -57,7 +58,8 @@ class _Layer(ctypes.Structure):
                 ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
                 ("ln1_b", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
                 ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
-                ("lin", _Lin * 7)]
+                ("lin", _Lin * 7), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)]
 
 
 NORMS = {"rms": 0, "layer": 1}  # cpu_decode.c: NORM_RMS, NORM_LAYER
@@ -129,6 +131,19 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
     return lin, watched
 
 
+def _head_norms(struct: _Layer, qk_norm: tuple[nn.Module, nn.Module, float, float],
+                head_dim: int) -> Watched:
+    """Point the layer at its per-head q / k RMSNorm weights (bf16 [head_dim])."""
+    q_norm, k_norm, q_eps, k_eps = qk_norm
+    for module in (q_norm, k_norm):
+        w = module.weight
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (head_dim,):
+            raise Unsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
+    struct.q_norm, struct.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
+    struct.q_eps, struct.k_eps = q_eps, k_eps
+    return [(q_norm._parameters, "weight"), (k_norm._parameters, "weight")]
+
+
 class DecodeLayer:
     """The C description of one layer plus the tensors it points into: kept alive, and checked
     before every call (same tensor objects in their modules, same storage), so that replaced or
@@ -155,14 +170,16 @@ class DecodeLayer:
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
               linears: list[nn.Module | None], heads: int, kv_heads: int, head_dim: int,
               scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
-              q_scale: float | None = None) -> DecodeLayer:
+              q_scale: float | None = None,
+              qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None) -> DecodeLayer:
         """Raises Unsupported (with the reason) for a layer the kernel does not compute.
 
         linears: q, k, v, o, then gate, up, down (mlp "gated_silu": Llama) or fc1, None, fc2
         (mlp "relu": OPT). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
         bias); rope False: positions enter before the layers (OPT's learned embeddings);
         q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
-        to q . k (1.0 for OPT)."""
+        to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
+        head's head_dim before RoPE, Llama numerics (Qwen3)."""
         lib = _native.lib()
         if lib is None:
             raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -200,6 +217,8 @@ class DecodeLayer:
                         int(rope), MLPS[mlp])
         watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
         watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
+        if qk_norm is not None:
+            watched += _head_norms(struct, qk_norm, head_dim)
         for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
             if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
                 struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)

@@ -17,6 +17,7 @@ from transformers import (
     MistralConfig,
     OPTConfig,
     Qwen2Config,
+    Qwen3Config,
     SmolLM3Config,
 )
 
@@ -41,6 +42,8 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
     # layer 1 is NoPE: the layer computed without RoPE (kernels.decode rope=False); weights
     # large enough that rotating its q and k would change the logits
+    # per-head q/k RMSNorm before RoPE (weights made distinct in _model)
+    "qwen3": lambda: Qwen3Config(**_BASE, head_dim=32),
     "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, initializer_range=0.1),
     # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
     "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
@@ -60,6 +63,10 @@ def _model(name: str, seed: int = 0):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if name == "qwen3":  # HF initialises the q/k norm weights to ones: make them differ
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     return model
 
 
@@ -349,7 +356,8 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 
 @pytest.mark.amx
 @BATCHED
-@pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd"])
+@pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
+                                  "smollm3"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""

@@ -10,7 +10,9 @@
  * keep working:
  *
  *   hfd_decode_attn_in:  h = rms_norm(x); q, k, v = h W_q^T, h W_k^T, h W_v^T (+ bias);
- *                        q, k rotated (rotate-half RoPE with the model's own cos / sin)
+ *                        each head of q and k RMS-normalized over head_dim where the layer has
+ *                        q / k norms (Qwen3); q, k rotated (rotate-half RoPE with the model's
+ *                        own cos / sin)
  *   hfd_decode_attn_out: a = softmax(q k^T * scale, keep) v over the cache's keys;
  *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
  *
@@ -69,6 +71,8 @@ typedef struct {
     const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
     int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
     hfd_lin lin[L_COUNT];
+    const uint16_t *q_norm, *k_norm; /* per-head RMSNorm weights, bf16 [head_dim], or NULL */
+    float q_eps, k_eps;
 } hfd_layer;
 
 /* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
@@ -473,6 +477,16 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c
     }
 }
 
+/* Qwen3's q / k norms: each head of q [heads * d] and k [kv_heads * d] RMS-normalized over
+   its d values in place, LlamaRMSNorm's bf16 numerics (nothing without q_norm). */
+static void head_norms_bf16(const hfd_layer *L, uint16_t *q, uint16_t *k) {
+    if (!L->q_norm) return;
+    const int64_t d = L->head_dim;
+    for (int64_t h = 0; h < L->heads; h++) rms_norm_bf16(q + h * d, L->q_norm, d, L->q_eps, q + h * d);
+    for (int64_t h = 0; h < L->kv_heads; h++)
+        rms_norm_bf16(k + h * d, L->k_norm, d, L->k_eps, k + h * d);
+}
+
 /* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, int4 group sums and
    units. */
 typedef struct {
@@ -535,6 +549,7 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
     round_row(ys[0], q, nq);
     round_row(ys[1], k, nkv);
     round_row(ys[2], v, nkv);
+    head_norms_bf16(L, q, k);
     if (L->q_scale != 0.f) scale_bf16(q, nq, L->q_scale);
     if (L->rope) {
         rotate_bf16(q, L->heads, d, cos, sin);
@@ -827,6 +842,10 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!rc) rc = lin_amx_rows(&L->lin[L_V], h, rows, v, nt);
     free(h);
     if (rc) return rc;
+    if (L->q_norm) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) head_norms_bf16(L, q + r * nq, k + r * nkv);
+    }
     if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
     if (!L->rope) return 0;
 #pragma omp parallel for num_threads(nt) schedule(static)
