@@ -200,7 +200,6 @@ class FusedBlock:
             (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
              "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
-            (spec.residual_multiplier is None, "residual multiplier"),
             (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
@@ -318,7 +317,7 @@ class FusedBlock:
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
                 norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
                 mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
-                qk_norm=qk_norm)
+                qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier)
         except native_decode.Unsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode

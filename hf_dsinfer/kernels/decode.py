@@ -59,7 +59,8 @@ class _Layer(ctypes.Structure):
                 ("ln1_b", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
                 ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
                 ("lin", _Lin * 7), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)]
+                ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float),
+                ("resid_mult", ctypes.c_float)]
 
 
 NORMS = {"rms": 0, "layer": 1}  # cpu_decode.c: NORM_RMS, NORM_LAYER
@@ -171,7 +172,8 @@ class DecodeLayer:
               linears: list[nn.Module | None], heads: int, kv_heads: int, head_dim: int,
               scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
               q_scale: float | None = None,
-              qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None) -> DecodeLayer:
+              qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
+              residual_multiplier: float | None = None) -> DecodeLayer:
         """Raises Unsupported (with the reason) for a layer the kernel does not compute.
 
         linears: q, k, v, o, then gate, up, down (mlp "gated_silu": Llama) or fc1, None, fc2
@@ -179,7 +181,9 @@ class DecodeLayer:
         bias); rope False: positions enter before the layers (OPT's learned embeddings);
         q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
         to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
-        head's head_dim before RoPE, Llama numerics (Qwen3)."""
+        head's head_dim before RoPE, Llama numerics (Qwen3); residual_multiplier: the
+        attention and MLP outputs are multiplied by it (rounded) before each residual add
+        (Granite)."""
         lib = _native.lib()
         if lib is None:
             raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -219,6 +223,10 @@ class DecodeLayer:
         watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
         if qk_norm is not None:
             watched += _head_norms(struct, qk_norm, head_dim)
+        if residual_multiplier is not None:
+            if residual_multiplier == 0:
+                raise Unsupported("a residual multiplier of 0")
+            struct.resid_mult = residual_multiplier
         for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
             if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
                 struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)

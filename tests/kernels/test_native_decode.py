@@ -13,6 +13,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
@@ -44,6 +45,9 @@ CONFIGS = {
     # large enough that rotating its q and k would change the logits
     # per-head q/k RMSNorm before RoPE (weights made distinct in _model)
     "qwen3": lambda: Qwen3Config(**_BASE, head_dim=32),
+    # branch outputs x 0.4 before each residual add; softmax scale 0.1
+    "granite": lambda: GraniteConfig(**_BASE, residual_multiplier=0.4, attention_multiplier=0.1,
+                                     embedding_multiplier=2.0, logits_scaling=0.5),
     "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, initializer_range=0.1),
     # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
     "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
@@ -357,7 +361,7 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 @pytest.mark.amx
 @BATCHED
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
-                                  "smollm3"])
+                                  "smollm3", "granite"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""

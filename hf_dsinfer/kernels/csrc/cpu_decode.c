@@ -15,6 +15,7 @@
  *                        own cos / sin)
  *   hfd_decode_attn_out: a = softmax(q k^T * scale, keep) v over the cache's keys;
  *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
+ *                        (Granite: both branch outputs times resid_mult before the add)
  *
  * OPT's layout is the same two calls with LayerNorm (weight and bias) for rms_norm, no RoPE
  * (its learned positions are added before the layers), q = bf16(q * q_scale) after the
@@ -73,6 +74,7 @@ typedef struct {
     hfd_lin lin[L_COUNT];
     const uint16_t *q_norm, *k_norm; /* per-head RMSNorm weights, bf16 [head_dim], or NULL */
     float q_eps, k_eps;
+    float resid_mult; /* Granite: x + bf16(branch * resid_mult); 0: x + branch */
 } hfd_layer;
 
 /* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
@@ -448,11 +450,13 @@ static void relu_row(const float *y, uint16_t *a, int64_t n) {
     }
 }
 
-/* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding). */
-static void residual_bf16(const uint16_t *a, const float *b, int64_t n, uint16_t *out) {
+/* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding);
+   with m != 0, out = bf16(a + bf16(bf16(b) * m)) (Granite's residual multiplier). */
+static void residual_bf16(const uint16_t *a, const float *b, int64_t n, float m, uint16_t *out) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
         __m512 v = bf16_round(_mm512_maskz_loadu_ps(mk, b + c));
+        if (m != 0.f) v = bf16_round(_mm512_mul_ps(v, _mm512_set1_ps(m)));
         store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), v));
     }
 }
@@ -641,7 +645,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
         lin_rows(o_lin, in, 1, oy);
 #pragma omp single
         {
-            residual_bf16(x, y, H, x1);
+            residual_bf16(x, y, H, L->resid_mult, x1);
             norm_bf16(L, 2, x1, h);
             inputs_for(gu, gated ? 2 : 1, h, &s, in);
         }
@@ -656,7 +660,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
         }
         lin_rows(dn, in, 1, dy);
     }
-    residual_bf16(x1, y + 2 * I, H, out);
+    residual_bf16(x1, y + 2 * I, H, L->resid_mult, out);
     free(a); free(x1); free(h); free(y); free(sc); free(s.mem);
     return 0;
 }
@@ -799,11 +803,13 @@ static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint1
                         (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
 }
 
-/* out = bf16(a + b) for n bf16 elements. */
-static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, uint16_t *out) {
+/* out = bf16(a + b) for n bf16 elements; with m != 0, out = bf16(a + bf16(b * m)) (Granite). */
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), load16(b, c, DT_BF16, mk)));
+        __m512 v = load16(b, c, DT_BF16, mk);
+        if (m != 0.f) v = bf16_round(_mm512_mul_ps(v, _mm512_set1_ps(m)));
+        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), v));
     }
 }
 
@@ -892,7 +898,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            add_bf16(x + r * H, h + r * H, H, x1 + r * H);
+            add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
             norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
         rc = lin_amx_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
@@ -910,7 +916,8 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) add_bf16(x1 + r * H, h + r * H, H, out + r * H);
+        for (int64_t r = 0; r < rows; r++)
+            add_bf16(x1 + r * H, h + r * H, H, L->resid_mult, out + r * H);
     }
     free(a); free(x1); free(h); free(g); free(u); free(sc);
     return rc;
