@@ -14,11 +14,13 @@ from transformers import (
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     OlmoeConfig,
     OPTConfig,
     Phi3Config,
@@ -77,6 +79,9 @@ CONFIGS = {
                                      attention_multiplier=0.2, logits_scaling=0.8),
     # OLMo 2: q/k norm over the whole (GQA) projections, post-norms only
     "olmo2": lambda: Olmo2Config(**_LLAMA),
+    # OLMo 3: OLMo 2's block, sliding (window 4) / global layers
+    "olmo3": lambda: Olmo3Config(**_LLAMA, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"]),
     # Gemma 2: sliding (window 4) / global layers alternating, a query_pre_attn_scalar other
     # than head_dim, attention and final logit soft-caps small enough to bite
     "gemma2": lambda: Gemma2Config(**{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
@@ -91,10 +96,17 @@ CONFIGS = {
                                partial_rotary_factor=0.5),
 }
 FAMILIES = list(CONFIGS)
-FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3"]  # test_family_quant.py covers these
+FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
+                 "olmo3"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
-                                        intermediate_size=144, **_COMMON)}
+                                        intermediate_size=144, **_COMMON),
+               # one the refusal names the lacking features of (attention sinks, ...)
+               "gpt_oss": lambda: GptOssConfig(hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=16,
+                                               num_hidden_layers=2, intermediate_size=32,
+                                               num_local_experts=4, num_experts_per_tok=2,
+                                               **_COMMON)}
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},

@@ -1,6 +1,8 @@
 """OLMo 2: Llama's attention and MLP with RMSNorm over the whole q and k projections (before
 the head split, as OLMoE) and norms only *after* attention and MLP, before each residual add
-(no pre-norms). Its RMSNorm multiplies by the weight in fp32 before rounding."""
+(no pre-norms). Its RMSNorm multiplies by the weight in fp32 before rounding, and its cos / sin
+stay fp32 (q and k rotate in fp32). OLMo 3 is the same block with sliding / global
+`layer_types` (HF's per-layer masks) and a RoPE base per layer type (HF's per-layer cos / sin)."""
 
 import dataclasses
 
@@ -11,8 +13,8 @@ from hf_dsinfer.injection.policy import QK_NORM_FULL, RMS_FP32, SANDWICH
 POLICY = dataclasses.replace(
     LLAMA,
     family="olmo2",
-    model_types=("olmo2",),
-    block_classes=("Olmo2DecoderLayer",),
+    model_types=("olmo2", "olmo3"),
+    block_classes=("Olmo2DecoderLayer", "Olmo3DecoderLayer"),
     layout=SANDWICH,
     norm=RMS_FP32,
     ln1=None,
