@@ -11,6 +11,7 @@ from transformers import (
     BloomConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    GemmaConfig,
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
@@ -82,6 +83,8 @@ CONFIGS = {
     # OLMo 3: OLMo 2's block, sliding (window 4) / global layers
     "olmo3": lambda: Olmo3Config(**_LLAMA, sliding_window=4,
                                  layer_types=["sliding_attention", "full_attention"]),
+    # Gemma (1): Llama's block with (1 + w) RMSNorms and GeGLU
+    "gemma": lambda: GemmaConfig(**_LLAMA, hidden_act="gelu_pytorch_tanh"),
     # Gemma 2: sliding (window 4) / global layers alternating, a query_pre_attn_scalar other
     # than head_dim, attention and final logit soft-caps small enough to bite
     "gemma2": lambda: Gemma2Config(**{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
@@ -97,7 +100,7 @@ CONFIGS = {
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
-                 "olmo3"]  # test_family_quant.py covers these
+                 "olmo3", "gemma"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),

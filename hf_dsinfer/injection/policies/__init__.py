@@ -6,6 +6,7 @@ from typing import Any
 
 from hf_dsinfer.injection.policies import (
     bloom,
+    gemma,
     gemma2,
     gemma3,
     gpt2,
@@ -28,7 +29,7 @@ from hf_dsinfer.injection.policy import Policy
 POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
-    smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma2.POLICY, gemma3.POLICY,
+    smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
     phi3.POLICY,
 )
 
