@@ -23,6 +23,7 @@ from transformers import (
 )
 
 import hf_dsinfer
+from hf_dsinfer.injection.fused import _norm_eps
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.attention import attention_ref
@@ -287,7 +288,7 @@ def _layer_rest_fp64(block, x, q, k, v, keep):
 
     def rms(t, norm):
         return norm.weight.to(d) * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)
-                                                   + block._eps[id(norm)])
+                                                   + _norm_eps(norm))
 
     h = rms(x1, block._ln2)
     gate, up = (h @ m.weight.to(d).t() for m in block._mlp_in)
@@ -576,7 +577,7 @@ def test_opt_layer_against_float64():
 
     def ln(t, norm):
         return torch.nn.functional.layer_norm(t, (128,), norm.weight.to(d), norm.bias.to(d),
-                                              block._eps[id(norm)])
+                                              _norm_eps(norm))
 
     a = attention_ref(q.to(d), k.to(d), v.to(d), scale=1.0, mask=keep.view(1, 1, 1, -1))
     x1 = x.to(d) + lin(a.transpose(1, 2).reshape(1, 1, -1), block._out)
