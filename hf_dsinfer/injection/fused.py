@@ -169,7 +169,7 @@ class FusedBlock:
         self._decode_key: tuple | None = None  # weights the last failed build looked at
         self._decode_build_why: str | None = None
         # the MLP kind as kernels.decode names it (None: one it does not compute)
-        act, gated = self.spec.activation, self.policy.gated and len(self._mlp_in) == 2
+        act, gated = self.spec.activation, self.policy.gated
         self._decode_mlp = ("gated_silu" if gated and act == "silu"
                             else "relu" if not gated and act == "relu" else None)
         self._decode_layout_why: str | None = self._decode_policy_why()
@@ -195,8 +195,8 @@ class FusedBlock:
             ((p.positions == P.ROPE and not p.rotary_interleaved)
              or p.positions == P.NO_POSITIONS,
              "positions are neither rotate-half RoPE nor added before the blocks"),
-            (p.qkv_layout == P.SEPARATE and not self.is_moe and mlp is not None,
-             "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
+            (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
+             "not separate (or [q | k | v] packed) q/k/v with a SiLU-gated or a ReLU MLP"),
             (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
              "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
@@ -308,12 +308,11 @@ class FusedBlock:
         if self._decode_key == key:
             return None  # this set of weights failed already
         self._decode, self._decode_key, self._decode_build_why = None, None, None
-        spec, gated = self.spec, self._decode_mlp == "gated_silu"
-        mlp_in = self._mlp_in if gated else [self._mlp_in[0], None]
+        spec = self.spec
         try:
             self._decode = native_decode.DecodeLayer.build(
                 self._ln1, self._ln2, (_norm_eps(self._ln1), _norm_eps(self._ln2)),
-                [*self._qkv, self._out, *mlp_in, self._mlp_out], spec.num_heads,
+                self._decode_linears(), spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
                 norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
                 mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
@@ -321,6 +320,21 @@ class FusedBlock:
         except native_decode.Unsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
+
+    def _decode_linears(self) -> list:
+        """q, k, v, o, gate, up, down (OPT: fc1, None, fc2) as kernels.decode takes them: the
+        parts of a fused qkv_proj / gate_up_proj (Phi-3) as row slices of it."""
+        spec, d = self.spec, self.spec.head_dim
+        qkv = list(self._qkv)
+        if self.policy.qkv_layout == P.PACKED_GQA:
+            q, kv = spec.num_heads * d, spec.num_kv_heads * d
+            qkv = [native_decode.RowSlice(qkv[0], at, n)
+                   for at, n in ((0, q), (q, kv), (q + kv, kv))]
+        mlp_in = list(self._mlp_in) if self._decode_mlp == "gated_silu" else [self._mlp_in[0], None]
+        if len(mlp_in) == 1:  # [gate | up]
+            inter = mlp_in[0].out_features // 2
+            mlp_in = [native_decode.RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
+        return [*qkv, self._out, *mlp_in, self._mlp_out]
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not

@@ -17,6 +17,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -49,6 +50,8 @@ CONFIGS = {
     # branch outputs x 0.4 before each residual add; softmax scale 0.1
     "granite": lambda: GraniteConfig(**_BASE, residual_multiplier=0.4, attention_multiplier=0.1,
                                      embedding_multiplier=2.0, logits_scaling=0.5),
+    # fused qkv_proj (GQA) and gate_up_proj, read as row slices
+    "phi3": lambda: Phi3Config(**_BASE),
     "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, initializer_range=0.1),
     # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
     "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
@@ -362,7 +365,7 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 @pytest.mark.amx
 @BATCHED
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
-                                  "smollm3", "granite"])
+                                  "smollm3", "granite", "phi3"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""
