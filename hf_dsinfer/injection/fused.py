@@ -186,17 +186,19 @@ class FusedBlock:
         """Why this block's layout is not one kernels.decode computes (None: it is): pre-norm
         blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
         MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
-        fc1 -> ReLU -> fc2; biases anywhere."""
+        fc1 -> ReLU -> fc2; biases anywhere; per-head q/k RMSNorm (Qwen3), NoPE layers
+        (SmolLM3), a residual multiplier (Granite), fused [q | k | v] and [gate | up]
+        projections (Phi-3)."""
         p, spec, mlp = self.policy, self.spec, self._decode_mlp
         checks = [
-            (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln,
-             "not a pre-norm block without post-norms"),
+            (spec.layout != P.SANDWICH, "norms after attention and MLP (sandwich layout)"),
+            (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
             (p.norm in (P.RMS, "layer"), f"{p.norm} norm"),
             ((p.positions == P.ROPE and not p.rotary_interleaved)
              or p.positions == P.NO_POSITIONS,
              "positions are neither rotate-half RoPE nor added before the blocks"),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
-             "not separate (or [q | k | v] packed) q/k/v with a SiLU-gated or a ReLU MLP"),
+             "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
             (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
              "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
