@@ -10,7 +10,8 @@ One process, configurations interleaved and repeated, medians reported:
                 static cache and compiled decode step)
     llama.cpp Q4_1  peer row for `--models smollm2` at batch 1 when llama-cpp-python is
                 installed: the same GGUF file in the CPU engine users pick instead
-Models are random-weight, shaped like Llama-1.1B (TinyLlama) and OPT-1.3B, or the embedded
+Models are random-weight, shaped like Llama-1.1B (TinyLlama), OPT-1.3B, Qwen3-0.6B and
+Gemma-3-1B (text), or the embedded
 SmolLM2-135M-Instruct (real weights, `smollm2`). Before timing, each
 configuration's first greedy tokens are compared with HF eager. Printed per row: prefill ms,
 decode tok/s (all sequences), speed-up over HF eager, the weight bytes read per decode step as
@@ -30,7 +31,13 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    OPTConfig,
+    Qwen3Config,
+)
 
 import hf_dsinfer
 from hf_dsinfer.hardware import read_bandwidth
@@ -43,6 +50,18 @@ MODELS = {
     "opt-1.3b": lambda: OPTConfig(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                   num_attention_heads=32, vocab_size=50272,
                                   word_embed_proj_dim=2048, max_position_embeddings=2048),
+    "qwen3-0.6b": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=28, num_attention_heads=16,
+                                      num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                      tie_word_embeddings=True, max_position_embeddings=40960,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 1e6}),
+    "gemma3-1b": lambda: Gemma3TextConfig(hidden_size=1152, intermediate_size=6912,
+                                          num_hidden_layers=26, num_attention_heads=4,
+                                          num_key_value_heads=1, head_dim=256,
+                                          vocab_size=262144, sliding_window=512,
+                                          query_pre_attn_scalar=256,
+                                          max_position_embeddings=32768),
     "tiny": lambda: LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
     "smollm2": None,  # the embedded SmolLM2-135M-Instruct GGUF (real weights), see cli.load

@@ -9,19 +9,29 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
+    Olmo3Config,
     OlmoeConfig,
     OPTConfig,
+    Phi3Config,
     PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 VOCAB = 101
@@ -58,11 +68,48 @@ CONFIGS = {
                                         "num_key_value_heads": 1}, sliding_window=4),
     "qwen2": lambda: Qwen2Config(**{**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2},
                                  use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    # the 2026 families (issue 27). Input sizes that int4 groups of 32 divide (64, 96, 160).
+    # Qwen3: per-head q/k norm, 6 heads x 16 = 96 on a hidden size of 64, layer 1 sliding.
+    "qwen3": lambda: Qwen3Config(**{**_LLAMA, "hidden_size": 64, "num_key_value_heads": 2},
+                                 use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    # SmolLM3: layer 2 of 3 is NoPE (and sliding, as SmolLM3 slides only NoPE layers)
+    "smollm3": lambda: SmolLM3Config(**{**_LLAMA, "num_hidden_layers": 3},
+                                     no_rope_layer_interval=3, use_sliding_window=True,
+                                     sliding_window=4),
+    "granite": lambda: GraniteConfig(**_LLAMA, embedding_multiplier=3.0, residual_multiplier=0.6,
+                                     attention_multiplier=0.2, logits_scaling=0.8),
+    # OLMo 2: q/k norm over the whole (GQA) projections, post-norms only
+    "olmo2": lambda: Olmo2Config(**_LLAMA),
+    # OLMo 3: OLMo 2's block, sliding (window 4) / global layers
+    "olmo3": lambda: Olmo3Config(**_LLAMA, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"]),
+    # Gemma (1): Llama's block with (1 + w) RMSNorms and GeGLU
+    "gemma": lambda: GemmaConfig(**_LLAMA, hidden_act="gelu_pytorch_tanh"),
+    # Gemma 2: sliding (window 4) / global layers alternating, a query_pre_attn_scalar other
+    # than head_dim, attention and final logit soft-caps small enough to bite
+    "gemma2": lambda: Gemma2Config(**{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                   final_logit_softcapping=10.0),
+    # Gemma 3: sliding, global, sliding, with RoPE bases 10k (local) / 1M (global)
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Phi-3: fused qkv_proj (GQA 6 / 2 heads) and gate_up_proj, half the head rotated, window 4
+    "phi3": lambda: Phi3Config(**{**_LLAMA, "num_key_value_heads": 2}, sliding_window=4,
+                               partial_rotary_factor=0.5),
 }
 FAMILIES = list(CONFIGS)
+FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
+                 "olmo3", "gemma"]  # test_family_quant.py covers these
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
-                                        intermediate_size=144, **_COMMON)}
+                                        intermediate_size=144, **_COMMON),
+               # one the refusal names the lacking features of (attention sinks, ...)
+               "gpt_oss": lambda: GptOssConfig(hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=16,
+                                               num_hidden_layers=2, intermediate_size=32,
+                                               num_local_experts=4, num_experts_per_tok=2,
+                                               **_COMMON)}
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -84,7 +131,21 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                              attn_implementation=attn_implementation)
+    if name in FAMILIES_2026:
+        _randomize_norms(model, seed)
     return model.eval()
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    """HF initializes every RMSNorm weight alike (ones, or zeros for Gemma's 1 + w): a block
+    that reads the wrong norm, or a norm twice, would compute the same. Distinct weights make
+    the families whose norms are their features (sandwich / post-norms, q/k norms) testable."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                noise = 0.2 * torch.randn(module.weight.shape, generator=gen)
+                module.weight.add_(noise.to(module.weight.dtype))
 
 
 def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):

@@ -54,10 +54,17 @@ class BlockSpec:
     residual_post_ln: bool
     layer_idx: int
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
+    rope: bool = True  # False: a NoPE layer of a RoPE model (SmolLM3)
+    attn_softcap: float | None = None  # Gemma 2: tanh soft-cap of the attention logits
+    residual_multiplier: float | None = None  # Granite: branch outputs scaled before the add
 
     def describe(self) -> str:
+        extras = [name for name, on in (
+            ("NoPE", not self.rope), (f"attn softcap {self.attn_softcap}", self.attn_softcap),
+            (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None))
+            if on]
         return (f"{self.layout}, {self.norm}_norm, {self.num_heads}q/{self.num_kv_heads}kv heads"
-                f" x {self.head_dim}, {self.activation}")
+                f" x {self.head_dim}, {self.activation}" + "".join(f", {e}" for e in extras))
 
 
 def _sub(module: nn.Module, name: str | None) -> nn.Module | None:
@@ -85,6 +92,9 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
     if policy.qkv_layout == P.SEPARATE:
         q_out = _out_features(projections[0], policy.conv1d)
         kv_out = _out_features(projections[1], policy.conv1d)
+    elif policy.qkv_layout == P.PACKED_GQA:  # [q | k | v] with the config's head counts
+        q_out = config.num_attention_heads * head_dim
+        kv_out = (_out_features(projections[0], policy.conv1d) - q_out) // 2
     else:  # packed / head-interleaved: three equal parts
         q_out = kv_out = _out_features(projections[0], policy.conv1d) // 3
     scale = float(getattr(attn, policy.scale_attr))
@@ -100,6 +110,9 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         residual_post_ln=bool(P.resolve(policy.residual_post_ln, config)),
         layer_idx=index if getattr(attn, "layer_idx", None) is None else int(attn.layer_idx),
         clip_qkv=P.resolve(policy.clip_qkv, config),
+        rope=policy.rope_attr is None or bool(getattr(attn, policy.rope_attr)),
+        attn_softcap=None if policy.softcap_attr is None else getattr(attn, policy.softcap_attr),
+        residual_multiplier=P.resolve(policy.residual_multiplier, config),
     )
 
 
@@ -132,6 +145,7 @@ class FusedBlock:
             P.PARALLEL: self._parallel,
             P.PARALLEL_SHARED_LN: self._parallel_shared_ln,
             P.POST_LN: self._post_ln,
+            P.SANDWICH: self._sandwich,
         }
 
     def bind(self) -> None:
@@ -142,6 +156,8 @@ class FusedBlock:
         self._out = self._attn.get_submodule(policy.out_proj)
         self._ln1 = _sub(block, policy.ln1)
         self._ln2 = _sub(block, policy.ln2)
+        self._post_attn = _sub(block, policy.post_attn_norm)  # SANDWICH's post-norms
+        self._post_mlp = _sub(block, policy.post_mlp_norm)
         self._mlp_module = _sub(block, policy.mlp)
         # A sparse-MoE MLP is computed by its own module, whose forward the walker replaced by a
         # FusedMoE (hf_dsinfer.injection.moe); dense layers of MoE models use mlp_in / mlp_out.
@@ -181,17 +197,22 @@ class FusedBlock:
         """Why this block's layout is not one kernels.decode computes (None: it is): pre-norm
         blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
         MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
-        fc1 -> ReLU -> fc2; biases anywhere."""
+        fc1 -> ReLU -> fc2; biases anywhere; per-head q/k RMSNorm (Qwen3), NoPE layers
+        (SmolLM3), a residual multiplier (Granite), fused [q | k | v] and [gate | up]
+        projections (Phi-3)."""
         p, spec, mlp = self.policy, self.spec, self._decode_mlp
         checks = [
+            (spec.layout != P.SANDWICH, "norms after attention and MLP (sandwich layout)"),
             (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
-            (p.norm in ("rms", "layer"), f"{p.norm} norm"),
+            (p.norm in (P.RMS, "layer"), f"{p.norm} norm"),
             ((p.positions == P.ROPE and not p.rotary_interleaved)
              or p.positions == P.NO_POSITIONS,
              "positions are neither rotate-half RoPE nor added before the blocks"),
-            (p.qkv_layout == P.SEPARATE and not self.is_moe and mlp is not None,
+            (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
-            (p.qk_norm is None and spec.clip_qkv is None, "q/k norm or clipping"),
+            (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
+             "q/k norm over the whole projection, or clipping"),
+            (spec.attn_softcap is None, "attention logit soft-cap"),
             (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
@@ -238,12 +259,30 @@ class FusedBlock:
             if out is not None:
                 return out
         h1 = self._norm(self._ln1, x) if attn is None else None
-        attn_out, attn_bias = self._attention(h1, named) if attn is None else attn
+        attn_out, attn_bias = self._branch(*(self._attention(h1, named) if attn is None
+                                             else attn))
         residual = h1 if self.spec.residual_post_ln else x
         h2, hidden = self._norm_add(self._ln2, attn_out, residual, attn_bias)
-        mlp_out, mlp_bias = self._mlp(h2)
+        mlp_out, mlp_bias = self._branch(*self._mlp(h2))
         residual = h2 if self.spec.residual_post_ln else hidden
         return residual + _add_bias(mlp_out, mlp_bias)
+
+    def _sandwich(self, x: torch.Tensor, named: dict) -> torch.Tensor:
+        """Norms after attention and after the MLP, before each residual add (OLMo 2, Gemma
+        2/3), and optional pre-norms (Gemma's input / pre-feedforward norms; OLMo 2 has none)."""
+        h = x if self._ln1 is None else self._norm(self._ln1, x)
+        attn_out, attn_bias = self._branch(*self._attention(h, named))
+        h = x + self._norm_add(self._post_attn, attn_out, None, attn_bias)[0]
+        mlp_in = h if self._ln2 is None else self._norm(self._ln2, h)
+        mlp_out, mlp_bias = self._branch(*self._mlp(mlp_in))
+        return h + self._norm_add(self._post_mlp, mlp_out, None, mlp_bias)[0]
+
+    def _branch(self, out: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An attention / MLP output (bias apart) as it reaches the residual add: Granite's
+        `residual + branch * residual_multiplier`, the bias inside the product."""
+        m = self.spec.residual_multiplier
+        return (out, bias) if m is None else (_add_bias(out, bias) * m, None)
 
     def _parallel(self, x: torch.Tensor, named: dict) -> torch.Tensor:
         attn_out, attn_bias = self._attention(self._norm(self._ln1, x), named)
@@ -278,21 +317,38 @@ class FusedBlock:
             return layer
         key = (self._ln1.weight.dtype, self._ln1.weight.data_ptr(),
                *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
+        qk_norm = None if self.policy.qk_norm is None else (
+            self._q_norm, self._k_norm, _norm_eps(self._q_norm), _norm_eps(self._k_norm))
         if self._decode_key == key:
             return None  # this set of weights failed already
         self._decode, self._decode_key, self._decode_build_why = None, None, None
-        spec, gated = self.spec, self._decode_mlp == "gated_silu"
-        mlp_in = self._mlp_in if gated else [self._mlp_in[0], None]
+        spec = self.spec
         try:
             self._decode = native_decode.DecodeLayer.build(
                 self._ln1, self._ln2, (_norm_eps(self._ln1), _norm_eps(self._ln2)),
-                [*self._qkv, self._out, *mlp_in, self._mlp_out], spec.num_heads,
+                self._decode_linears(), spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
-                norm=self.policy.norm, rope=self.policy.positions == P.ROPE,
-                mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None)
+                norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
+                mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
+                qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier)
         except native_decode.Unsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
+
+    def _decode_linears(self) -> list:
+        """q, k, v, o, gate, up, down (OPT: fc1, None, fc2) as kernels.decode takes them: the
+        parts of a fused qkv_proj / gate_up_proj (Phi-3) as row slices of it."""
+        spec, d = self.spec, self.spec.head_dim
+        qkv = list(self._qkv)
+        if self.policy.qkv_layout == P.PACKED_GQA:
+            q, kv = spec.num_heads * d, spec.num_kv_heads * d
+            qkv = [native_decode.RowSlice(qkv[0], at, n)
+                   for at, n in ((0, q), (q, kv), (q + kv, kv))]
+        mlp_in = list(self._mlp_in) if self._decode_mlp == "gated_silu" else [self._mlp_in[0], None]
+        if len(mlp_in) == 1:  # [gate | up]
+            inter = mlp_in[0].out_features // 2
+            mlp_in = [native_decode.RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
+        return [*qkv, self._out, *mlp_in, self._mlp_out]
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not
@@ -358,8 +414,9 @@ class FusedBlock:
                   x_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + (x + x_bias)), residual + (x + x_bias)) in one kernel."""
         eps = _norm_eps(norm)
-        if self.spec.norm == "rms":
-            return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend)
+        if self.spec.norm in P.RMS_STYLES:
+            return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend,
+                            style=P.RMS_STYLES[self.spec.norm])
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
 
     def _linear(self, module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
@@ -375,6 +432,10 @@ class FusedBlock:
             q, k, v = (self._linear(m, x) for m in self._qkv)
         elif self.policy.qkv_layout == P.PACKED:
             q, k, v = self._linear(self._qkv[0], x).chunk(3, dim=-1)
+        elif self.policy.qkv_layout == P.PACKED_GQA:
+            kv = self.spec.num_kv_heads * d
+            q, k, v = self._linear(self._qkv[0], x).split(
+                [self.spec.num_heads * d, kv, kv], dim=-1)
         else:  # HEAD_INTERLEAVED: per head [q, k, v]
             qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_heads, 3 * d)
             q, k, v = (t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1))
@@ -397,7 +458,7 @@ class FusedBlock:
         """RMSNorm of [B, S, heads * D] over D (per head) or over the whole last dim."""
         width = self.spec.head_dim if self.policy.qk_norm == P.QK_NORM_HEAD else t.shape[-1]
         out, _ = rms_norm(t.unflatten(-1, (-1, width)), norm.weight, _norm_eps(norm),
-                          backend=self.backend)
+                          backend=self.backend, style=P.RMS_STYLES[self.spec.norm])
         return out.flatten(-2)
 
     def _attention(self, x: torch.Tensor, named: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -417,8 +478,10 @@ class FusedBlock:
     @property
     def attends_in_cache(self) -> bool:
         """Decode steps ask a cache that offers it (`dsinfer_attend`) to attend where its
-        K/V live: every layout but ALiBi's (whose bias the cache's kernel does not take)."""
-        return self.enabled and self.policy.positions != P.ALIBI
+        K/V live: every layout but ALiBi's (whose bias the cache's kernel does not take) and
+        soft-capped attention (which it does not compute)."""
+        return (self.enabled and self.policy.positions != P.ALIBI
+                and self.spec.attn_softcap is None)  # nor the soft-cap
 
     def _attend_in_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          named: dict, b: int, q_scaled: bool = False
@@ -454,7 +517,7 @@ class FusedBlock:
             bias = None if bias is None else bias[..., :s]
         out = attention_op(
             q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
-            backend=self.backend,
+            backend=self.backend, softcap=self.spec.attn_softcap,
         )  # [B, H, S, D]
         return self._project_out(out, b, s)
 
@@ -466,6 +529,8 @@ class FusedBlock:
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, named: dict):
         positions = self.policy.positions
+        if not self.spec.rope:  # a NoPE layer
+            return q, k
         if positions == P.ROPE:
             cos, sin = named["position_embeddings"]
         elif positions == P.ROPE_TABLE:
@@ -485,8 +550,8 @@ class FusedBlock:
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:  # the MoE module's forward is a FusedMoE
             return self._mlp_module(x), None
-        if self.policy.gated:
-            gate, up = (self._linear(m, x) for m in self._mlp_in)
+        if self.policy.gated:  # one projection: its output is [gate | up]
+            gate, up = (*(self._linear(m, x) for m in self._mlp_in), None)[:2]
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)
         else:
             fc1 = self._mlp_in[0]

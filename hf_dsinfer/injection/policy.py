@@ -38,12 +38,24 @@ SEPARATE = "separate"        # q_proj, k_proj, v_proj: three nn.Linear
 PACKED = "packed"            # one projection whose output is [q | k | v] (GPT-2's Conv1D c_attn)
 HEAD_INTERLEAVED = "head_interleaved"  # one projection whose output is per head [q, k, v]
                                        # (GPT-NeoX / BLOOM `query_key_value`)
+PACKED_GQA = "packed_gqa"    # one projection whose output is [q | k | v], q of
+                             # config.num_attention_heads heads, k and v of
+                             # config.num_key_value_heads each (Phi-3's `qkv_proj`)
 
 # Residual wiring.
 SEQUENTIAL = "sequential"    # x + attn(ln1(x)) -> h; h + mlp(ln2(h))            (pre-LN)
 PARALLEL = "parallel"        # x + attn(ln1(x)) + mlp(ln2(x))                     (GPT-NeoX)
 PARALLEL_SHARED_LN = "parallel_shared_ln"  # x + attn(ln1(x)) + mlp(ln1(x))      (GPT-J)
 POST_LN = "post_ln"          # h = ln1(x + attn(x)); ln2(h + mlp(h))              (OPT-350m)
+SANDWICH = "sandwich"        # h = x + pn1(attn(ln1(x))); h + pn2(mlp(ln2(h))), where ln1 / ln2
+                             # (pre-norms) may be None (OLMo 2) and pn1 / pn2 are the policy's
+                             # post_attn_norm / post_mlp_norm                    (Gemma 2/3)
+
+# RMSNorm numerics (policy.norm): where the weight multiply happens (kernels.norms styles).
+RMS = "rms"                  # Llama: normalized value rounded to the input dtype, then * weight
+RMS_FP32 = "rms_fp32"        # OLMo 2: (weight * normalized) in fp32, then rounded
+RMS_UNIT_OFFSET = "rms_unit_offset"  # Gemma: (normalized * (1 + weight)) in fp32, then rounded
+RMS_STYLES = {RMS: "llama", RMS_FP32: "fp32", RMS_UNIT_OFFSET: "gemma"}
 
 # Position sources.
 ROPE = "rope"                # (cos, sin) passed to the block as `position_embeddings`
@@ -82,15 +94,16 @@ class Policy:
     block_classes: tuple[str, ...]        # HF decoder-block class names it fuses
     layers: str                           # dotted path from the *ForCausalLM to the block list
     layout: Any                           # SEQUENTIAL / PARALLEL / ... or FromConfig
-    norm: str                             # "layer" or "rms"
-    ln1: str                              # attribute names inside the block
+    norm: str                             # "layer", or an RMSNorm kind: RMS / RMS_FP32 / ...
+    ln1: str | None                       # attribute names inside the block (pre-norms)
     ln2: str | None
     attn: str
     qkv_layout: str
     qkv: tuple[str, ...]                  # ("q_proj", "k_proj", "v_proj") or ("c_attn",)
     out_proj: str
     mlp: str | None                       # submodule holding the MLP linears ("" = the block)
-    mlp_in: tuple[str, ...]               # (fc1,) or (gate, up) for gated MLPs
+    mlp_in: tuple[str, ...]               # (fc1,) or (gate, up) for gated MLPs; one name for
+                                          # a gated MLP: its output is [gate | up] (Phi-3)
     mlp_out: str
     activation: Any                       # HF activation name, or FromConfig
     gated: bool = False
@@ -109,6 +122,14 @@ class Policy:
     qk_norm: str | None = None            # QK_NORM_HEAD / QK_NORM_FULL
     clip_qkv: Any = None                  # OLMoE: clamp q, k, v to +-clip_qkv (FromConfig)
     moe: MoeLayout | None = None          # the MLP is (sometimes) a sparse MoE block
+    # Model features beyond Llama's block, each an option computed by the one FusedBlock:
+    post_attn_norm: str | None = None     # SANDWICH: norm of the attention output (block attr)
+    post_mlp_norm: str | None = None      # SANDWICH: norm of the MLP output (block attr)
+    rope_attr: str | None = None          # attention attribute, false on NoPE layers (SmolLM3)
+    softcap_attr: str | None = None       # attention attribute: tanh cap of the attention
+                                          # logits, or None on the module (Gemma 2)
+    residual_multiplier: Any = None       # attention / MLP outputs scaled before the residual
+                                          # add (Granite; FromConfig)
     notes: str = ""
 
     def matches(self, model: Any) -> bool:

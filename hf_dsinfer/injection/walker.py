@@ -33,7 +33,7 @@ from hf_dsinfer.injection.moe import (
     uninstall_moe,
 )
 from hf_dsinfer.injection.parity import ParityResult, run_parity_gate
-from hf_dsinfer.injection.policies import find_policy, supported_families
+from hf_dsinfer.injection.policies import find_policy, missing_features, supported_families
 from hf_dsinfer.injection.policy import Policy
 from hf_dsinfer.injection.quantize import (
     QuantSummary,
@@ -222,7 +222,8 @@ def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: Injecti
         why = f"no policy for model_type={model_type!r}"
         message = (
             f"hf_dsinfer has no injection policy for {type(model).__name__} "
-            f"(config.model_type={model_type!r}). Supported families (model_type): {families}. "
+            f"(config.model_type={model_type!r}). {missing_features(model_type)} "
+            f"Supported families (model_type): {families}. "
             "Fix: use a supported model, or pass strict=False to run this model unmodified.")
     else:
         tail = report.policy.layers.split(".", 1)[1]

@@ -16,6 +16,10 @@ Which keys a query may attend (all conditions together):
             sliding_window_overlay: keep kv_idx > q_idx - window).
     bias    additive float [B, Hq, 1 or Sq, Sk] (ALiBi), added to the scaled scores.
 
+softcap (Gemma 2): the scaled scores become `tanh(scores / softcap) * softcap` before the bias
+and the mask, as HF's eager_attention_forward does. Neither torch's fused CPU kernel nor the
+Triton kernel computes it, so soft-capped attention runs the reference on every backend.
+
 Numerics (HF eager_attention_forward): scores are computed in q's dtype, softmax in fp32, the
 probabilities cast back to q's dtype before the matmul with v. A query row with no attendable
 key (e.g. a left-padding position) returns zeros, never NaN: a NaN there would reach later
@@ -71,12 +75,15 @@ def _keep_mask(mask: torch.Tensor | None, causal: bool, window: int | None, sq: 
     return keep
 
 
-def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None):
+def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None,
+                  softcap=None):
     """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows."""
     rep = _check_heads(q, k)
     k = k.repeat_interleave(rep, dim=1)  # [B, Hq, Sk, D], HF's repeat_kv
     v = v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, Sq, Sk] in q's dtype
+    if softcap is not None:  # HF's three eager ops, in q's dtype
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias
     if mask is not None and mask.dtype != torch.bool:
@@ -310,8 +317,12 @@ def attention_cpu(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               mask: torch.Tensor | None = None, causal: bool = False,
               bias: torch.Tensor | None = None, window: int | None = None,
-              backend: str | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + bias, masked) v; q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]."""
+              backend: str | None = None, softcap: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias, masked) v; q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D].
+    softcap: scores soft-capped first (Gemma 2), on the reference whatever the backend."""
+    if softcap is not None:
+        return attention_ref(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias,
+                             window=window, softcap=softcap)
     fn = _dispatch.pick(backend, q.device, ref=attention_ref, triton_fn=attention_triton,
                         cpu_fn=attention_cpu)
     return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)

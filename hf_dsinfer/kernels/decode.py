@@ -6,7 +6,8 @@ keeps it from that bound on a CPU is the ~60 torch dispatches per layer around t
 (norms, projections, ~20 rotary ops, residuals, attention, the MLP). `DecodeLayer` computes the
 layer in two native calls instead:
 
-    attn_in(x, cos, sin)           -> q, k, v    (norm, q/k/v projections + bias, RoPE)
+    attn_in(x, cos, sin)           -> q, k, v    (norm, q/k/v projections + bias, per-head q/k
+                                                  norms (Qwen3), RoPE)
     k, v = cache.update(k, v, layer_idx)         (HF's, in Python: any Cache class)
     attn_out(x, q, k, v, keep)     -> out        (attention, o_proj, residual, norm, MLP, residual)
 
@@ -28,13 +29,13 @@ not compute; callers then use the torch path. The calls come from each fused blo
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from hf_dsinfer.kernels import _native
-from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
+from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES, TILE_ROWS
 
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
 MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
@@ -57,7 +58,9 @@ class _Layer(ctypes.Structure):
                 ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
                 ("ln1_b", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
                 ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
-                ("lin", _Lin * 7)]
+                ("lin", _Lin * 7), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float),
+                ("resid_mult", ctypes.c_float)]
 
 
 NORMS = {"rms": 0, "layer": 1}  # csrc/hfd_api.h: NORM_RMS, NORM_LAYER
@@ -66,6 +69,15 @@ MLPS = {"gated_silu": 0, "relu": 1}  # csrc/hfd_api.h: MLP_GATED_SILU, MLP_RELU
 
 class Unsupported(Exception):
     """Why a layer (or a weight of it) is not computed natively."""
+
+
+class RowSlice(NamedTuple):
+    """Rows row0 .. row0 + rows of a fused projection's output, as one projection of the layer
+    (Phi-3: q, k, v of `qkv_proj`; gate, up of `gate_up_proj`). Read in place, no copy."""
+
+    module: nn.Module
+    row0: int
+    rows: int
 
 
 def _dtype_code(t: torch.Tensor, what: str) -> int:
@@ -78,13 +90,23 @@ def _dtype_code(t: torch.Tensor, what: str) -> int:
 Watched = list[tuple[dict, str]]  # (a module's _parameters or _buffers, name) per tensor read
 
 
-def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
-    """The C description of one projection [n, k] and where the tensors it reads live."""
+def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple[_Lin, Watched]:
+    """The C description of one projection [n, k] and where the tensors it reads live: all of
+    `module`, or (row0 given) its rows row0 .. row0 + n, one part of a fused projection
+    (Phi-3's qkv_proj or gate_up_proj: every per-row array is read from row row0 on)."""
     from hf_dsinfer.injection.quantize import QuantizedLinear
+
+    rows_needed, exact = (n, True) if row0 is None else (row0 + n, False)
+    row0 = row0 or 0
+
+    def at(t: torch.Tensor, per_row: int) -> int:  # address of row row0 of a per-row array
+        return t.data_ptr() + row0 * per_row * t.element_size()
 
     buffers = module._buffers
     if isinstance(module, QuantizedLinear):
         qw = module.quantized
+        if qw.tiled and (row0 % TILE_ROWS or n % TILE_ROWS):
+            raise Unsupported(f"rows {row0}..{row0 + n} of a tiled weight ({TILE_ROWS}-row tiles)")
         if module.bits == 8:
             if qw.rowsum is None or (qw.in_scale is not None
                                      and qw.in_scale.dtype != torch.float32):
@@ -93,9 +115,9 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
                                                       else [])
             kind = LIN_INT8_TILED if qw.tiled else LIN_INT8
             lin = _Lin(kind, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
-                       qw.qweight.data_ptr(), qw.scales.data_ptr(), None,
+                       at(qw.qweight, k), at(qw.scales, 1), None,
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
-                       qw.rowsum.data_ptr(), None)
+                       at(qw.rowsum, 1), None)
         else:
             if _native.lib("int4") is None:
                 raise Unsupported(f"int4 weights: {_native.why_unavailable('int4')}")
@@ -106,27 +128,43 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[_Lin, Watched]:
                 raise Unsupported("int4 mins and scales of different dtypes")
             names = ["packed", "scales", "mins"]
             kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
+            groups = k // qw.group_size
             lin = _Lin(kind, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
-                       qw.packed.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), None,
+                       at(qw.packed, k // 2), at(qw.scales, groups), at(qw.mins, groups), None,
                        None, None)
-        if qw.scales.shape[0] != n:
+        total = qw.scales.shape[0]
+        if total < rows_needed or (exact and total != n):
             raise Unsupported(f"quantized weight of {qw.scales.shape[0]} rows, not {n}")
         watched = [(buffers, name) for name in names]
     elif type(module) is nn.Linear:
         w = module.weight
-        if w.dtype != torch.bfloat16 or tuple(w.shape) != (n, k) or k % 32:
+        rows_ok = w.shape[0] == n if exact else w.shape[0] >= rows_needed
+        if w.dtype != torch.bfloat16 or not rows_ok or w.shape[1] != k or k % 32:
             raise Unsupported(f"linear weight {w.dtype} {tuple(w.shape)} (bf16, input size a "
                               "multiple of 32)")
-        lin = _Lin(LIN_BF16, n, k, 0, 0, 0, w.data_ptr(), None, None, None, None, None)
+        lin = _Lin(LIN_BF16, n, k, 0, 0, 0, at(w, k), None, None, None, None, None)
         watched = [(module._parameters, "weight")]
     else:
         raise Unsupported(f"{type(module).__name__} projection")
     bias = getattr(module, "bias", None)
     if bias is not None:
         lin.b_dt = _dtype_code(bias, "bias")
-        lin.bias = bias.data_ptr()
+        lin.bias = at(bias, 1)
         watched.append((module._parameters, "bias"))
     return lin, watched
+
+
+def _head_norms(struct: _Layer, qk_norm: tuple[nn.Module, nn.Module, float, float],
+                head_dim: int) -> Watched:
+    """Point the layer at its per-head q / k RMSNorm weights (bf16 [head_dim])."""
+    q_norm, k_norm, q_eps, k_eps = qk_norm
+    for module in (q_norm, k_norm):
+        w = module.weight
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (head_dim,):
+            raise Unsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
+    struct.q_norm, struct.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
+    struct.q_eps, struct.k_eps = q_eps, k_eps
+    return [(q_norm._parameters, "weight"), (k_norm._parameters, "weight")]
 
 
 class DecodeLayer:
@@ -153,16 +191,22 @@ class DecodeLayer:
 
     @classmethod
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
-              linears: list[nn.Module | None], heads: int, kv_heads: int, head_dim: int,
+              linears: list[nn.Module | RowSlice | None], heads: int, kv_heads: int,
+              head_dim: int,
               scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
-              q_scale: float | None = None) -> DecodeLayer:
+              q_scale: float | None = None,
+              qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
+              residual_multiplier: float | None = None) -> DecodeLayer:
         """Raises Unsupported (with the reason) for a layer the kernel does not compute.
 
         linears: q, k, v, o, then gate, up, down (mlp "gated_silu": Llama) or fc1, None, fc2
-        (mlp "relu": OPT). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
+        (mlp "relu": OPT); any of them may be a RowSlice of a fused projection (Phi-3). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
         bias); rope False: positions enter before the layers (OPT's learned embeddings);
         q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
-        to q . k (1.0 for OPT)."""
+        to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
+        head's head_dim before RoPE, Llama numerics (Qwen3); residual_multiplier: the
+        attention and MLP outputs are multiplied by it (rounded) before each residual add
+        (Granite)."""
         lib = _native.lib()
         if lib is None:
             raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -188,9 +232,10 @@ class DecodeLayer:
         gated = mlp == "gated_silu"
         if (linears[5] is None) == gated:
             raise Unsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
-        inter = getattr(linears[4], "out_features", None)
+        gate = linears[4]
+        inter = gate.rows if isinstance(gate, RowSlice) else getattr(gate, "out_features", None)
         if inter is None:
-            raise Unsupported(f"{type(linears[4]).__name__} projection")
+            raise Unsupported(f"{type(gate).__name__} projection")
         shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
                   (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
                   (inter, hidden), (inter, hidden), (hidden, inter)]
@@ -200,11 +245,22 @@ class DecodeLayer:
                         int(rope), MLPS[mlp])
         watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
         watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
+        if qk_norm is not None:
+            watched += _head_norms(struct, qk_norm, head_dim)
+        if residual_multiplier is not None:
+            if residual_multiplier == 0:
+                raise Unsupported("a residual multiplier of 0")
+            struct.resid_mult = residual_multiplier
         for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
             if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
                 struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)
                 continue
-            struct.lin[i], used = _linear(module, n, k)
+            row0 = None
+            if isinstance(module, RowSlice):
+                if module.rows != n:
+                    raise Unsupported(f"a slice of {module.rows} rows for a [{n}, {k}] projection")
+                module, row0 = module.module, module.row0
+            struct.lin[i], used = _linear(module, n, k, row0)
             watched += used
         return cls(lib, struct, watched)
 

@@ -16,6 +16,10 @@ Numerics (the Hugging Face eager ones):
     rms_norm    LlamaRMSNorm: `hf = h.float(); hf * rsqrt(mean(hf**2) + eps)`, rounded back to
                 h's dtype *before* the weight multiply, then `weight * that` (so the output dtype
                 is the promotion of weight's and h's dtypes, as in HF).
+    rms_norm styles (the weight multiply, which is where families' RMSNorms differ):
+                "llama"  as above;
+                "fp32"   OLMo 2: `(weight * hf_normalized).to(h.dtype)`, the multiply in fp32;
+                "gemma"  Gemma 2/3: `(hf_normalized * (1 + weight.float())).to(h.dtype)`.
 """
 
 from __future__ import annotations
@@ -44,12 +48,36 @@ def layer_norm_ref(x, weight, bias, eps, residual=None, x_bias=None):
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
 
 
-def rms_norm_ref(x, weight, eps, residual=None, x_bias=None):
-    """Reference: the residual sum, then LlamaRMSNorm's forward, line for line."""
+RMS_STYLES = ("llama", "fp32", "gemma")
+
+
+def _fp32_weight(weight: torch.Tensor, style: str) -> torch.Tensor:
+    """The weight factor of the fp32-multiply styles: w (OLMo 2) or 1 + w (Gemma), in fp32."""
+    return weight.float() + 1.0 if style == "gemma" else weight.float()
+
+
+def _check_style(style: str) -> str:
+    if style not in RMS_STYLES:
+        raise ValueError(f"rms_norm style: expected one of {RMS_STYLES}, got {style!r}")
+    return style
+
+
+def rms_norm_ref(x, weight, eps, residual=None, x_bias=None, style="llama"):
+    """Reference: the residual sum, then LlamaRMSNorm's forward line for line (Olmo2RMSNorm's
+    or Gemma2RMSNorm's for the other styles)."""
     h = _residual_sum(x, residual, x_bias)
     hf = h.to(torch.float32)
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hf.to(h.dtype), h
+    return rms_weight(hf, weight, h.dtype, style), h
+
+
+def rms_weight(normed: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+               style: str = "llama") -> torch.Tensor:
+    """The weight multiply of an RMSNorm, in the numerics of `style`: `normed` is the fp32
+    normalized value, `dtype` the input's (also used by tensor parallelism's sharded q/k norm)."""
+    if _check_style(style) != "llama":
+        return (normed * _fp32_weight(weight, style)).to(dtype)
+    return weight * normed.to(dtype)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -86,7 +114,8 @@ def _layer_norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
 
 def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
                      HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, STORE_H: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, FP32_WEIGHT: tl.constexpr = False,
+                     UNIT_OFFSET: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
@@ -101,9 +130,14 @@ def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
         tl.store(H + row * hidden + cols, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    # HF rounds the normalized value to h's dtype before multiplying by the weight.
-    y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
-    y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    if FP32_WEIGHT:  # OLMo 2 / Gemma: multiply in fp32 (by 1 + w for Gemma), round once
+        if UNIT_OFFSET:
+            w = w + 1.0
+        y = hf * rstd * w
+    else:  # Llama: HF rounds the normalized value to h's dtype before multiplying by the weight
+        y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
+        y = y * w
     tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
 
 
@@ -154,17 +188,18 @@ def layer_norm_triton(x, weight, bias, eps, residual=None, x_bias=None):
     return out.view(shape), (h2.view(shape) if store_h else x)
 
 
-def rms_norm_triton(x, weight, eps, residual=None, x_bias=None):
+def rms_norm_triton(x, weight, eps, residual=None, x_bias=None, style="llama"):
     k = _kernels()
     hidden = x.shape[-1]
     x2, res2, xb, h2, store_h = _launch_args(x, residual, x_bias)
-    out_dtype = torch.promote_types(weight.dtype, h2.dtype)
+    llama = _check_style(style) == "llama"
+    out_dtype = torch.promote_types(weight.dtype, h2.dtype) if llama else h2.dtype
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)  # [N, hidden]
     k.rms_norm[(x2.shape[0],)](
         x2, res2 if res2 is not None else x2, xb if xb is not None else x2,
         weight.contiguous(), out, h2, hidden, eps,
         HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, STORE_H=store_h,
-        BLOCK=k.next_power_of_2(hidden),
+        BLOCK=k.next_power_of_2(hidden), FP32_WEIGHT=not llama, UNIT_OFFSET=style == "gemma",
     )
     shape = (*x.shape[:-1], hidden)
     return out.view(shape), (h2.view(shape) if store_h else x)
@@ -173,10 +208,12 @@ def rms_norm_triton(x, weight, eps, residual=None, x_bias=None):
 # LayerNorm: the reference already is torch's fused CPU kernel (F.layer_norm), so no cpu variant.
 
 
-def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None):
+def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
     """RMSNorm through torch's fused F.rms_norm instead of the reference's six eager ops."""
     h = _residual_sum(x, residual, x_bias)
     hidden = (h.shape[-1],)
+    if _check_style(style) != "llama":
+        return rms_weight(F.rms_norm(h.float(), hidden, None, eps), weight, h.dtype, style), h
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(h, hidden, weight, eps), h
     # Low precision: normalize in fp32 and round to h's dtype before the weight multiply, as HF
@@ -194,8 +231,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None, *,
-             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(h), h) with h = residual + (x + x_bias), HF Llama numerics; x is [..., hidden]."""
+             backend: str | None = None, style: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(h), h) with h = residual + (x + x_bias), HF numerics of `style` (RMS_STYLES);
+    x is [..., hidden]."""
     fn = _dispatch.pick(backend, x.device, ref=rms_norm_ref, triton_fn=rms_norm_triton,
                         cpu_fn=rms_norm_cpu)
-    return fn(x, weight, eps, residual, x_bias)
+    return fn(x, weight, eps, residual, x_bias, style)

@@ -14,7 +14,9 @@ the remaining D - R pass through unchanged.
 
 Numerics (HF): the angles `position * inv_freq` and their cos/sin are computed in fp32 with
 autocast off, scaled by `attention_scaling`, then cast to the activations' dtype; the rotation
-itself runs in q's dtype (each product and the sum round to it, as eager does).
+itself runs in q's dtype (each product and the sum round to it, as eager does). OLMo 2 keeps
+cos / sin in fp32: the rotation of bf16 q runs in fp32 and rounds once at the end, as its
+eager code does; such calls take the reference on every backend.
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def apply_rotary_ref(q, k, cos, sin, interleaved=False):
-    """Reference: HF's apply_rotary_pos_emb (Llama) / GPT-J's, with partial rotary."""
-    cos = cos.to(q.dtype).unsqueeze(1)  # [B, 1, S, R], broadcast over heads
-    sin = sin.to(q.dtype).unsqueeze(1)
-    return _rotate_ref(q, cos, sin, interleaved), _rotate_ref(k, cos, sin, interleaved)
+    """Reference: HF's apply_rotary_pos_emb (Llama; OLMo 2's with fp32 cos / sin) / GPT-J's,
+    with partial rotary: products in the promotion of q's and cos' dtypes, the result in q's."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, R], broadcast over heads
+    return tuple(_rotate_ref(x, cos, sin, interleaved).to(x.dtype) for x in (q, k))
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -168,5 +170,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first R = cos.shape[-1] dims of q [B, Hq, S, D] and k [B, Hk, S, D]."""
     _check_rotary_dims(q, cos)
+    if cos.dtype != q.dtype:  # OLMo 2's fp32 rotation of half-precision q, k
+        return apply_rotary_ref(q, k, cos, sin, interleaved)
     fn = _dispatch.pick(backend, q.device, ref=apply_rotary_ref, triton_fn=apply_rotary_triton)
     return fn(q, k, cos, sin, interleaved)

@@ -131,11 +131,13 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
     styles = {path: style for path, style in styles.items() if _has(block, path)}
     full = resolve_spec(block, policy, config, index)  # full head counts (real or meta weights)
     heads = head_shard(full.num_heads, full.num_kv_heads, tp, rank)
-    if policy.qkv_layout != P.SEPARATE and full.num_kv_heads != full.num_heads:
+    if (policy.qkv_layout not in (P.SEPARATE, P.PACKED_GQA)
+            and full.num_kv_heads != full.num_heads):
         raise TensorParallelError(f"{policy.family}: a fused QKV layout with GQA is not sliceable")
     d = full.head_dim
-    ranges: dict[str, Ranges] = dict(zip((_join(policy.attn, n) for n in policy.qkv),
-                                         qkv_ranges(policy.qkv_layout, heads, full.num_heads, d)))
+    ranges: dict[str, Ranges] = dict(zip(
+        (_join(policy.attn, n) for n in policy.qkv),
+        qkv_ranges(policy.qkv_layout, heads, full.num_heads, d, full.num_kv_heads)))
     # out_proj reads the concatenated local heads' outputs: input features [q0 * d, q1 * d)
     ranges[_join(policy.attn, policy.out_proj)] = ((heads.q[0] * d, heads.q[1] * d),)
     ffn, ffn_size = (0, 0), 0
@@ -144,9 +146,13 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
             continue
         fc1 = block.get_submodule(_join(parent, policy.mlp_in[0]))
         ffn_size = fc1.weight.shape[1 if policy.conv1d else 0]
+        packed = policy.gated and len(policy.mlp_in) == 1  # [gate | up] (Phi-3's gate_up_proj)
+        ffn_size //= 2 if packed else 1
         ffn = shard_range(ffn_size, tp, rank)
         for name in (*policy.mlp_in, policy.mlp_out):
             ranges[_join(parent, name)] = (ffn,)
+        if packed:  # this rank's gate rows, then the same rows of up
+            ranges[_join(parent, policy.mlp_in[0])] = (ffn, (ffn[0] + ffn_size, ffn[1] + ffn_size))
     params = {}
     for path, style in styles.items():
         module = block.get_submodule(path)

@@ -99,17 +99,24 @@ def head_ranges(heads: list[int] | tuple[int, ...], head_dim: int, offset: int =
     return [(offset + h * width, offset + (h + 1) * width) for h in heads]
 
 
-def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int) -> list[Ranges]:
+def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int,
+               num_kv_heads: int | None = None) -> list[Ranges]:
     """Output-feature ranges this rank keeps of the Q/K/V projections.
 
     separate: one entry each for q, k, v; packed [q|k|v] and head-interleaved per-head [q, k, v]:
-    one entry for the single fused projection (MHA only, as in GPT-2 / GPT-NeoX / BLOOM)."""
+    one entry for the single fused projection (MHA only, as in GPT-2 / GPT-NeoX / BLOOM);
+    packed_gqa [q | k | v] with num_kv_heads k and v heads (Phi-3): one entry, this rank's q
+    heads, then its KV heads' rows of k and of v."""
     from hf_dsinfer.injection import policy as P  # policies are data; import kept local
 
     q_heads = list(range(*heads.q))
     if layout == P.SEPARATE:
         kv = _merge(head_ranges(heads.kv, head_dim))
         return [_merge(head_ranges(q_heads, head_dim)), kv, kv]
+    if layout == P.PACKED_GQA:
+        k_at, v_at = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        return [_merge(head_ranges(q_heads, head_dim) + head_ranges(heads.kv, head_dim, k_at)
+                       + head_ranges(heads.kv, head_dim, v_at))]
     if layout == P.PACKED:
         width = num_heads * head_dim
         return [_merge([r for part in range(3)

@@ -23,7 +23,8 @@ from torch import nn
 
 from hf_dsinfer.errors import ParityError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
-from hf_dsinfer.injection.policy import QK_NORM_FULL, Policy
+from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
+from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
 from hf_dsinfer.parallel.plan import (
@@ -145,7 +146,9 @@ def shard_in_place(model: nn.Module, plan: ModelPlan) -> None:
 # -- wiring --------------------------------------------------------------------------------------
 class VocabParallelEmbedding:
     """Installed as the embedding's `forward`: rows [start, stop) of the vocabulary live here;
-    ids outside give zeros and one all-reduce sums the ranks (exactly one rank contributes)."""
+    ids outside give zeros and one all-reduce sums the ranks (exactly one rank contributes).
+    The lookup is the module class's own forward, so a scaled embedding (Gemma's
+    `embed_scale`) keeps its scale."""
 
     def __init__(self, module: nn.Embedding, start: int, tp: RankGroup):
         self.module, self.start, self.tp = module, start, tp
@@ -154,7 +157,7 @@ class VocabParallelEmbedding:
         local = ids - self.start
         rows = self.module.weight.shape[0]
         inside = (local >= 0) & (local < rows)  # [B, S]
-        out = F.embedding(local.clamp(0, rows - 1), self.module.weight)  # [B, S, H]
+        out = type(self.module).forward(self.module, local.clamp(0, rows - 1))  # [B, S, H]
         return self.tp.all_reduce(out.masked_fill(~inside.unsqueeze(-1), 0))
 
 
@@ -178,6 +181,7 @@ class FullQKNorm:
     def __init__(self, fused: Any, shard: BlockShard, tp: RankGroup):
         self.norms = (fused._q_norm, fused._k_norm)
         self.eps = tuple(_norm_eps(n) for n in self.norms)
+        self.style = RMS_STYLES[fused.spec.norm]  # OLMoE: Llama's numerics; OLMo 2: fp32
         d = fused.spec.head_dim
         self.head_dim = d
         device = fused._q_norm.weight.device
@@ -191,7 +195,8 @@ class FullQKNorm:
         k_heads = k32.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)  # [B, S, local KV heads]
         squares = torch.stack([q32.pow(2).sum(-1), (k_heads * self.k_owned).sum(-1)], -1)
         mean = self.tp.all_reduce(squares) / self.widths  # [B, S, 2]
-        return tuple(norm.weight * (x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i])).to(t.dtype)
+        return tuple(rms_weight(x * torch.rsqrt(mean[..., i:i + 1] + self.eps[i]), norm.weight,
+                                t.dtype, self.style)
                      for i, (x, t, norm) in enumerate(zip((q32, k32), (q, k), self.norms)))
 
 
@@ -235,6 +240,10 @@ def _wire_blocks(model: nn.Module, report: Any, plan: ModelPlan, tp: RankGroup) 
     for index, (path, fused) in enumerate(report.blocks.items()):
         fused.bind()
         fused.spec = resolve_spec(fused.block, fused.policy, model.config, index)
+        if fused.policy.qkv_layout == PACKED_GQA:  # the config counts all heads: the shard's
+            heads = plan.blocks[path].heads
+            fused.spec = dataclasses.replace(fused.spec, num_heads=heads.num_q,
+                                             num_kv_heads=len(heads.kv))
         fused.reduce = tp.all_reduce
         q0, q1 = plan.blocks[path].heads.q
         fused.head_slice = slice(q0, q1)

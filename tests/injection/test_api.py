@@ -66,6 +66,18 @@ def test_unsupported_raises_naming_class_and_families():
     assert walker.get_report(model) is None
 
 
+def test_unsupported_names_what_the_block_lacks():
+    model = make_model("gpt_oss")
+    with pytest.raises(hf_dsinfer.UnsupportedModelError) as info:
+        hf_dsinfer.init_inference(model)
+    text = str(info.value)
+    assert "GptOssForCausalLM" in text and "attention sinks" in text
+    assert "qwen3 (qwen3)" in text and "gemma2 (gemma2)" in text  # the 2026 families listed
+    phi = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
+                            make_model("phi")).value)
+    assert "No policy maps its decoder block" in phi
+
+
 def test_unsupported_non_strict_runs_unmodified():
     ref = make_model("phi")
     model = copy.deepcopy(ref)

@@ -198,3 +198,26 @@ def test_cpu_decode_groups_query_heads_per_kv_head(dtype, mask_kind, monkeypatch
     assert_close_tol(out, attn.attention_ref(q, k, v, **kw), table=REDUCTION_TOL)
     if mask_kind != "none":
         assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("kind", ("bool", "float"))
+@pytest.mark.parametrize("backend", ("ref", "cpu"))
+def test_softcap_matches_gemma2_eager(dtype, kind, backend):
+    """Gemma 2's attention logit soft-cap, against HF's own eager function (every backend takes
+    the reference for it); a cap small enough to change the result."""
+    from transformers.models.gemma2.modeling_gemma2 import (
+        eager_attention_forward as gemma2_eager,
+    )
+
+    q, k, v = _qkv(TOKENS, CACHE, dtype)
+    q = q * 4  # scores well past the cap
+    mask, float_mask = (_hf_mask(kind, TOKENS, CACHE, dtype, 4),
+                        _hf_mask("float", TOKENS, CACHE, dtype, 4))
+    out = attn.attention(q, k, v, scale=SCALE, mask=mask, softcap=2.0, backend=backend)
+    module = types.SimpleNamespace(num_key_value_groups=Q_HEADS // KV_HEADS, training=False)
+    expected = gemma2_eager(module, q, k, v, float_mask, scaling=SCALE, softcap=2.0)[0]
+    rows = _has_key(mask).expand_as(out)
+    assert torch.equal(out[rows], expected.transpose(1, 2)[rows])
+    uncapped = attn.attention(q, k, v, scale=SCALE, mask=mask, backend=backend)
+    assert not torch.allclose(out[rows], uncapped[rows], atol=1e-2)

@@ -13,10 +13,14 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
 )
 
 import hf_dsinfer
@@ -39,6 +43,16 @@ CONFIGS = {
                                         "num_key_value_heads": 1}),  # head_dim 64, MQA
     "qwen2": lambda: Qwen2Config(**_BASE),  # q/k/v biases
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
+    # layer 1 is NoPE: the layer computed without RoPE (kernels.decode rope=False); weights
+    # large enough that rotating its q and k would change the logits
+    # per-head q/k RMSNorm before RoPE (weights made distinct in _model)
+    "qwen3": lambda: Qwen3Config(**_BASE, head_dim=32),
+    # branch outputs x 0.4 before each residual add; softmax scale 0.1
+    "granite": lambda: GraniteConfig(**_BASE, residual_multiplier=0.4, attention_multiplier=0.1,
+                                     embedding_multiplier=2.0, logits_scaling=0.5),
+    # fused qkv_proj (GQA) and gate_up_proj, read as row slices
+    "phi3": lambda: Phi3Config(**_BASE),
+    "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, initializer_range=0.1),
     # inputs of 160 and 224 columns: int4 rows end in a partial 128-column chunk
     "llama_odd": lambda: LlamaConfig(**{**_BASE, "hidden_size": 160, "intermediate_size": 224,
                                         "num_attention_heads": 5, "num_key_value_heads": 1}),
@@ -57,6 +71,10 @@ def _model(name: str, seed: int = 0):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if name == "qwen3":  # HF initialises the q/k norm weights to ones: make them differ
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     return model
 
 
@@ -346,7 +364,8 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 
 @pytest.mark.amx
 @BATCHED
-@pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd"])
+@pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
+                                  "smollm3", "granite", "phi3"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""

@@ -110,3 +110,48 @@ def test_auto_on_cpu_runs_the_cpu_fast_path(monkeypatch):
     x, res, xb, w, _ = _inputs(torch.float32)
     norms.rms_norm(x, w, EPS, res, xb, backend="auto")
     assert calls == [1]
+
+
+# -- the other families' RMSNorms: OLMo 2 (weight multiply in fp32), Gemma 2/3 ((1 + w) in fp32)
+def _hf_norm(style: str, dtype: torch.dtype, w: torch.Tensor) -> torch.nn.Module:
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    module = (Olmo2RMSNorm if style == "fp32" else Gemma2RMSNorm)(HIDDEN, eps=EPS).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(w - 1 if style == "gemma" else w)  # Gemma stores w - 1
+    return module
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("style", ("fp32", "gemma"))
+def test_rms_norm_styles_match_hf(dtype, style):
+    x, res, xb, w, _ = _inputs(dtype)
+    hf = _hf_norm(style, dtype, w)
+    with torch.no_grad():
+        out, h = norms.rms_norm_ref(x, hf.weight, EPS, res, xb, style=style)
+        assert torch.equal(h, res + (x + xb))
+        assert out.dtype == dtype
+        assert torch.equal(out, hf(h))
+        cpu_out, _ = norms.rms_norm(x, hf.weight, EPS, res, xb, backend="cpu", style=style)
+        assert_close_tol(cpu_out, out, dtype)
+        if dtype == torch.bfloat16:  # the weight multiply in fp32 is what tells them apart
+            llama, _ = norms.rms_norm_ref(x, hf.weight, EPS, res, xb)
+            assert not torch.equal(llama, out)
+
+
+@requires_triton()
+@pytest.mark.parametrize("style", ("fp32", "gemma"))
+def test_rms_norm_styles_triton(style):
+    x, res, xb, w, _ = _inputs(torch.bfloat16)
+    out, h = norms.rms_norm(x, w, EPS, res, xb, backend="triton", style=style)
+    ref_out, ref_h = norms.rms_norm_ref(x, w, EPS, res, xb, style=style)
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    assert_close_tol(h, ref_h, table=INTERPRET_TOL)
+    assert_close_tol(out, ref_out, table=INTERPRET_TOL)
+
+
+def test_rms_norm_unknown_style_raises():
+    x, _, _, w, _ = _inputs(torch.float32, residual=False, x_bias=False)
+    with pytest.raises(ValueError, match="style"):
+        norms.rms_norm(x, w, EPS, backend="cpu", style="t5")

@@ -137,3 +137,19 @@ def test_bad_rotary_dim_raises():
     cos = torch.zeros(BATCH, TOKENS, HEAD_DIM + 2)
     with pytest.raises(ValueError, match="rope_cos_sin"):
         rotary.apply_rotary(q, k, cos, cos)
+
+
+@pytest.mark.parametrize("backend", ("ref", "cpu", "auto"))
+def test_fp32_cos_sin_match_olmo2(backend):
+    """OLMo 2 keeps cos / sin in fp32 and rotates bf16 q, k in fp32, rounding once; casting cos
+    to bf16 first (Llama's numerics) differs."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    q, k = _qk(torch.bfloat16)
+    cos, sin = rotary.rope_cos_sin(_inv_freq(HEAD_DIM), _positions(offset=40), dtype=torch.float32)
+    hf_q, hf_k = modeling_olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    out_q, out_k = rotary.apply_rotary(q, k, cos, sin, backend=backend)
+    assert out_q.dtype == torch.bfloat16
+    assert torch.equal(out_q, hf_q) and torch.equal(out_k, hf_k)
+    llama_q, _ = rotary.apply_rotary_ref(q, k, cos.bfloat16(), sin.bfloat16())
+    assert not torch.equal(llama_q, hf_q)

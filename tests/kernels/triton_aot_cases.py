@@ -206,12 +206,18 @@ def _norm_cases() -> list[AotCase]:
                               _LAYER_NORM, HAS_RES=True, HAS_XBIAS=True, HAS_BIAS=True,
                               STORE_H=True, BLOCK=block))
             cases.append(case("norms._rms_norm_kernel", f"res-B{block}", dt, _RMS_NORM,
-                              HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=block))
+                              HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=block,
+                              FP32_WEIGHT=False, UNIT_OFFSET=False))
         cases.append(case("norms._layer_norm_kernel", "plain-B1024", dt, _LAYER_NORM,
                           HAS_RES=False, HAS_XBIAS=False, HAS_BIAS=True, STORE_H=False,
                           BLOCK=1024))
         cases.append(case("norms._rms_norm_kernel", "qk-norm-B128", dt, _RMS_NORM,
-                          HAS_RES=False, HAS_XBIAS=False, STORE_H=False, BLOCK=128))
+                          HAS_RES=False, HAS_XBIAS=False, STORE_H=False, BLOCK=128,
+                          FP32_WEIGHT=False, UNIT_OFFSET=False))
+        # Gemma's (1 + w) in fp32 (OLMo 2's fp32 multiply is the same code without the offset)
+        cases.append(case("norms._rms_norm_kernel", "gemma-res-B4096", dt, _RMS_NORM,
+                          HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=4096,
+                          FP32_WEIGHT=True, UNIT_OFFSET=True))
     return cases
 
 

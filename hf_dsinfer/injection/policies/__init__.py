@@ -6,22 +6,53 @@ from typing import Any
 
 from hf_dsinfer.injection.policies import (
     bloom,
+    gemma,
+    gemma2,
+    gemma3,
     gpt2,
     gpt_neox,
     gptj,
+    granite,
     llama,
     mixtral,
+    olmo2,
     olmoe,
     opt,
+    phi3,
     qwen2_moe,
+    qwen3,
     qwen3_moe,
+    smollm3,
 )
 from hf_dsinfer.injection.policy import Policy
 
 POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
-    mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY,
+    mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
+    smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
+    phi3.POLICY,
 )
+
+
+# Families with no policy because their blocks compute what the fused block has no option for
+# (config.model_type -> what it lacks); the refusal names it (issue 27).
+LACKING: dict[str, str] = {
+    "gpt_oss": "per-head attention sinks, and a mixture of experts with router bias, expert "
+               "biases and a clamped SwiGLU",
+    "deepseek_v3": "multi-head latent attention (low-rank q and kv, decoupled RoPE, a compressed "
+                   "KV cache) and sigmoid group-limited routing with a correction bias",
+    "qwen3_next": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
+    "qwen3_5_text": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
+}
+
+
+def missing_features(model_type: str) -> str:
+    """What the fused block lacks for a model type no policy names, as a sentence."""
+    lacking = LACKING.get(model_type)
+    if lacking is None:
+        return ("No policy maps its decoder block onto the fused block's options (a family "
+                "whose features the block has is one small file under injection/policies/).")
+    return f"Its decoder blocks need what the fused block does not compute: {lacking}."
 
 
 def find_policy(model: Any) -> Policy | None:

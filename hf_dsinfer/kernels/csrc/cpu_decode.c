@@ -10,9 +10,12 @@
  * keep working:
  *
  *   hfd_decode_attn_in:  h = rms_norm(x); q, k, v = h W_q^T, h W_k^T, h W_v^T (+ bias);
- *                        q, k rotated (rotate-half RoPE with the model's own cos / sin)
+ *                        each head of q and k RMS-normalized over head_dim where the layer has
+ *                        q / k norms (Qwen3); q, k rotated (rotate-half RoPE with the model's
+ *                        own cos / sin)
  *   hfd_decode_attn_out: a = softmax(q k^T * scale, keep) v over the cache's keys;
  *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
+ *                        (Granite: both branch outputs times resid_mult before the add)
  *
  * OPT's layout is the same two calls with LayerNorm (weight and bias) for rms_norm, no RoPE
  * (its learned positions are added before the layers), q = bf16(q * q_scale) after the
@@ -412,11 +415,13 @@ static void relu_row(const float *y, uint16_t *a, int64_t n) {
     }
 }
 
-/* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding). */
-static void residual_bf16(const uint16_t *a, const float *b, int64_t n, uint16_t *out) {
+/* out = bf16(a + bf16(b)) for n elements (b fp32: a projection's output before rounding);
+   with m != 0, out = bf16(a + bf16(bf16(b) * m)) (Granite's residual multiplier). */
+static void residual_bf16(const uint16_t *a, const float *b, int64_t n, float m, uint16_t *out) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
         __m512 v = bf16_round(_mm512_maskz_loadu_ps(mk, b + c));
+        if (m != 0.f) v = bf16_round(_mm512_mul_ps(v, _mm512_set1_ps(m)));
         store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), v));
     }
 }
@@ -439,6 +444,16 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c
             store16_bf16(v + half + c, mk, b);
         }
     }
+}
+
+/* Qwen3's q / k norms: each head of q [heads * d] and k [kv_heads * d] RMS-normalized over
+   its d values in place, LlamaRMSNorm's bf16 numerics (nothing without q_norm). */
+static void head_norms_bf16(const hfd_layer *L, uint16_t *q, uint16_t *k) {
+    if (!L->q_norm) return;
+    const int64_t d = L->head_dim;
+    for (int64_t h = 0; h < L->heads; h++) rms_norm_bf16(q + h * d, L->q_norm, d, L->q_eps, q + h * d);
+    for (int64_t h = 0; h < L->kv_heads; h++)
+        rms_norm_bf16(k + h * d, L->k_norm, d, L->k_eps, k + h * d);
 }
 
 /* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, int4 group sums and
@@ -503,6 +518,7 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
     round_row(ys[0], q, nq);
     round_row(ys[1], k, nkv);
     round_row(ys[2], v, nkv);
+    head_norms_bf16(L, q, k);
     if (L->q_scale != 0.f) scale_bf16(q, nq, L->q_scale);
     if (L->rope) {
         rotate_bf16(q, L->heads, d, cos, sin);
@@ -594,7 +610,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
         lin_rows(o_lin, in, 1, oy);
 #pragma omp single
         {
-            residual_bf16(x, y, H, x1);
+            residual_bf16(x, y, H, L->resid_mult, x1);
             norm_bf16(L, 2, x1, h);
             inputs_for(gu, gated ? 2 : 1, h, &s, in);
         }
@@ -609,7 +625,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
         }
         lin_rows(dn, in, 1, dy);
     }
-    residual_bf16(x1, y + 2 * I, H, out);
+    residual_bf16(x1, y + 2 * I, H, L->resid_mult, out);
     free(a); free(x1); free(h); free(y); free(sc); free(s.mem);
     return 0;
 }
@@ -741,11 +757,13 @@ static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint1
                         (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
 }
 
-/* out = bf16(a + b) for n bf16 elements. */
-static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, uint16_t *out) {
+/* out = bf16(a + b) for n bf16 elements; with m != 0, out = bf16(a + bf16(b * m)) (Granite). */
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), load16(b, c, DT_BF16, mk)));
+        __m512 v = load16(b, c, DT_BF16, mk);
+        if (m != 0.f) v = bf16_round(_mm512_mul_ps(v, _mm512_set1_ps(m)));
+        store16_bf16(out + c, mk, _mm512_add_ps(load16(a, c, DT_BF16, mk), v));
     }
 }
 
@@ -784,6 +802,10 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!rc) rc = lin_amx_rows(&L->lin[L_V], h, rows, v, nt);
     free(h);
     if (rc) return rc;
+    if (L->q_norm) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) head_norms_bf16(L, q + r * nq, k + r * nkv);
+    }
     if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
     if (!L->rope) return 0;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -830,7 +852,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            add_bf16(x + r * H, h + r * H, H, x1 + r * H);
+            add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
             norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
         rc = lin_amx_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
@@ -848,7 +870,8 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) add_bf16(x1 + r * H, h + r * H, H, out + r * H);
+        for (int64_t r = 0; r < rows; r++)
+            add_bf16(x1 + r * H, h + r * H, H, L->resid_mult, out + r * H);
     }
     free(a); free(x1); free(h); free(g); free(u); free(sc);
     return rc;

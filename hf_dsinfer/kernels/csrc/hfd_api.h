@@ -43,6 +43,9 @@ typedef struct {
     const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
     int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
     hfd_lin lin[L_COUNT];
+    const uint16_t *q_norm, *k_norm; /* per-head RMSNorm weights, bf16 [head_dim], or NULL */
+    float q_eps, k_eps;
+    float resid_mult; /* Granite: x + bf16(branch * resid_mult); 0: x + branch */
 } hfd_layer;
 
 int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
