@@ -210,6 +210,11 @@ def rms_norm_triton(x, weight, eps, residual=None, x_bias=None, style="llama"):
 
 def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
     """RMSNorm through torch's fused F.rms_norm instead of the reference's six eager ops."""
+    if torch.compiler.is_compiling():
+        # Traced, the reference's ops fuse in inductor anyway. F.rms_norm traced next to the
+        # attention's sdpa gave NaN logits with inductor's AVX2 code (torch 2.13,
+        # ATEN_CPU_CAPABILITY=avx2 on a Zen 5; either op alone on the reference was fine).
+        return rms_norm_ref(x, weight, eps, residual, x_bias, style)
     h = _residual_sum(x, residual, x_bias)
     hidden = (h.shape[-1],)
     if _check_style(style) != "llama":
