@@ -268,7 +268,7 @@ def _below_min(level: str, named: bool, use: str) -> bool:
 def lib(use: str = "kernels") -> ctypes.CDLL | None:
     """The loaded library of the running tier for `use` (a MIN_TIER key), or None when the
     native kernels do not run here, or run slower than torch's path at this tier. None inside
-    a torch.compile trace: a ctypes call cannot be traced (custom ops run them, kernels.moe)."""
+    a torch.compile trace: a ctypes call cannot be traced."""
     if os.environ.get(ENV_VAR, "1") == "0" or torch.compiler.is_compiling():
         return None
     level, named = _running()

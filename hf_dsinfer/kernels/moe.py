@@ -482,7 +482,7 @@ def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int,
 
 def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
     if torch.compiler.is_compiling():
-        return _compiled_rows(x_sorted, gate_up_proj, down_proj, offsets, act)
+        return _traced_rows(x_sorted, gate_up_proj, down_proj, offsets, act)
     act = resolve_activation(act)
     bounds = offsets.tolist()  # one host sync
     lib = _native_moe_lib(x_sorted, gate_up_proj, down_proj, act, bounds)
@@ -496,29 +496,30 @@ def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="sil
     return y
 
 
-# Under torch.compile the two CPU entry points run as custom ops: the graph holds one opaque call
-# and the eager code above (host reads of the expert offsets, native kernels) runs inside it, so
-# dynamo never sees a data-dependent branch and fullgraph=True compiles.
-@torch.library.custom_op("hf_dsinfer::grouped_expert_mlp_cpu", mutates_args=())
-def _compiled_mlp(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, act: str) -> torch.Tensor:
-    return grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act).contiguous()
+# Under torch.compile the two CPU entry points read no offsets on the host (a data-dependent
+# branch, which fullgraph=True refuses): every expert runs over every row and keeps its own, E / k
+# times the expert work, in one graph. (Custom ops around the eager code aborted the process
+# when inductor's cached graph called them in a later process: torch 2.13.)
+def _traced_mlp(hidden, gate_up_proj, down_proj, weights, ids, act):
+    """grouped_expert_mlp_cpu's result, summed in expert order as HF's eager loop does."""
+    act = resolve_activation(act)
+    out = torch.zeros_like(hidden)
+    for e in range(gate_up_proj.shape[0]):
+        w = (weights * (ids == e)).sum(dim=-1)  # [T]: e's routing weight, 0 where not routed
+        y = _expert_mlp(hidden, gate_up_proj[e], down_proj[e], act)
+        out = out + (y * w[:, None]).to(hidden.dtype)
+    return out
 
 
-@_compiled_mlp.register_fake
-def _(hidden, gate_up_proj, down_proj, weights, ids, act):
-    return torch.empty_like(hidden)
-
-
-@torch.library.custom_op("hf_dsinfer::grouped_expert_rows_cpu", mutates_args=())
-def _compiled_rows(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   offsets: torch.Tensor, act: str) -> torch.Tensor:
-    return grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act).contiguous()
-
-
-@_compiled_rows.register_fake
-def _(x_sorted, gate_up_proj, down_proj, offsets, act):
-    return x_sorted.new_empty(x_sorted.shape)
+def _traced_rows(x_sorted, gate_up_proj, down_proj, offsets, act):
+    """grouped_expert_rows_cpu's result (rows past offsets[E] are 0)."""
+    act = resolve_activation(act)
+    row = torch.arange(x_sorted.shape[0], device=x_sorted.device)[:, None]
+    y = torch.zeros_like(x_sorted)
+    for e in range(gate_up_proj.shape[0]):
+        mine = (row >= offsets[e]) & (row < offsets[e + 1])
+        y = torch.where(mine, _expert_mlp(x_sorted, gate_up_proj[e], down_proj[e], act), y)
+    return y
 
 
 def grouped_expert_rows_ref(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
@@ -542,8 +543,8 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     expert in one call, rows weighted as written) or two grouped GEMMs, and combine; or, with
     many rows per expert off the native path, one GEMM pair per active expert, each combined
     while its rows are hot."""
-    if torch.compiler.is_compiling():  # one opaque op in the traced graph (see _compiled_mlp)
-        return _compiled_mlp(hidden, gate_up_proj, down_proj, weights, ids, act)
+    if torch.compiler.is_compiling():
+        return _traced_mlp(hidden, gate_up_proj, down_proj, weights, ids, act)
     align = moe_align(ids, gate_up_proj.shape[0])
     x = hidden.index_select(0, align.token_idx)  # [T*k, H], contiguous per expert
     bounds = align.expert_offsets.tolist()  # one host sync
