@@ -90,7 +90,9 @@ def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
         scores = scores + mask
     keep = _keep_mask(mask, causal, window, q.shape[2], k.shape[2], q.device)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
+        # HF's finfo.min rather than -inf: a row with every key masked stays finite (then
+        # zeroed below); inductor's AVX2 code let the NaN of an all -inf row through.
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if keep is not None:  # a row of only -inf is NaN after softmax: make it attend nothing
         probs = probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
@@ -293,6 +295,9 @@ def attention_cpu(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
     kernel then reads each kv head's keys once for `rep` rows instead of once per query head:
     Llama-1.1B's batch-16 step (32 / 4 heads, 192 keys) 0.41 -> 0.19 ms per call. Sums run in
     another order than with enable_gqa, so results differ in the last bit (fp32 up to ~5e-7)."""
+    if torch.compiler.is_compiling():  # traced: the reference's ops (see attention_ref)
+        return attention_ref(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias,
+                             window=window)
     rep = _check_heads(q, k)
     attn_mask, is_causal, keep = _sdpa_mask(q, k, mask, causal, bias, window)
     b, hq, sq, d = q.shape
