@@ -40,6 +40,7 @@ from hf_dsinfer.kernels.moe import (
     grouped_expert_rows,
     moe_align,
     topk_gating,
+    traced_expert_rows,
 )
 
 
@@ -246,14 +247,10 @@ def _quantized_rows(x_sorted: torch.Tensor, qlinears: nn.ModuleList, offsets: to
     has no grouped int8/int4 GEMM; idle experts still cost nothing). Under torch.compile the
     offsets are not read on the host: every expert runs over all rows and keeps its own (E / k
     times the expert work, but one graph, fullgraph included)."""
-    y = torch.zeros_like(x_sorted)
     if torch.compiler.is_compiling():
-        row = torch.arange(x_sorted.shape[0], device=x_sorted.device)[:, None]
-        for e in range(offsets.shape[0] - 1):
-            h = qlinears[2 * e].matmul(x_sorted)
-            out = qlinears[2 * e + 1].matmul(gated_act(h, None, act))
-            y = torch.where((row >= offsets[e]) & (row < offsets[e + 1]), out, y)
-        return y
+        return traced_expert_rows(x_sorted, offsets, lambda e, x: qlinears[2 * e + 1].matmul(
+            gated_act(qlinears[2 * e].matmul(x), None, act)))
+    y = torch.zeros_like(x_sorted)
     bounds = offsets.tolist()
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]

@@ -482,7 +482,9 @@ def _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, kept: int,
 
 def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="silu"):
     if torch.compiler.is_compiling():
-        return _traced_rows(x_sorted, gate_up_proj, down_proj, offsets, act)
+        act = resolve_activation(act)
+        return traced_expert_rows(x_sorted, offsets, lambda e, x: _expert_mlp(
+            x, gate_up_proj[e], down_proj[e], act))
     act = resolve_activation(act)
     bounds = offsets.tolist()  # one host sync
     lib = _native_moe_lib(x_sorted, gate_up_proj, down_proj, act, bounds)
@@ -511,14 +513,14 @@ def _traced_mlp(hidden, gate_up_proj, down_proj, weights, ids, act):
     return out
 
 
-def _traced_rows(x_sorted, gate_up_proj, down_proj, offsets, act):
-    """grouped_expert_rows_cpu's result (rows past offsets[E] are 0)."""
-    act = resolve_activation(act)
+def traced_expert_rows(x_sorted: torch.Tensor, offsets: torch.Tensor, expert) -> torch.Tensor:
+    """Expert-sorted rows through `expert(e, rows)` without reading offsets on the host: every
+    expert runs over every row and keeps its own ([offsets[e], offsets[e+1])); rows past
+    offsets[E] are 0. Also the quantized experts' traced path (injection.moe)."""
     row = torch.arange(x_sorted.shape[0], device=x_sorted.device)[:, None]
     y = torch.zeros_like(x_sorted)
-    for e in range(gate_up_proj.shape[0]):
-        mine = (row >= offsets[e]) & (row < offsets[e + 1])
-        y = torch.where(mine, _expert_mlp(x_sorted, gate_up_proj[e], down_proj[e], act), y)
+    for e in range(offsets.shape[0] - 1):
+        y = torch.where((row >= offsets[e]) & (row < offsets[e + 1]), expert(e, x_sorted), y)
     return y
 
 

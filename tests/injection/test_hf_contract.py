@@ -183,14 +183,20 @@ def test_model_without_the_policys_layers_is_refused_or_run_unmodified():
 
 
 # -- outputs HF records with hooks -------------------------------------------------------------------
+def _ask(model, flag: str, through: str) -> dict:
+    """Ask for output `flag` through the model's config, or as the keyword returned."""
+    if through == "config":
+        setattr(model.config, flag, True)
+        return {}
+    return {flag: True}
+
+
 @pytest.mark.parametrize("family", ALL)
 @pytest.mark.parametrize("through", ["config", "keyword"])
 def test_attention_weights_asked_through_config_or_keyword(family, through):
     ids, mask = prompts()
     model = make_model(family)
-    ask = {"output_attentions": True} if through == "keyword" else {}
-    if through == "config":
-        model.config.output_attentions = True
+    ask = _ask(model, "output_attentions", through)
     with torch.no_grad():
         ref = model(ids, attention_mask=mask, **ask)
     hf_dsinfer.init_inference(model)
@@ -212,9 +218,7 @@ def test_attention_weights_asked_through_config_or_keyword(family, through):
 def test_router_logits_and_aux_loss(family, through):
     ids, mask = prompts()
     model = make_model(family)
-    ask = {"output_router_logits": True} if through == "keyword" else {}
-    if through == "config":
-        model.config.output_router_logits = True
+    ask = _ask(model, "output_router_logits", through)
     with torch.no_grad():
         ref = model(ids, attention_mask=mask, labels=ids, **ask)
     hf_dsinfer.init_inference(model, strict=True)

@@ -217,3 +217,25 @@ def test_grouped_expert_rows_with_dropped_rows(triton_interpret, dtype, backend)
     assert_close_tol(y[:kept], exact.to(dtype), dtype, REDUCTION_TOL)
     combined = moe.combine_expert_rows(y, weights.masked_fill(ids == 5, 0.0), align)
     assert combined.shape == hidden.shape and torch.isfinite(combined).all()
+
+
+def test_cpu_entry_points_trace_fullgraph_with_dropped_rows():
+    """Under torch.compile(fullgraph=True) the CPU entry points read no offsets on the host
+    (kernels.moe.traced_expert_rows) and give the eager results, dropped ids included."""
+    torch.manual_seed(0)
+    t, h, e, i, k = 9, 32, 4, 24, 2
+    x = torch.randn(t, h)
+    gate_up, down = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
+    ids = torch.randint(0, e, (t, k))
+    ids[0, 1] = e  # dropped (over capacity): never computed
+    weights = torch.rand(t, k)
+    align = moe.moe_align(ids, e)
+    rows = x.index_select(0, align.token_idx)
+    torch._dynamo.reset()
+    traced_rows = torch.compile(moe.grouped_expert_rows_cpu, fullgraph=True)
+    traced_mlp = torch.compile(moe.grouped_expert_mlp_cpu, fullgraph=True)
+    torch.testing.assert_close(traced_rows(rows, gate_up, down, align.expert_offsets),
+                               moe.grouped_expert_rows_cpu(rows, gate_up, down,
+                                                           align.expert_offsets))
+    torch.testing.assert_close(traced_mlp(x, gate_up, down, weights, ids),
+                               moe.grouped_expert_mlp_cpu(x, gate_up, down, weights, ids))
