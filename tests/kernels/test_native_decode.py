@@ -25,7 +25,7 @@ from transformers import (
 
 import hf_dsinfer
 from hf_dsinfer.injection.fused import _norm_eps
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, abi
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.attention import attention_ref
 
@@ -177,7 +177,7 @@ def test_int4_projections_against_float64(name, group):
     block = model.model.layers[0].forward
     layer = block.decode_layer()
     tiled = block._qkv[0].quantized.tiled
-    kind = native_decode.LIN_INT4_TILED if tiled else native_decode.LIN_INT4
+    kind = abi.LIN_INT4_TILED if tiled else abi.LIN_INT4
     assert layer is not None and layer.struct.lin[0].kind == kind
     assert tiled == (name != "llama_odd")  # llama_odd's rows are not whole tiles: both run
     hidden, d = block._ln1.weight.shape[0], block.spec.head_dim

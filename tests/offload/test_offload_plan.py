@@ -14,7 +14,7 @@ from hf_dsinfer.cli import main
 from hf_dsinfer.offload import cost
 from hf_dsinfer.offload.cost import Hardware, Workload, predict
 from hf_dsinfer.offload.memory import footprint
-from hf_dsinfer.offload.search import model_shape, search
+from hf_dsinfer.offload.search import measure_prefill_layer, model_shape, search
 
 # A fixed machine (no measuring in the unit test): CPU compute, slow disk.
 HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_write=1e9,
@@ -73,7 +73,6 @@ def test_prefill_layer_probe_times_the_models_own_layer(name, request, monkeypat
     that layer alone (hooks on it): one warm-up and `reps` calls of the fused block. It leaves the
     caller's random state as it was."""
     from hf_dsinfer.injection.fused import FusedBlock
-    from hf_dsinfer.offload import cost
 
     calls = []
     original = FusedBlock.__call__
@@ -86,7 +85,7 @@ def test_prefill_layer_probe_times_the_models_own_layer(name, request, monkeypat
     path = request.getfixturevalue(name)
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    seconds = cost.measure_prefill_layer(path, torch.float32, "cpu", 24, reps=2)
+    seconds = measure_prefill_layer(path, torch.float32, "cpu", 24, reps=2)
     assert torch.equal(torch.get_rng_state(), state)
     assert 0 < seconds < 5
     assert len(calls) == 3 and all(tuple(c)[:2] == (1, 24) for c in calls)
