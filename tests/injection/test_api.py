@@ -167,3 +167,14 @@ def test_output_attentions_defers_to_hf():
         expected = ref(ids, attention_mask=mask, output_attentions=True)
     assert out.attentions is not None and len(out.attentions) == 2
     assert torch.allclose(out.attentions[0], expected.attentions[0])
+
+
+def test_kernels_env_var_sets_what_auto_means(monkeypatch):
+    monkeypatch.setenv("HF_DSINFER_KERNELS", "ref")
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    assert walker.get_report(model).backend == "ref"
+    assert {f.backend for f in walker.get_report(model).blocks.values()} == {"ref"}
+    explicit = hf_dsinfer.init_inference(make_model("llama"), kernels="cpu")
+    assert walker.get_report(explicit).backend == "cpu"
+    monkeypatch.delenv("HF_DSINFER_KERNELS")
+    assert walker.get_report(hf_dsinfer.init_inference(make_model("llama"))).backend == "cpu"
