@@ -53,7 +53,7 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
         from hf_dsinfer.parallel.expert import check_expert_parallel
 
         check_expert_parallel(report, config)
-    walker.install(report)
+    walker.install(model, report)
     _attach_offload(model, config)  # before the parity probe: it streams the weights in
     walker.check_parity(model, report)
     if config.tp_size > 1:

@@ -14,7 +14,7 @@ ROOT = Path(hf_dsinfer.__file__).parent
 
 # Layer of each module, by the longest matching prefix. Lowest first.
 LAYERS = [
-    ("base", ["errors", "hardware"]),  # no hf_dsinfer imports but errors
+    ("base", ["errors", "settings", "hardware"]),  # no hf_dsinfer imports but errors
     ("kernels", ["kernels"]),  # tensors in, tensors out; the native library
     ("config", ["config", "offload.__init__", "offload.policy"]),  # frozen, validated settings
     ("hf", ["hf"]),  # the adapter of transformers' internals

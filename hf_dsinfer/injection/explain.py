@@ -9,6 +9,7 @@ from itertools import groupby
 import torch
 from torch import nn
 
+from hf_dsinfer import settings
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS
 from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.walker import InjectionReport, get_report
@@ -70,6 +71,11 @@ def explain(model: nn.Module) -> str:
     report = get_report(model)
     if report is None:
         return f"hf_dsinfer: {type(model).__name__} is not injected (call init_inference)."
+    with settings.use(**(report.config.settings or {})):  # what this model's calls see
+        return _explain(model, report)
+
+
+def _explain(model: nn.Module, report: InjectionReport) -> str:
     cfg = report.config
     head = (f"hf_dsinfer: {report.model_class}"
             f" | family {report.policy.family if report.policy else '-'}"
@@ -90,6 +96,8 @@ def explain(model: nn.Module) -> str:
         extras.append(report.head.describe())
     if report.decode is not None:
         extras.append(f"decode (generate): {report.decode.describe()}")
+    if report.settings is not None:
+        extras.append(report.settings.describe())
     native = _native_decode_line(report, model)
     if native:
         extras.append(native)

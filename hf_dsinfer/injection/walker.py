@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from hf_dsinfer import settings
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import ParityError, UnsupportedModelError
 from hf_dsinfer.hf import continuous_batching
@@ -45,6 +46,7 @@ from hf_dsinfer.injection.quantize import (
     check_quant_supported,
     quantize_blocks,
 )
+from hf_dsinfer.injection.scope import SettingsScope, install_settings, uninstall_settings
 from hf_dsinfer.kernels._dispatch import resolve
 from hf_dsinfer.kernels.quant import probe_private_ops
 
@@ -72,6 +74,7 @@ class InjectionReport:
     step: Any = None  # decode_step.NativeDecodeStep, when installed
     serving: Any = None  # hf.continuous_batching.ContinuousBatching, when installed
     backend: str | None = None  # the kernel backend the fused blocks run ("torch", "cpu", ...)
+    settings: SettingsScope | None = None  # config.settings around the model's forward
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
@@ -112,8 +115,10 @@ def prepare(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
     return True
 
 
-def install(report: InjectionReport) -> None:
-    """Put the fused blocks and MoE layers in place of HF's forwards."""
+def install(model: nn.Module, report: InjectionReport) -> None:
+    """Put the fused blocks and MoE layers in place of HF's forwards, and the model's own
+    settings (config.settings) around its forward."""
+    report.settings = install_settings(model, report.config.settings)
     for fused in report.blocks.values():
         _install(fused.block, fused)
     install_moe(report.moe)
@@ -166,6 +171,7 @@ def release_moe(report: InjectionReport) -> None:
 
 def remove(model: nn.Module, report: InjectionReport) -> None:
     """Take off what `install` and `finish` put on (after release_moe)."""
+    uninstall_settings(report.settings)
     uninstall_head(model, report.head)
     uninstall_decode_step(report.step)
     continuous_batching.uninstall(report.serving)
@@ -247,7 +253,10 @@ def _model_backend(model: nn.Module, config: DSInferConfig) -> str:
     """The backend the fused blocks run: the config's, or for "auto" what HF_DSINFER_KERNELS
     names (default auto: Triton on CUDA, the CPU paths on CPU)."""
     param = next(model.parameters())
-    return resolve(None, param.device) if config.kernels == "auto" else config.kernels
+    if config.kernels != "auto":
+        return config.kernels
+    with settings.use(**(config.settings or {})):
+        return resolve(None, param.device)
 
 
 

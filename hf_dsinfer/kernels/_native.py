@@ -56,18 +56,19 @@ from pathlib import Path
 
 import torch
 
+from hf_dsinfer import settings
 from hf_dsinfer.errors import NativeABIError
 from hf_dsinfer.kernels import abi
 
-ENV_VAR = "HF_DSINFER_NATIVE"
-AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
-ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
+ENV_VAR = settings.ENV["native"]  # the switches are hf_dsinfer.settings; these are its defaults
+AMX_ENV_VAR = settings.ENV["amx"]  # 0: the kernels that can use AMX tiles keep AVX-512
+ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
 HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
-TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+TIERS = settings.TIERS
 # per tier: what it adds to the one below, as gcc flags and as /proc/cpuinfo flags
 _TIER_ADDS = {
     "generic": ((), ()),
@@ -121,8 +122,7 @@ def cpu_tier() -> str:
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("HF_DSINFER_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "hf_dsinfer"
+    return settings.current().cache_dir
 
 
 def _simde_include() -> str:
@@ -252,20 +252,17 @@ MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize":
 
 
 def _running() -> tuple[str, bool]:
-    """The tier the kernels run (see tier()) and whether HF_DSINFER_ISA named one."""
-    cap = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    """The tier the kernels run (see tier()) and whether the settings named one (isa)."""
+    cap = settings.current().isa
     best = cpu_tier()
-    if not cap:
+    if cap is None:
         return best, False
-    if cap not in TIERS:
-        raise ValueError(f"{ISA_ENV_VAR}={cap!r} is not an ISA tier: expected one of "
-                         f"{', '.join(TIERS)}; unset it to use this CPU's best ({best})")
     return TIERS[min(TIERS.index(cap), TIERS.index(best))], True
 
 
 @torch.compiler.assume_constant_result  # traced (kernels.crossovers): a constant of the graph
 def tier() -> str:
-    """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
+    """The tier the kernels run: the CPU's best, capped by the settings' isa."""
     return _running()[0]
 
 
@@ -277,7 +274,7 @@ def lib(use: str = "kernels") -> ctypes.CDLL | None:
     """The loaded library of the running tier for `use` (a MIN_TIER key), or None when the
     native kernels do not run here, or run slower than torch's path at this tier. None inside
     a torch.compile trace: a ctypes call cannot be traced."""
-    if os.environ.get(ENV_VAR, "1") == "0" or torch.compiler.is_compiling():
+    if not settings.current().native or torch.compiler.is_compiling():
         return None
     level, named = _running()
     return None if _below_min(level, named, use) else _load(level)
@@ -294,13 +291,13 @@ def builds() -> bool:
 
 def why_unavailable(use: str = "kernels") -> str | None:
     """Why `lib(use)` is None (None when it is not)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return f"disabled by {ENV_VAR}=0"
+    if not settings.current().native:
+        return f"disabled by settings native=False ({ENV_VAR}=0)"
     level, named = _running()
     if _below_min(level, named, use):
         return (f"the {level} tier, where {use!r} kernels measured slower than torch's path "
-                f"(they run from {MIN_TIER[use]}: _native.MIN_TIER); {ISA_ENV_VAR}={level} "
-                "runs them anyway")
+                f"(they run from {MIN_TIER[use]}: _native.MIN_TIER); settings isa={level!r} "
+                f"({ISA_ENV_VAR}={level}) runs them anyway")
     return None if _load(level) is not None else f"{level} tier: {_why.get(level, '')}"
 
 
@@ -309,7 +306,8 @@ def describe_tier() -> str:
     if lib("codes") is None:  # the use that runs at every tier
         return f"native kernels off: {why_unavailable('codes')}"
     level, best = tier(), cpu_tier()
-    capped = f", capped by {ISA_ENV_VAR} (this CPU: {best})" if level != best else ""
+    capped = (f", capped by settings isa ({ISA_ENV_VAR}; this CPU: {best})" if level != best
+              else "")
     off = [f"{use} ({why_unavailable(use)})" for use in MIN_TIER if lib(use) is None]
     return f"native kernels: {level} tier{capped}" + (f"; torch's path for {'; '.join(off)}"
                                                         if off else "")
@@ -334,8 +332,8 @@ def streamed_copy(t: torch.Tensor) -> torch.Tensor:
 
 def amx_allowed() -> bool:
     """AMX may be used where the CPU has it (the C side checks the CPU and asks Linux for the
-    tile state); HF_DSINFER_NATIVE_AMX=0 keeps the AVX-512 paths."""
-    return os.environ.get(AMX_ENV_VAR, "1") != "0"
+    tile state); settings amx=False (HF_DSINFER_NATIVE_AMX=0) keeps the AVX-512 paths."""
+    return settings.current().amx
 
 
 def amx_available() -> bool:

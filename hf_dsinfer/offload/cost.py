@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from hf_dsinfer import settings
 from hf_dsinfer.hardware import median_time, read_bandwidth
 from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels.kv_quant import (
@@ -87,8 +88,11 @@ class Hardware:
 # -- measuring ---------------------------------------------------------------------------------------
 # bumped when a probe changes what it measures, so that ~/.cache's older results are not reused
 PROBES_VERSION = 3
-CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_dsinfer" \
-    / "hardware.json"
+
+
+def cache_file() -> Path:
+    """Where measured hardware is kept: under the settings' cache_dir (hf_dsinfer.settings)."""
+    return settings.current().cache_dir / "hardware.json"
 
 
 def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -129,7 +133,7 @@ def _cache_key(folder: Path, dtype: torch.dtype, device: str, disk_mib: int,
 
 def _cached(key: str) -> Hardware | None:
     try:
-        entry = json.loads(CACHE_FILE.read_text()).get(key)
+        entry = json.loads(cache_file().read_text()).get(key)
     except (OSError, ValueError):
         return None
     fields = {f.name for f in dataclasses.fields(Hardware)}
@@ -140,10 +144,10 @@ def _cached(key: str) -> Hardware | None:
 
 def _store(key: str, hw: Hardware) -> None:
     try:
-        data = json.loads(CACHE_FILE.read_text()) if CACHE_FILE.exists() else {}
+        data = json.loads(cache_file().read_text()) if cache_file().exists() else {}
         data[key] = dataclasses.asdict(hw)
-        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        CACHE_FILE.write_text(json.dumps(data, indent=1))
+        cache_file().parent.mkdir(parents=True, exist_ok=True)
+        cache_file().write_text(json.dumps(data, indent=1))
     except (OSError, ValueError):
         pass  # a cache that cannot be written only costs a re-measurement
 
