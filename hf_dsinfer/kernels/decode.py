@@ -14,9 +14,8 @@ layer in two native calls instead:
 For B > 1 sequences (batched decode, beams), attn_in_rows / attn_out_rows do the same per row
 (each row its own position and keep mask) with the projections on AMX (hfd_linear_bf16 of
 csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the CPU also has
-AMX-INT8; int4 weights take the torch path: `rows_why` says why not). On
-a Llama-1.1B shape at batch 16 this took the forward of a decode step from ~118 ms (the torch
-path: ~25 ms of ~90 torch ops per step around the same AMX linears) to ~102-105 ms.
+AMX-INT8; int4 weights take the torch path: `rows_why` says why not; measured:
+docs/performance.md).
 
 It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear:
 injection/native_layer.py describes a block's modules as the C struct and builds the layer) and
