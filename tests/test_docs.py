@@ -6,7 +6,6 @@ README's two set-up commands are what CI itself runs; they are not re-run here."
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from pathlib import Path
@@ -48,7 +47,6 @@ def test_python_block_runs(code, mark, path, tmp_path, monkeypatch):
         script.write_text(f"path = {path!r}\n" + code
                           + "\nfrom tests.launch import exit_skipping_teardown\n"
                             "exit_skipping_teardown()\n")
-        monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = torchrun(int(mark.split()[1]), str(script), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return
