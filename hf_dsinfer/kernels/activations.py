@@ -29,7 +29,11 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch
 
-tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
+# triton.language, bound lazily by _kernels() so importing this file needs no Triton. Unlike
+# the other kernel files (kernels defined inside their `_kernels()` factory), both kernels here
+# call one jitted helper, `_act_fp32`, which Triton's interpreter (TRITON_INTERPRET=1) finds
+# only among the module's globals, not in a factory's closure.
+tl = None
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 

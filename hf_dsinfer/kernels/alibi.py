@@ -23,8 +23,6 @@ import torch
 
 from hf_dsinfer.kernels import _dispatch
 
-tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
-
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
     """float32 [num_heads]: HF BLOOM's `_get_alibi_slopes`, including non-power-of-2 counts."""
@@ -55,28 +53,27 @@ def alibi_bias_ref(attention_mask_2d, num_heads, dtype):
 # real tokens so the cumulative sum spans the whole row.
 
 
-def _alibi_bias_kernel(MASK, SLOPES, OUT, heads, seq, BLOCK: tl.constexpr):
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    slope = tl.load(SLOPES + h)
-    carry = tl.zeros((), dtype=tl.int64)  # real tokens seen before this chunk
-    for start in range(0, seq, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < seq
-        keep = tl.load(MASK + b * seq + cols, mask=m, other=0).to(tl.int64)
-        pos = (tl.cumsum(keep, axis=0) + carry - 1) * keep
-        carry += tl.sum(keep, axis=0)
-        out = slope * pos.to(tl.float32)
-        tl.store(OUT + (b * heads + h) * seq + cols, out.to(OUT.dtype.element_ty), mask=m)
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
-    """Import Triton and JIT the kernel above (once per process)."""
-    global tl
+    """Import Triton and define its kernels (once per process)."""
     import triton
     import triton.language as tl
 
-    return types.SimpleNamespace(alibi_bias=triton.jit(_alibi_bias_kernel))
+    @triton.jit
+    def _alibi_bias_kernel(MASK, SLOPES, OUT, heads, seq, BLOCK: tl.constexpr):
+        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        slope = tl.load(SLOPES + h)
+        carry = tl.zeros((), dtype=tl.int64)  # real tokens seen before this chunk
+        for start in range(0, seq, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < seq
+            keep = tl.load(MASK + b * seq + cols, mask=m, other=0).to(tl.int64)
+            pos = (tl.cumsum(keep, axis=0) + carry - 1) * keep
+            carry += tl.sum(keep, axis=0)
+            out = slope * pos.to(tl.float32)
+            tl.store(OUT + (b * heads + h) * seq + cols, out.to(OUT.dtype.element_ty), mask=m)
+
+    return types.SimpleNamespace(alibi_bias=_alibi_bias_kernel)
 
 
 def alibi_bias_triton(attention_mask_2d, num_heads, dtype):

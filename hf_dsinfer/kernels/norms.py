@@ -32,8 +32,6 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch
 
-tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
-
 
 def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None,
                   x_bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,72 +84,71 @@ def rms_weight(normed: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
 # for an eager `a + b`, so the stored h matches HF's residual stream bit for bit.
 
 
-def _layer_norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
-                       HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       STORE_H: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < hidden
-    h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
-    if HAS_XBIAS:
-        xb = tl.load(XB + cols, mask=m, other=0.0)
-        h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
-    if HAS_RES:
-        r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
-        h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
-    if STORE_H:
-        tl.store(H + row * hidden + cols, h, mask=m)
-    # Statistics in fp32: a bf16 sum over thousands of elements would lose the mean.
-    hf = h.to(tl.float32)
-    mean = tl.sum(hf, axis=0) / hidden
-    d = tl.where(m, hf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)  # biased variance, as torch
-    y = d * rstd * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
-
-
-def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
-                     HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, STORE_H: tl.constexpr,
-                     BLOCK: tl.constexpr, FP32_WEIGHT: tl.constexpr = False,
-                     UNIT_OFFSET: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < hidden
-    h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
-    if HAS_XBIAS:
-        xb = tl.load(XB + cols, mask=m, other=0.0)
-        h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
-    if HAS_RES:
-        r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
-        h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
-    if STORE_H:
-        tl.store(H + row * hidden + cols, h, mask=m)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    if FP32_WEIGHT:  # OLMo 2 / Gemma: multiply in fp32 (by 1 + w for Gemma), round once
-        if UNIT_OFFSET:
-            w = w + 1.0
-        y = hf * rstd * w
-    else:  # Llama: HF rounds the normalized value to h's dtype before multiplying by the weight
-        y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
-        y = y * w
-    tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
-    """Import Triton and JIT the kernels above (once per process)."""
-    global tl
+    """Import Triton and define its kernels (once per process)."""
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _layer_norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
+                           HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < hidden
+        h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
+        if HAS_XBIAS:
+            xb = tl.load(XB + cols, mask=m, other=0.0)
+            h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
+            h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
+        if STORE_H:
+            tl.store(H + row * hidden + cols, h, mask=m)
+        # Statistics in fp32: a bf16 sum over thousands of elements would lose the mean.
+        hf = h.to(tl.float32)
+        mean = tl.sum(hf, axis=0) / hidden
+        d = tl.where(m, hf - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)  # biased variance, as torch
+        y = d * rstd * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
+                         HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, STORE_H: tl.constexpr,
+                         BLOCK: tl.constexpr, FP32_WEIGHT: tl.constexpr = False,
+                         UNIT_OFFSET: tl.constexpr = False):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < hidden
+        h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
+        if HAS_XBIAS:
+            xb = tl.load(XB + cols, mask=m, other=0.0)
+            h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
+            h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
+        if STORE_H:
+            tl.store(H + row * hidden + cols, h, mask=m)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if FP32_WEIGHT:  # OLMo 2 / Gemma: multiply in fp32 (by 1 + w for Gemma), round once
+            if UNIT_OFFSET:
+                w = w + 1.0
+            y = hf * rstd * w
+        else:  # Llama: HF rounds the normalized value to h's dtype before multiplying by the weight
+            y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
+            y = y * w
+        tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
+
     return types.SimpleNamespace(
         next_power_of_2=triton.next_power_of_2,
-        layer_norm=triton.jit(_layer_norm_kernel),
-        rms_norm=triton.jit(_rms_norm_kernel),
+        layer_norm=_layer_norm_kernel,
+        rms_norm=_rms_norm_kernel,
     )
 
 

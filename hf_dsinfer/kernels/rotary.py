@@ -28,8 +28,6 @@ import torch
 
 from hf_dsinfer.kernels import _dispatch
 
-tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
-
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor,
                  attention_scaling: float = 1.0, *, interleaved: bool = False,
@@ -80,51 +78,50 @@ def apply_rotary_ref(q, k, cos, sin, interleaved=False):
 # different index maps. Products and the sum are rounded to x's dtype like the eager ops.
 
 
-def _apply_rotary_kernel(X, COS, SIN, OUT, heads, seq, rot, dim,
-                         sxb, sxh, sxs, scb, scs, INTERLEAVED: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         BLOCK_PASS: tl.constexpr):
-    pid_s, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]  # [BLOCK_S, 1]
-    j = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
-    m = (s < seq) & (j < rot // 2)
-    if INTERLEAVED:
-        i1 = 2 * j
-        i2 = i1 + 1
-    else:
-        i1 = j
-        i2 = j + rot // 2
-    x_row = X + b * sxb + h * sxh + s * sxs
-    o_row = OUT + ((b * heads + h) * seq + s) * dim  # OUT is contiguous [B, H, S, D]
-    c_row = b * scb + s * scs
-    dt = OUT.dtype.element_ty
-    x1 = tl.load(x_row + i1, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + i2, mask=m, other=0.0).to(tl.float32)
-    # HF casts cos/sin to q's dtype before the rotation.
-    c1 = tl.load(COS + c_row + i1, mask=m, other=0.0).to(dt).to(tl.float32)
-    c2 = tl.load(COS + c_row + i2, mask=m, other=0.0).to(dt).to(tl.float32)
-    s1 = tl.load(SIN + c_row + i1, mask=m, other=0.0).to(dt).to(tl.float32)
-    s2 = tl.load(SIN + c_row + i2, mask=m, other=0.0).to(dt).to(tl.float32)
-    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(o_row + i1, o1.to(dt), mask=m)
-    tl.store(o_row + i2, o2.to(dt), mask=m)
-    if BLOCK_PASS > 0:  # partial rotary: copy dims [rot, dim) unchanged
-        p = rot + tl.arange(0, BLOCK_PASS)[None, :]
-        mp = (s < seq) & (p < dim)
-        tl.store(o_row + p, tl.load(x_row + p, mask=mp, other=0.0), mask=mp)
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
-    """Import Triton and JIT the kernel above (once per process)."""
-    global tl
+    """Import Triton and define its kernels (once per process)."""
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _apply_rotary_kernel(X, COS, SIN, OUT, heads, seq, rot, dim,
+                             sxb, sxh, sxs, scb, scs, INTERLEAVED: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_PASS: tl.constexpr):
+        pid_s, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]  # [BLOCK_S, 1]
+        j = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+        m = (s < seq) & (j < rot // 2)
+        if INTERLEAVED:
+            i1 = 2 * j
+            i2 = i1 + 1
+        else:
+            i1 = j
+            i2 = j + rot // 2
+        x_row = X + b * sxb + h * sxh + s * sxs
+        o_row = OUT + ((b * heads + h) * seq + s) * dim  # OUT is contiguous [B, H, S, D]
+        c_row = b * scb + s * scs
+        dt = OUT.dtype.element_ty
+        x1 = tl.load(x_row + i1, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + i2, mask=m, other=0.0).to(tl.float32)
+        # HF casts cos/sin to q's dtype before the rotation.
+        c1 = tl.load(COS + c_row + i1, mask=m, other=0.0).to(dt).to(tl.float32)
+        c2 = tl.load(COS + c_row + i2, mask=m, other=0.0).to(dt).to(tl.float32)
+        s1 = tl.load(SIN + c_row + i1, mask=m, other=0.0).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + c_row + i2, mask=m, other=0.0).to(dt).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        tl.store(o_row + i1, o1.to(dt), mask=m)
+        tl.store(o_row + i2, o2.to(dt), mask=m)
+        if BLOCK_PASS > 0:  # partial rotary: copy dims [rot, dim) unchanged
+            p = rot + tl.arange(0, BLOCK_PASS)[None, :]
+            mp = (s < seq) & (p < dim)
+            tl.store(o_row + p, tl.load(x_row + p, mask=mp, other=0.0), mask=mp)
+
     return types.SimpleNamespace(
         cdiv=triton.cdiv, next_power_of_2=triton.next_power_of_2,
-        apply_rotary=triton.jit(_apply_rotary_kernel),
+        apply_rotary=_apply_rotary_kernel,
     )
 
 
