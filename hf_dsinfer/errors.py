@@ -29,3 +29,17 @@ class DSInferConfigError(ValueError):
 class ContinuousBatchingError(DSInferError):
     """A request under transformers' continuous batching failed or ended short, or a model's
     forward cannot take continuous batching's packed rows and paged cache."""
+
+
+class ServeError(DSInferError):
+    """A request `hf-dsinfer serve` refuses or cannot answer. Carries the HTTP status, the
+    request field at fault (OpenAI's `param`) and a short code; the message says what was
+    expected, what was given and the fix."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
