@@ -31,6 +31,46 @@ class ContinuousBatchingError(DSInferError):
     forward cannot take continuous batching's packed rows and paged cache."""
 
 
+class QuantizationError(DSInferError):
+    """Weight-only quantization cannot be applied as configured (no int8 / int4 path for the
+    device and dtype, or a group size that does not divide the layers)."""
+
+
+class TensorParallelError(DSInferError):
+    """Tensor parallelism cannot be set up as asked (no process group, sizes that don't fit)."""
+
+
+class ExpertParallelError(DSInferError):
+    """Expert parallelism cannot be set up as asked (sizes that do not fit, no MoE blocks)."""
+
+
+class MoeStateError(DSInferError):
+    """An HF forward was requested from a MoE block whose experts it can no longer compute."""
+
+
+class OffloadFileError(DSInferError):
+    """An offload file is missing, truncated, corrupted, or its folder cannot be written."""
+
+
+class OffloadBudgetError(DSInferError):
+    """The policy does not fit the memory budget it promises to keep."""
+
+
+class PolicyError(DSInferError):
+    """An injection policy (a family's data file) names an impossible combination of options.
+    Raised when the policy is defined, so a typo fails at import, not at the first forward."""
+
+
+class NativeUnsupported(Exception):
+    """Why a layer (or one of its weights) is not computed by the native decode kernels. Not an
+    error for the user: callers catch it and take the torch path, recording the reason."""
+
+
+class NativeABIError(DSInferError):
+    """A native kernel library reports another C interface (version or struct layout) than the
+    Python side mirrors (kernels/abi.py): it is refused, and the kernels fall back to torch."""
+
+
 class ServeError(DSInferError):
     """A request `hf-dsinfer serve` refuses or cannot answer. Carries the HTTP status, the
     request field at fault (OpenAI's `param`) and a short code; the message says what was

@@ -35,9 +35,10 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv, commit_kv, kv_rooms
 from hf_dsinfer.kernels import _native
-from hf_dsinfer.kernels.decode import LayerChain, Unsupported, cache_kv_usable
+from hf_dsinfer.kernels.decode import LayerChain, cache_kv_usable
 
 try:  # transformers' output capture: which collector (if any) its layer hooks fill now
     from transformers.utils.output_capturing import _active_collector
@@ -192,7 +193,7 @@ class NativeDecodeStep:
         if self._layer_chain is None or not self._layer_chain.matches(layers):
             try:
                 self._layer_chain = LayerChain(layers)
-            except Unsupported:
+            except NativeUnsupported:
                 return None
         return self._layer_chain
 

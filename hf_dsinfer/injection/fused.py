@@ -22,12 +22,14 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.integration.outputs import recording
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
+from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
@@ -331,11 +333,11 @@ class FusedBlock:
                 norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
                 mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
                 qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier)
-        except native_decode.Unsupported as err:
+        except NativeUnsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
 
-    def _decode_linears(self) -> list:
+    def _decode_linears(self) -> dict:
         """q, k, v, o, gate, up, down (OPT: fc1, None, fc2) as kernels.decode takes them: the
         parts of a fused qkv_proj / gate_up_proj (Phi-3) as row slices of it."""
         spec, d = self.spec, self.spec.head_dim
@@ -348,7 +350,7 @@ class FusedBlock:
         if len(mlp_in) == 1:  # [gate | up]
             inter = mlp_in[0].out_features // 2
             mlp_in = [native_decode.RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
-        return [*qkv, self._out, *mlp_in, self._mlp_out]
+        return dict(zip(SLOTS, (*qkv, self._out, *mlp_in, self._mlp_out), strict=True))
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not
@@ -679,7 +681,7 @@ def _views(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def _refuse_hf_forward_under_tp(named: dict[str, Any]) -> None:
-    from hf_dsinfer.parallel.groups import TensorParallelError
+    from hf_dsinfer.errors import TensorParallelError
 
     asked = [k for k in ("output_attentions", "encoder_hidden_states") if named.get(k)]
     raise TensorParallelError(

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dsinfer.config import QuantConfig
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import MoeStateError
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear, quantize_linear, resolve_group_size
 from hf_dsinfer.integration.outputs import recording
@@ -42,10 +42,6 @@ from hf_dsinfer.kernels.moe import (
     topk_gating,
     traced_expert_rows,
 )
-
-
-class MoeStateError(DSInferError):
-    """An HF forward was requested from a MoE block whose experts it can no longer compute."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hf_dsinfer.errors import PolicyError
+
 
 @dataclasses.dataclass(frozen=True)
 class FromConfig:
@@ -67,6 +69,31 @@ NO_POSITIONS = "none"        # learned absolute positions added before the block
 QK_NORM_HEAD = "per_head"    # Qwen3(-MoE): over each head's head_dim, before RoPE
 QK_NORM_FULL = "full"        # OLMoE: over the whole q (k) projection, before the head split
 
+QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA)
+LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
+NORMS = ("layer", *RMS_STYLES)
+POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
+QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
+TP_STYLES = ("colwise", "rowwise")
+
+
+def _check_choice(where: str, field: str, value: Any, allowed: tuple) -> None:
+    """`value` (or every value a FromConfig maps to) must be one of `allowed`."""
+    values = (list(value.mapping.values()) if isinstance(value, FromConfig) and value.mapping
+              else [] if isinstance(value, FromConfig) else [value])
+    for v in values:
+        if v not in allowed:
+            raise PolicyError(f"{where}: {field}={v!r} is not one of {list(allowed)}. Fix: use "
+                              "one of the constants of hf_dsinfer.injection.policy.")
+
+
+def _check_names(where: str, field: str, value: Any, *, empty: bool = False) -> None:
+    """A tuple of attribute names (non-empty unless `empty`)."""
+    if (not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value)
+            or (not value and not empty)):
+        raise PolicyError(f"{where}: {field} must be a {'' if empty else 'non-empty '}tuple of "
+                          f"attribute names, got {value!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeLayout:
@@ -85,6 +112,15 @@ class MoeLayout:
     experts: str = "experts"
     shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
     shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1)
+
+    def __post_init__(self) -> None:
+        _check_names("MoeLayout", "classes", self.classes)
+        for field in ("num_experts", "top_k", "router", "experts"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise PolicyError(f"MoeLayout: {field} must be a config / module attribute "
+                                  f"name, got {getattr(self, field)!r}")
+        if self.shared_expert_gate is not None and self.shared_expert is None:
+            raise PolicyError("MoeLayout: shared_expert_gate without a shared_expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +167,43 @@ class Policy:
     residual_multiplier: Any = None       # attention / MLP outputs scaled before the residual
                                           # add (Granite; FromConfig)
     notes: str = ""
+
+    def __post_init__(self) -> None:
+        """Validate the data when the policy is defined (at import): a typo in a family file
+        fails there, naming the field, instead of at the first forward."""
+        where = f"policy {self.family!r}"
+        if not isinstance(self.family, str) or not self.family:
+            raise PolicyError(f"policy: family must be a non-empty name, got {self.family!r}")
+        _check_names(where, "model_types", self.model_types)
+        _check_names(where, "block_classes", self.block_classes)
+        _check_choice(where, "layout", self.layout, LAYOUTS)
+        _check_choice(where, "norm", self.norm, NORMS)
+        _check_choice(where, "qkv_layout", self.qkv_layout, QKV_LAYOUTS)
+        _check_choice(where, "positions", self.positions, POSITIONS)
+        _check_choice(where, "qk_norm", self.qk_norm, QK_NORMS)
+        _check_names(where, "qkv", self.qkv)
+        want = 3 if self.qkv_layout == SEPARATE else 1
+        if len(self.qkv) != want:
+            raise PolicyError(f"{where}: qkv_layout={self.qkv_layout!r} reads {want} "
+                              f"projection(s), but qkv names {len(self.qkv)}: {self.qkv}")
+        _check_names(where, "mlp_in", self.mlp_in, empty=self.moe is not None)
+        if self.mlp_in and len(self.mlp_in) > (2 if self.gated else 1):
+            raise PolicyError(f"{where}: mlp_in names {len(self.mlp_in)} projections: "
+                              f"{self.mlp_in}; a {'gated' if self.gated else 'plain'} MLP reads "
+                              f"at most {2 if self.gated else 1}")
+        sandwich = self.layout == SANDWICH
+        for field in ("post_attn_norm", "post_mlp_norm"):
+            if sandwich and not getattr(self, field):
+                raise PolicyError(f"{where}: layout=SANDWICH needs {field}")
+            if getattr(self, field) and not sandwich and not isinstance(self.layout, FromConfig):
+                raise PolicyError(f"{where}: {field} is only read by layout=SANDWICH, not "
+                                  f"{self.layout!r}")
+        if self.ln1 is None and not sandwich:
+            raise PolicyError(f"{where}: ln1=None (no pre-norm) only with layout=SANDWICH")
+        for path, style in (self.tp_plan or {}).items():
+            _check_choice(f"{where} tp_plan[{path!r}]", "style", style, TP_STYLES)
+        if self.moe is not None and not isinstance(self.moe, MoeLayout):
+            raise PolicyError(f"{where}: moe must be a MoeLayout, got {type(self.moe).__name__}")
 
     def matches(self, model: Any) -> bool:
         return getattr(model.config, "model_type", None) in self.model_types

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.config import QuantConfig
+from hf_dsinfer.errors import QuantizationError
 from hf_dsinfer.kernels import _dispatch
 from hf_dsinfer.kernels.quant import (
     INT4_GROUP_SIZES,
@@ -83,13 +84,13 @@ def check_quant_supported(quant: QuantConfig, device: torch.device, dtype: torch
     names = ", ".join(f"{d}: {[str(t).removeprefix('torch.') for t in ts]}"
                       for d, ts in supported.items())
     if dtype not in supported.get(device.type, ()):
-        raise ValueError(
+        raise QuantizationError(
             f"quant={{'bits': {quant.bits}}}: no int{quant.bits} weight-only path for "
             f"{device.type} with {dtype}. Supported (device: activation dtypes): {names}. "
             "Fix: load the model on one of those, or drop `quant`."
         )
     if device.type == "cuda" and not _dispatch.triton_available():
-        raise ValueError(
+        raise QuantizationError(
             f"quant={{'bits': {quant.bits}}} on CUDA needs the Triton kernels. "
             "Fix: `pip install triton`."
         )
@@ -107,7 +108,7 @@ def resolve_group_size(quant: QuantConfig, in_features: list[int]) -> int | None
     sizes = sorted(set(in_features))
     fix = (f"pass group_size={min(fits)} (fits: {fits})" if fits
            else "use quant={'bits': 8} for this model")
-    raise ValueError(
+    raise QuantizationError(
         f"quant bits=4: group_size={quant.group_size or 'auto'} must divide every quantized "
         f"layer's input size, got input sizes {sizes}; supported group sizes are "
         f"{INT4_GROUP_SIZES}. Fix: {fix}."

@@ -164,7 +164,7 @@ def revert(model: nn.Module) -> nn.Module:
     if report is None:
         return model
     if report.tp is not None:
-        from hf_dsinfer.parallel.groups import TensorParallelError
+        from hf_dsinfer.errors import TensorParallelError
 
         raise TensorParallelError(
             "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "

@@ -56,6 +56,9 @@ from pathlib import Path
 
 import torch
 
+from hf_dsinfer.errors import NativeABIError
+from hf_dsinfer.kernels import abi
+
 ENV_VAR = "HF_DSINFER_NATIVE"
 AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
 ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
@@ -213,6 +216,11 @@ def _load(level: str) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as err:
         _why[level] = f"build failed: {err}"
+        return None
+    try:
+        abi.check(lib, str(path))
+    except NativeABIError as err:
+        _why[level] = str(err)
         return None
     _declare(lib)
     return lib

@@ -20,7 +20,7 @@ path: ~25 ms of ~90 torch ops per step around the same AMX linears) to ~102-105 
 
 It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear)
 and rounds to bf16 where HF's bf16 modules round (see the C file's header), so its tokens follow
-the torch path's. `DecodeLayer.build` raises Unsupported, with the reason, for a layer it does
+the torch path's. `DecodeLayer.build` raises NativeUnsupported, with the reason, for a layer it does
 not compute; callers then use the torch path. The calls come from each fused block's forward
 (injection/fused.py) or, for a whole step, from one loop over the layers
 (injection/decode_step.py).
@@ -34,41 +34,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.abi import (
+    LIN_BF16,
+    LIN_INT4,
+    LIN_INT4_TILED,
+    LIN_INT8,
+    LIN_INT8_TILED,
+    MLPS,
+    NORMS,
+    SLOTS,
+)
+from hf_dsinfer.kernels.abi import Layer as _Layer
+from hf_dsinfer.kernels.abi import Lin as _Lin
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES, TILE_ROWS
 
-LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
 MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
 MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
-
-
-class _Lin(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("s_dt", ctypes.c_int64), ("b_dt", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("in_scale", ctypes.c_void_p), ("rowsum", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("inter", ctypes.c_int64), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-                ("scale", ctypes.c_float), ("q_scale", ctypes.c_float),
-                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
-                ("ln1_b", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
-                ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
-                ("lin", _Lin * 7), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float),
-                ("resid_mult", ctypes.c_float)]
-
-
-NORMS = {"rms": 0, "layer": 1}  # csrc/hfd_api.h: NORM_RMS, NORM_LAYER
-MLPS = {"gated_silu": 0, "relu": 1}  # csrc/hfd_api.h: MLP_GATED_SILU, MLP_RELU
-
-
-class Unsupported(Exception):
-    """Why a layer (or a weight of it) is not computed natively."""
 
 
 class RowSlice(NamedTuple):
@@ -83,7 +66,7 @@ class RowSlice(NamedTuple):
 def _dtype_code(t: torch.Tensor, what: str) -> int:
     code = _native.DTYPE_CODES.get(t.dtype)
     if code is None:
-        raise Unsupported(f"{what} of dtype {t.dtype}")
+        raise NativeUnsupported(f"{what} of dtype {t.dtype}")
     return code
 
 
@@ -106,11 +89,11 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
     if isinstance(module, QuantizedLinear):
         qw = module.quantized
         if qw.tiled and (row0 % TILE_ROWS or n % TILE_ROWS):
-            raise Unsupported(f"rows {row0}..{row0 + n} of a tiled weight ({TILE_ROWS}-row tiles)")
+            raise NativeUnsupported(f"rows {row0}..{row0 + n} of a tiled weight ({TILE_ROWS}-row tiles)")
         if module.bits == 8:
             if qw.rowsum is None or (qw.in_scale is not None
                                      and qw.in_scale.dtype != torch.float32):
-                raise Unsupported("int8 weight without row sums or fp32 input scales")
+                raise NativeUnsupported("int8 weight without row sums or fp32 input scales")
             names = ["qweight", "scales", "rowsum"] + (["in_scale"] if qw.in_scale is not None
                                                       else [])
             kind = LIN_INT8_TILED if qw.tiled else LIN_INT8
@@ -120,12 +103,12 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
                        at(qw.rowsum, 1), None)
         else:
             if _native.lib("int4") is None:
-                raise Unsupported(f"int4 weights: {_native.why_unavailable('int4')}")
+                raise NativeUnsupported(f"int4 weights: {_native.why_unavailable('int4')}")
             if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES
                     or k // qw.group_size > MAX_INT4_GROUPS):
-                raise Unsupported(f"int4 group size {qw.group_size} for input size {k}")
+                raise NativeUnsupported(f"int4 group size {qw.group_size} for input size {k}")
             if qw.mins.dtype != qw.scales.dtype:
-                raise Unsupported("int4 mins and scales of different dtypes")
+                raise NativeUnsupported("int4 mins and scales of different dtypes")
             names = ["packed", "scales", "mins"]
             kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
             groups = k // qw.group_size
@@ -134,18 +117,18 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
                        None, None)
         total = qw.scales.shape[0]
         if total < rows_needed or (exact and total != n):
-            raise Unsupported(f"quantized weight of {qw.scales.shape[0]} rows, not {n}")
+            raise NativeUnsupported(f"quantized weight of {qw.scales.shape[0]} rows, not {n}")
         watched = [(buffers, name) for name in names]
     elif type(module) is nn.Linear:
         w = module.weight
         rows_ok = w.shape[0] == n if exact else w.shape[0] >= rows_needed
         if w.dtype != torch.bfloat16 or not rows_ok or w.shape[1] != k or k % 32:
-            raise Unsupported(f"linear weight {w.dtype} {tuple(w.shape)} (bf16, input size a "
+            raise NativeUnsupported(f"linear weight {w.dtype} {tuple(w.shape)} (bf16, input size a "
                               "multiple of 32)")
         lin = _Lin(LIN_BF16, n, k, 0, 0, 0, at(w, k), None, None, None, None, None)
         watched = [(module._parameters, "weight")]
     else:
-        raise Unsupported(f"{type(module).__name__} projection")
+        raise NativeUnsupported(f"{type(module).__name__} projection")
     bias = getattr(module, "bias", None)
     if bias is not None:
         lin.b_dt = _dtype_code(bias, "bias")
@@ -161,7 +144,7 @@ def _head_norms(struct: _Layer, qk_norm: tuple[nn.Module, nn.Module, float, floa
     for module in (q_norm, k_norm):
         w = module.weight
         if w.dtype != torch.bfloat16 or tuple(w.shape) != (head_dim,):
-            raise Unsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
+            raise NativeUnsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
     struct.q_norm, struct.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
     struct.q_eps, struct.k_eps = q_eps, k_eps
     return [(q_norm._parameters, "weight"), (k_norm._parameters, "weight")]
@@ -179,7 +162,7 @@ class DecodeLayer:
         for owner, name in watched:
             t = owner[name]
             if t.device.type != "cpu" or not t.is_contiguous():
-                raise Unsupported(f"{name} not a contiguous CPU tensor")
+                raise NativeUnsupported(f"{name} not a contiguous CPU tensor")
         self._watch = [(owner, name, owner[name], owner[name].data_ptr())
                        for owner, name in watched]
         self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
@@ -191,16 +174,17 @@ class DecodeLayer:
 
     @classmethod
     def build(cls, ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
-              linears: list[nn.Module | RowSlice | None], heads: int, kv_heads: int,
+              linears: dict[str, nn.Module | RowSlice | None], heads: int, kv_heads: int,
               head_dim: int,
               scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
               q_scale: float | None = None,
               qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
               residual_multiplier: float | None = None) -> DecodeLayer:
-        """Raises Unsupported (with the reason) for a layer the kernel does not compute.
+        """Raises NativeUnsupported (with the reason) for a layer the kernel does not compute.
 
-        linears: q, k, v, o, then gate, up, down (mlp "gated_silu": Llama) or fc1, None, fc2
-        (mlp "relu": OPT); any of them may be a RowSlice of a fused projection (Phi-3). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
+        linears: by slot name (abi.SLOTS) q, k, v, o, then gate, up, down (mlp "gated_silu":
+        Llama) or gate=fc1, up=None, down=fc2 (mlp "relu": OPT); any of them may be a RowSlice
+        of a fused projection (Phi-3). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
         bias); rope False: positions enter before the layers (OPT's learned embeddings);
         q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
         to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
@@ -209,36 +193,39 @@ class DecodeLayer:
         (Granite)."""
         lib = _native.lib()
         if lib is None:
-            raise Unsupported(f"native kernels unavailable ({_native.why_unavailable()})")
+            raise NativeUnsupported(f"native kernels unavailable ({_native.why_unavailable()})")
         if head_dim % 32 or head_dim > MAX_HEAD_DIM:
-            raise Unsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
+            raise NativeUnsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
         if heads % kv_heads:
-            raise Unsupported(f"{heads} query heads over {kv_heads} kv heads")
+            raise NativeUnsupported(f"{heads} query heads over {kv_heads} kv heads")
         if norm not in NORMS or mlp not in MLPS:
-            raise Unsupported(f"norm {norm!r} / MLP {mlp!r} (kernels: {sorted(NORMS)} / "
+            raise NativeUnsupported(f"norm {norm!r} / MLP {mlp!r} (kernels: {sorted(NORMS)} / "
                               f"{sorted(MLPS)})")
         hidden = ln1.weight.shape[0]
         biases = []
         for module in (ln1, ln2):
             w = module.weight
             if w.dtype != torch.bfloat16:
-                raise Unsupported(f"bf16 models only (weights are {w.dtype})")
+                raise NativeUnsupported(f"bf16 models only (weights are {w.dtype})")
             if w.shape != (hidden,):
-                raise Unsupported(f"norm weight of shape {tuple(w.shape)}")
+                raise NativeUnsupported(f"norm weight of shape {tuple(w.shape)}")
             b = getattr(module, "bias", None) if norm == "layer" else None
             if b is not None and (b.dtype != torch.bfloat16 or b.shape != (hidden,)):
-                raise Unsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
+                raise NativeUnsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
             biases.append(b)
+        if sorted(linears) != sorted(SLOTS):
+            raise ValueError(f"DecodeLayer.build: linears must name exactly {SLOTS}, got "
+                             f"{tuple(linears)}")
         gated = mlp == "gated_silu"
-        if (linears[5] is None) == gated:
-            raise Unsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
-        gate = linears[4]
+        if (linears["up"] is None) == gated:
+            raise NativeUnsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
+        gate = linears["gate"]
         inter = gate.rows if isinstance(gate, RowSlice) else getattr(gate, "out_features", None)
         if inter is None:
-            raise Unsupported(f"{type(gate).__name__} projection")
-        shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
-                  (kv_heads * head_dim, hidden), (hidden, heads * head_dim),
-                  (inter, hidden), (inter, hidden), (hidden, inter)]
+            raise NativeUnsupported(f"{type(gate).__name__} projection")
+        shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
+                  "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim),
+                  "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale,
                         q_scale or 0.0, ln1.weight.data_ptr(), ln2.weight.data_ptr(),
                         *(None if b is None else b.data_ptr() for b in biases), NORMS[norm],
@@ -249,16 +236,17 @@ class DecodeLayer:
             watched += _head_norms(struct, qk_norm, head_dim)
         if residual_multiplier is not None:
             if residual_multiplier == 0:
-                raise Unsupported("a residual multiplier of 0")
+                raise NativeUnsupported("a residual multiplier of 0")
             struct.resid_mult = residual_multiplier
-        for i, (module, (n, k)) in enumerate(zip(linears, shapes)):
+        for i, name in enumerate(SLOTS):
+            module, (n, k) = linears[name], shapes[name]
             if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
                 struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)
                 continue
             row0 = None
             if isinstance(module, RowSlice):
                 if module.rows != n:
-                    raise Unsupported(f"a slice of {module.rows} rows for a [{n}, {k}] projection")
+                    raise NativeUnsupported(f"a slice of {module.rows} rows for a [{n}, {k}] projection")
                 module, row0 = module.module, module.row0
             struct.lin[i], used = _linear(module, n, k, row0)
             watched += used
@@ -463,7 +451,7 @@ class LayerChain:
         self.rope = layers[0].rope
         if any((layer.kv_heads, layer.head_dim, layer.rope)
                != (self.kv_heads, self.head_dim, self.rope) for layer in layers):
-            raise Unsupported("layers of different KV shapes or RoPE")
+            raise NativeUnsupported("layers of different KV shapes or RoPE")
 
     def matches(self, layers: list[DecodeLayer]) -> bool:
         return len(layers) == len(self.layers) and all(

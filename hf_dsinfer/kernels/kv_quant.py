@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _dispatch, _native, abi
 from hf_dsinfer.kernels.quant import pack_int4, unpack_int4
 
 
@@ -318,9 +318,7 @@ class KVSpan(NamedTuple):
     v: KVInt4
 
 
-class _Span(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("kp", "ks", "km", "vp", "vs", "vm")] + [
-        (name, ctypes.c_int64) for name in ("p_stride", "s_stride", "tokens")]
+_Span = abi.KVSpan  # hfd_api.h: hfd_kv_span
 
 
 def attend_kv_int4_ref(q: torch.Tensor, spans: list[KVSpan], scale: float,

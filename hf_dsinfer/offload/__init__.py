@@ -9,8 +9,7 @@ KV stores on device / CPU / disk, the block schedule with overlapped I/O, 4-bit 
 Light imports only here (DSInferConfig imports the policy); the engine loads on first use.
 """
 
-from hf_dsinfer.offload.files import OffloadFileError
-from hf_dsinfer.offload.memory import OffloadBudgetError
+from hf_dsinfer.errors import OffloadBudgetError, OffloadFileError
 from hf_dsinfer.offload.policy import OffloadPolicy
 
 _LAZY = {"attach_offload": "attach", "detach_offload": "attach", "get_engine": "attach",

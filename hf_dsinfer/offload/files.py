@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import OffloadFileError
 
 MANIFEST = "manifest.json"
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -36,9 +36,6 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 _CRC_CHUNK = 64 << 20
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in whole pages
 
-
-class OffloadFileError(DSInferError):
-    """An offload file is missing, truncated, corrupted, or its folder cannot be written."""
 
 
 # -- writing ---------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import DSInferError, OffloadBudgetError
 from hf_dsinfer.kernels.quant import DEQUANT_CHUNK_ROWS
 from hf_dsinfer.offload.cache import KV_READ_THREADS, attends_in_cache
 from hf_dsinfer.offload.compression import compressed_nbytes
@@ -32,9 +32,6 @@ from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 
 DECODE_SCRATCH = 32 << 20  # allocator slack, decode temporaries of compressed tensors (16 MB)
 
-
-class OffloadBudgetError(DSInferError):
-    """The policy does not fit the memory budget it promises to keep."""
 
 
 @dataclasses.dataclass(frozen=True)

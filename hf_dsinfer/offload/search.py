@@ -203,7 +203,7 @@ def plan(path: str, prompt_len: int, gen_len: int, memory: int | str,
     found = search(shape, hw, work, budget, offload_dir,
                    parse_bytes(device_memory, "device_memory"), compress)
     if not found:
-        from hf_dsinfer.offload.memory import OffloadBudgetError
+        from hf_dsinfer.errors import OffloadBudgetError
 
         raise OffloadBudgetError(
             f"hf_dsinfer plan: no placement of {path} fits memory={memory} (even one sequence "

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import ExpertParallelError
 from hf_dsinfer.kernels.moe import moe_align
 from hf_dsinfer.parallel.groups import (
     RankGroup,
@@ -53,11 +53,6 @@ from hf_dsinfer.parallel.groups import (
     tensor_parallel_group,
 )
 from hf_dsinfer.parallel.slicing import shard_range, split_sizes
-
-
-class ExpertParallelError(DSInferError):
-    """Expert parallelism cannot be set up as asked (sizes that do not fit, no MoE blocks)."""
-
 
 # ----------------------------------------------------------------------------------------------
 # Placement

@@ -20,14 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import TensorParallelError
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _GROUPS: dict[tuple[int, int], tuple[tuple[int, ...], dist.ProcessGroup]] = {}
 
-
-class TensorParallelError(DSInferError):
-    """Tensor parallelism cannot be set up as asked (no process group, sizes that don't fit)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,11 @@ from safetensors import safe_open
 from torch import nn
 
 from hf_dsinfer.config import DSInferConfig
+from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection.policies import find_policy
 from hf_dsinfer.injection.walker import _blocks
 from hf_dsinfer.integration.checkpoint import renamed_keys
-from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
+from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, build_references
 from hf_dsinfer.parallel.slicing import ShardSpec
 from hf_dsinfer.parallel.tensor import PLAN_ATTR, plan_model, set_parameter

@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import nn
 
+from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.fused import resolve_spec
-from hf_dsinfer.parallel.groups import TensorParallelError
 from hf_dsinfer.parallel.slicing import (
     HeadShard,
     Ranges,

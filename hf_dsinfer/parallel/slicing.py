@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from hf_dsinfer.parallel.groups import TensorParallelError
+from hf_dsinfer.errors import TensorParallelError
 
 Ranges = tuple[tuple[int, int], ...]
 

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_dsinfer.errors import ParityError
+from hf_dsinfer.errors import ParityError, TensorParallelError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
 from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
 from hf_dsinfer.kernels.norms import rms_weight
-from hf_dsinfer.parallel.groups import RankGroup, TensorParallelError, tensor_parallel_group
+from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
 from hf_dsinfer.parallel.plan import (
     BlockShard,

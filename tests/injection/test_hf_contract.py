@@ -19,9 +19,8 @@ import transformers
 from tiny_models import FAMILIES, MOE_MODELS, make_model, prompts
 
 import hf_dsinfer
-from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.errors import DSInferError, MoeStateError
 from hf_dsinfer.injection import walker
-from hf_dsinfer.injection.moe import MoeStateError
 
 ALL = FAMILIES + MOE_MODELS
 HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification",
@@ -112,7 +111,7 @@ def test_copy_builds_its_own_native_decode_layers(quant, how):
 def test_offloaded_model_refuses_to_be_copied(tmp_path):
     model = hf_dsinfer.init_inference(make_model("llama"), offload={
         "weights": (0, 100, 0), "offload_dir": str(tmp_path)})
-    for how, fn in _copies().items():
+    for fn in _copies().values():
         with pytest.raises(DSInferError, match="cannot be copied or pickled"):
             fn(model)
     ids, mask = prompts()

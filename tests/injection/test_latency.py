@@ -10,6 +10,7 @@ from tiny_models import make_model, prompts
 
 import hf_dsinfer
 from hf_dsinfer.config import QuantConfig
+from hf_dsinfer.errors import QuantizationError
 from hf_dsinfer.injection.quantize import QuantizedLinear, check_quant_supported
 
 GEN = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
@@ -86,7 +87,7 @@ def test_int8_quantized_hf_fallback_uses_same_weights():
 ])
 def test_int4_group_that_cannot_fit_fails_before_touching_model(name, quant, needle):
     model = make_model(name)
-    with pytest.raises(ValueError, match="group_size") as info:
+    with pytest.raises(QuantizationError, match="group_size") as info:
         hf_dsinfer.init_inference(model, quant=quant)
     assert needle in str(info.value)
     assert hf_dsinfer.fused_call_counts(model) == {}
@@ -94,7 +95,7 @@ def test_int4_group_that_cannot_fit_fails_before_touching_model(name, quant, nee
 
 
 def test_unsupported_device_dtype_names_what_is_supported():
-    with pytest.raises(ValueError, match="Supported") as info:
+    with pytest.raises(QuantizationError, match="Supported") as info:
         check_quant_supported(QuantConfig(bits=4), torch.device("mps"), torch.bfloat16)
     assert "cpu" in str(info.value) and "bfloat16" in str(info.value)
 

@@ -30,8 +30,8 @@ from ep_worker import worker_main
 from tiny_models import make_model, prompts
 
 import hf_dsinfer
+from hf_dsinfer.errors import ExpertParallelError
 from hf_dsinfer.injection.walker import get_report
-from hf_dsinfer.parallel.expert import ExpertParallelError
 
 TP, EP = 2, 2
 VARIANTS = {  # case -> (model, ep_size, extra DSInferConfig fields)

@@ -18,8 +18,8 @@ from tiny_models import MOE_CONFIGS, MOE_MODELS, make_model, prompts
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
-from hf_dsinfer.errors import DSInferConfigError
-from hf_dsinfer.injection.moe import MoeStateError, drop_over_capacity
+from hf_dsinfer.errors import DSInferConfigError, MoeStateError, QuantizationError
+from hf_dsinfer.injection.moe import drop_over_capacity
 from hf_dsinfer.injection.parity import MOE_TIE_MARGIN
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.injection.walker import get_report
@@ -242,6 +242,6 @@ def test_quantized_experts(bits):
 
 def test_int4_group_must_divide_expert_sizes():
     model = make_model("mixtral_8x2")  # intermediate 56: no int4 group size divides it
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(QuantizationError, match="group_size"):
         hf_dsinfer.init_inference(model, quant={"bits": 4})
     assert get_report(model) is None  # left untouched

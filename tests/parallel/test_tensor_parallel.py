@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from tiny_models import FAMILIES, make_model
 
 import hf_dsinfer
+from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection.policies import gpt2
-from hf_dsinfer.parallel.groups import TensorParallelError
 from hf_dsinfer.parallel.loading import CheckpointReader
 from hf_dsinfer.parallel.plan import linear_styles
 from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes

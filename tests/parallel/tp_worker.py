@@ -27,7 +27,7 @@ from tiny_models import FAMILIES, make_model, prompts
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_dsinfer
-from hf_dsinfer.parallel.groups import TensorParallelError
+from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.parallel.parity import build_references, tp_parity_gate
 
 NEW_TOKENS = 16

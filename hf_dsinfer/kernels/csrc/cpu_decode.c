@@ -42,6 +42,18 @@
 #include "hfd_api.h"
 #include "hfd_simd.h"
 
+#include <stddef.h>
+
+int64_t hfd_abi(int64_t *info, int64_t n) {
+    const int64_t all[HFD_ABI_FIELDS] = {
+        HFD_ABI_VERSION, (int64_t)sizeof(hfd_lin), (int64_t)sizeof(hfd_layer), L_COUNT,
+        (int64_t)offsetof(hfd_layer, lin), (int64_t)offsetof(hfd_layer, resid_mult),
+        (int64_t)sizeof(hfd_kv_span)};
+    int64_t i = 0;
+    for (; i < n && i < HFD_ABI_FIELDS; i++) info[i] = all[i];
+    return i;
+}
+
 /* x prepared for the linears that read it: bf16 values, int4 group sums, int8 planes. */
 typedef struct {
     const uint16_t *x;

@@ -10,6 +10,19 @@
 
 #include <stdint.h>
 
+/* The version of this interface: bump it with any change to a struct, an enum or a function
+ * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
+ * reports another, or other struct sizes (a stale or foreign build). */
+#ifndef HFD_ABI_VERSION
+#define HFD_ABI_VERSION 1
+#endif
+
+/* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
+ * offsetof(hfd_layer, lin), offsetof(hfd_layer, resid_mult), sizeof(hfd_kv_span); returns how
+ * many it wrote. */
+#define HFD_ABI_FIELDS 7
+int64_t hfd_abi(int64_t *info, int64_t n);
+
 /* ---- cpu_decode.c: one decoder layer for one token ---- */
 
 /* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row) */

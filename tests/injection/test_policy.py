@@ -1,0 +1,46 @@
+"""Policies are validated when defined: a typo in a family file fails at import, naming the
+field, the value and the choices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_dsinfer.errors import PolicyError
+from hf_dsinfer.injection import policy as P
+from hf_dsinfer.injection.policies import POLICIES, llama, mixtral
+
+
+def test_every_registered_policy_is_valid():
+    for policy in POLICIES:  # defined at import, so validated already; replace re-validates
+        assert dataclasses.replace(policy) == policy
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layout": "sequentail"}, r"layout='sequentail' is not one of \['sequential'"),
+    ({"norm": "rmsnorm"}, r"norm='rmsnorm' is not one of"),
+    ({"qkv_layout": "fused"}, r"qkv_layout='fused' is not one of"),
+    ({"positions": "rotary"}, r"positions='rotary' is not one of"),
+    ({"qk_norm": "head"}, r"qk_norm='head' is not one of"),
+    ({"qkv": ("q_proj", "k_proj")}, r"reads 3 projection\(s\), but qkv names 2"),
+    ({"qkv": "qkv_proj"}, r"qkv must be a non-empty tuple of attribute names"),
+    ({"mlp_in": ()}, r"mlp_in must be a non-empty tuple"),
+    ({"gated": False}, r"a plain MLP reads at most 1"),
+    ({"layout": P.SANDWICH}, r"layout=SANDWICH needs post_attn_norm"),
+    ({"post_mlp_norm": "post_feedforward_layernorm"}, r"only read by layout=SANDWICH"),
+    ({"ln1": None}, r"ln1=None \(no pre-norm\) only with layout=SANDWICH"),
+    ({"tp_plan": {"self_attn.q_proj": "column"}}, r"style='column' is not one of"),
+    ({"layout": P.FromConfig("x", {True: P.PARALLEL, False: "paralel"})}, r"'paralel'"),
+])
+def test_a_typo_fails_when_the_policy_is_defined(change, message):
+    with pytest.raises(PolicyError, match=message):
+        dataclasses.replace(llama.POLICY, **change)
+
+
+def test_moe_layout_is_validated():
+    assert mixtral.POLICY.moe is not None
+    with pytest.raises(PolicyError, match="shared_expert_gate without a shared_expert"):
+        dataclasses.replace(mixtral.POLICY.moe, shared_expert_gate="shared_expert_gate")
+    with pytest.raises(PolicyError, match="classes must be a non-empty tuple"):
+        dataclasses.replace(mixtral.POLICY.moe, classes=())
