@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 SERVE_HELP = "OpenAI-compatible HTTP server with continuous batching (docs/serving.md)"
@@ -48,7 +47,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get "
         "to finish on shutdown")
     add("--log-level", default="warning")
-    parser.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -82,16 +80,12 @@ def dsinfer_options(args: argparse.Namespace) -> bool | dict:
     return options or True
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the model and tokenizer, and the Engine around them (not started)."""
+def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any, name: str):
+    """The Engine (not started) around a loaded model, from the command line's options."""
     from transformers import ContinuousBatchingConfig
 
-    from hf_dsinfer.cli import DEFAULT_GGUF, _dtype, load
     from hf_dsinfer.serve.engine import Engine, ServeLimits, greedy_config, sampling_config
 
-    model, tokenizer = load(args.model, dsinfer_options(args), _dtype(args.dtype))
-    name = args.served_model_name or (Path(args.model).name if args.model
-                                      else DEFAULT_GGUF.split(".")[0])
     limits = ServeLimits(max_requests=args.max_requests, max_model_len=args.max_model_len,
                          default_max_tokens=args.default_max_tokens,
                          stop_timeout_s=args.shutdown_timeout)
@@ -101,16 +95,19 @@ def build_engine(args: argparse.Namespace):
     config = (sampling_config(model, args.temperature, args.top_p, args.top_k,
                               args.default_max_tokens) if args.do_sample
               else greedy_config(model, args.default_max_tokens))
-    return Engine(model, tokenizer, name, cb_config=cb, generation_config=config, limits=limits)
+    return Engine(model, tokenizer, args.served_model_name or name, cb_config=cb,
+                  generation_config=config, limits=limits)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, model: Any, tokenizer: Any, name: str) -> int:
+    """Serve a loaded model until SIGINT / SIGTERM; 1 if the generation thread had failed.
+    (hf_dsinfer.cli loads the model, so that this package does not import the command line.)"""
     import uvicorn
 
     from hf_dsinfer.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper())
-    engine = build_engine(args)
+    engine = build_engine(args, model, tokenizer, name)
     engine.start()  # the paged cache is built before the port opens; failures raise here
     print(f"hf-dsinfer serve: {engine.model_name} on http://{args.host}:{args.port} "
           f"({engine.kv_blocks_total} KV blocks of {args.page_size} tokens, "
