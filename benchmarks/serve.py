@@ -282,6 +282,10 @@ def bench(folder: Path, args: argparse.Namespace) -> int:
                 r = rows[name][c]
                 print(f"{name} c={c}: {r['tok_s']:.1f} tok/s, {r['errors']} errors"
                       + (f" (first: {r['first_error']})" if r["errors"] else ""), flush=True)
+            if name.startswith("hf-dsinfer"):  # proof the fused blocks ran, and nothing leaked
+                m = httpx.get(f"{server.url}/metrics", timeout=10).json()
+                print(f"{name}: fused block calls {m['fused_block_calls']}, KV blocks in use "
+                      f"{m['kv_blocks_in_use']}, failed {m['requests_failed_total']}", flush=True)
         finally:
             print(f"{name} stopped with exit code {server.stop()}", flush=True)
     first = args.servers[0]

@@ -137,6 +137,7 @@ def _chat_ids(engine: Engine, body: protocol.ChatCompletionRequest) -> list[int]
 # -- generation -------------------------------------------------------------------------------------
 def _check(engine: Engine, body: protocol._Common, prompt_ids: list[int]) -> int:
     """max_new_tokens for this request, after the model / length / parameter checks."""
+    engine.check_accepting()  # 503 while stopping or after the generation thread died
     if body.model is not None and body.model != engine.model_name:
         raise ServeError(404, f"model {body.model!r} is not served here; this server serves "
                          f"{engine.model_name!r} (GET /v1/models). Fix: set `model` to it.",

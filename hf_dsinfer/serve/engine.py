@@ -36,6 +36,7 @@ from typing import Any
 
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from hf_dsinfer.api import fused_call_counts
 from hf_dsinfer.errors import ContinuousBatchingError, ServeError
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class Engine:
         """Admit a request and hand it to the manager. Raises ServeError 429 beyond
         max_requests, 503 while stopping or after the generation thread died. Waits (FIFO) while
         the KV blocks it may need are reserved by requests in flight."""
-        self._check_accepting()
+        self.check_accepting()
         if len(self._requests) >= self.limits.max_requests:
             self.counts["rejected"] += 1
             raise ServeError(429, f"server busy: {len(self._requests)} requests in flight, the "
@@ -197,14 +198,14 @@ class Engine:
         self.counts["submitted"] += 1
         try:
             await self._reserve(admitted)
-            self._check_accepting()
+            self.check_accepting()
         except BaseException:  # cancelled while waiting, or stopping
             self._forget(admitted, "cancelled")
             raise
         self._hand_to_manager(admitted, prompt_ids, sampling)
         return admitted
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
         error = self._manager_error()
         if error is not None:
             raise ServeError(503, f"the generation thread failed and the server cannot generate: "
@@ -250,7 +251,7 @@ class Engine:
         if added is None:  # the manager refused: stopping or dead (it logged why)
             self._drop_handler(rid)
             self._forget(admitted, "failed")
-            self._check_accepting()
+            self.check_accepting()
             raise ServeError(503, "the generation thread is not accepting requests. Fix: restart "
                              "the server.", code="generation_thread_stopped")
 
@@ -325,6 +326,8 @@ class Engine:
             "tokens_per_second": self._tokens_per_second(),
             **{f"requests_{k}_total": v for k, v in self.counts.items() if k != "tokens"},
             "tokens_generated_total": self.counts["tokens"],
+            # proof the fused blocks ran (0: a model served without hf_dsinfer)
+            "fused_block_calls": sum(fused_call_counts(self.model).values()),
         }
 
     def _tokens_per_second(self) -> float:

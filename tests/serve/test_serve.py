@@ -193,6 +193,8 @@ def test_models_and_metrics(served):
     assert m["requests_running"] == m["requests_waiting"] == m["requests_in_flight"] == 0
     assert m["tokens_per_second"] > 0  # tokens were generated in the last 10 s
     assert m["tokens_generated_total"] >= 4
+    assert m["fused_block_calls"] == sum(hf_dsinfer.fused_call_counts(served.engine.model).values())
+    assert m["fused_block_calls"] > 0
     assert m["requests_completed_total"] >= 1
     assert m["requests_submitted_total"] == (m["requests_completed_total"]
                                              + m["requests_failed_total"]
