@@ -107,6 +107,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
         self.log = log.open("w")
         self.proc = subprocess.Popen(server_command(name, folder, self.port, args), env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -447,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     add("--output-tokens", type=int, nargs=2, default=[16, 96])
     add("--seed", type=int, default=0)
     add("--dtype", default="float32")
+    add("--threads", type=int, default=None, help="OMP_NUM_THREADS of every server (on a "
+        "machine shared with other work, 2 OpenMP threads on 2 busy cores slowed HF's path "
+        "several-fold: compare servers at the same setting)")
     add("--dsinfer", default=None, help="--dsinfer JSON for hf-dsinfer serve")
     add("--num-blocks", type=int, default=256)
     add("--page-size", type=int, default=32)
