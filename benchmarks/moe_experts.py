@@ -12,12 +12,12 @@ interleaved round by round, medians in ms. The thresholds in kernels/moe.py
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
+from hf_dsinfer import settings
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import moe as M
 
@@ -25,11 +25,8 @@ from hf_dsinfer.kernels import moe as M
 def paths(lib) -> dict:
     def native(amx: str):
         def run(xs, gu, d, offs):
-            os.environ[_native.AMX_ENV_VAR] = amx
-            try:
+            with settings.use(amx=amx == "1"):
                 return M._native_moe_rows(lib, xs, gu, d, offs, xs.shape[0])
-            finally:
-                os.environ.pop(_native.AMX_ENV_VAR)
         return run
 
     out = {}

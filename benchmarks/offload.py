@@ -178,7 +178,8 @@ def worker(spec: dict) -> dict:
 
     torch.manual_seed(0)
     if spec["kind"] == "hardware":
-        from hf_dsinfer.offload.cost import measure_hardware, measure_prefill_layer
+        from hf_dsinfer.offload.cost import measure_hardware
+        from hf_dsinfer.offload.search import measure_prefill_layer
 
         hw = json.loads(measure_hardware(spec["offload_dir"], torch.bfloat16, "cpu",
                                          sample=spec["model"]).to_json())

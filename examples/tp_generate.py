@@ -23,7 +23,7 @@ def load(model: str | None, tp_size: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_dsinfer  # noqa: F401  (registers dsinfer=)
-    from hf_dsinfer.cli import DEFAULT_GGUF, default_model_dir
+    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
 
     path, extra = (model, {}) if model else (default_model_dir(), {"gguf_file": DEFAULT_GGUF})
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
@@ -34,9 +34,9 @@ def load(model: str | None, tp_size: int):
 
 def inputs_for(tokenizer, prompt: str) -> dict:
     """The chat template when the tokenizer has one, as `hf-dsinfer generate` does."""
-    from hf_dsinfer.cli import _chat_inputs
+    from hf_dsinfer.default_model import chat_inputs
 
-    return _chat_inputs(tokenizer, prompt)
+    return chat_inputs(tokenizer, prompt)
 
 
 def main() -> None:

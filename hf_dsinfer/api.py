@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from hf_dsinfer import phases
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.injection import walker
 from hf_dsinfer.injection.explain import explain
@@ -26,13 +27,13 @@ def init_inference(model: nn.Module, config: DSInferConfig | dict | bool | None 
     if cfg.dtype is not None:
         model.to(cfg.dtype)
     model.eval()
-    walker.inject(model, cfg)
+    phases.inject(model, cfg)
     return model
 
 
 def revert(model: nn.Module) -> nn.Module:
     """Undo init_inference: every block gets its HF forward back. Returns the same object."""
-    return walker.revert(model)
+    return phases.revert(model)
 
 
 def fused_call_counts(model: nn.Module) -> dict[str, int]:

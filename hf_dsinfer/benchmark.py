@@ -39,7 +39,7 @@ from transformers import (
     Qwen3Config,
 )
 
-import hf_dsinfer
+from hf_dsinfer.api import init_inference
 from hf_dsinfer.hardware import read_bandwidth
 from hf_dsinfer.injection.latency import compile_config
 
@@ -64,7 +64,7 @@ MODELS = {
                                           max_position_embeddings=32768),
     "tiny": lambda: LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
-    "smollm2": None,  # the embedded SmolLM2-135M-Instruct GGUF (real weights), see cli.load
+    "smollm2": None,  # the embedded SmolLM2-135M-Instruct GGUF (real weights), see default_model.load
 }
 CONFIGS = {
     "hf": None,
@@ -116,7 +116,7 @@ def _read_bytes(model) -> int:
 
 def base_model(name: str, dtype: torch.dtype):
     if MODELS[name] is None:
-        from hf_dsinfer.cli import load
+        from hf_dsinfer.default_model import load
 
         return load(None, False, dtype)[0]
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
         if CONFIGS[config] is None:
             variants[config] = base
         else:
-            variants[config] = hf_dsinfer.init_inference(copy.deepcopy(base), parity_check=False,
+            variants[config] = init_inference(copy.deepcopy(base), parity_check=False,
                                                          **CONFIGS[config])
     return variants
 
@@ -164,7 +164,7 @@ class LlamaCppPeer:
     def __init__(self, threads: int):
         from llama_cpp import Llama
 
-        from hf_dsinfer.cli import DEFAULT_GGUF, default_model_dir
+        from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
 
         self.path = default_model_dir() / DEFAULT_GGUF
         self.llm = Llama(model_path=str(self.path), n_ctx=1024, n_batch=512, n_threads=threads,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from hf_dsinfer.errors import DSInferConfigError
 from hf_dsinfer.kernels._dispatch import BACKENDS
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES
 from hf_dsinfer.offload.policy import OffloadPolicy
+from hf_dsinfer.settings import coerce as settings_coerce
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -124,6 +126,10 @@ class DSInferConfig:
         ep_node_size: hierarchical all-to-all: ranks per node. Tokens first move inside the
             node, then between nodes among ranks with the same local index (fewer, larger
             messages across nodes). None (default): one flat all-to-all.
+        settings: None (default: the process's hf_dsinfer.settings, from the environment) or
+            a dict changing them for this model only, e.g. {"native": False} (torch paths),
+            {"isa": "avx2", "amx": False}, {"kernels": "ref"}; applied around the model's
+            forward, so every kernel call inside it sees them.
         moe_capacity_factor: None (default) routes dropless, exactly as HF. A number c caps each
             expert at ceil(c * tokens * top_k / experts) routed tokens per forward; the rest
             of those tokens' slots are dropped (they keep only their other experts and the
@@ -142,12 +148,14 @@ class DSInferConfig:
     ep_size: int = 1
     ep_node_size: int | None = None
     moe_capacity_factor: float | None = None
+    settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "settings", settings_coerce(self.settings))
         object.__setattr__(self, "quant", QuantConfig.coerce(self.quant))
         _check_type("compile", self.compile, (bool, type(None)), "True, False or None")
-        _check_cache(self.cache, self.compile)
+        _check_cache(self.cache)
         if self.kernels not in BACKENDS:
             raise DSInferConfigError(
                 f"DSInferConfig.kernels: expected one of {BACKENDS}, got {self.kernels!r}. "
@@ -155,10 +163,10 @@ class DSInferConfig:
             )
         _check_type("strict", self.strict, (bool, type(None)), "True, False or None")
         _check_type("parity_check", self.parity_check, (bool,), "True or False")
-        _check_tp_size(self.tp_size, self.compile)
+        _check_tp_size(self.tp_size)
         object.__setattr__(self, "offload", OffloadPolicy.coerce(self.offload))
-        _check_offload(self)
         _check_moe(self)
+        check_combinations(self)
 
     # -- construction from user input -----------------------------------------------------------
     @classmethod
@@ -214,46 +222,22 @@ def _reject_unknown(cls: type, data: dict[str, Any], where: str) -> None:
 CACHES = ("static", "dynamic")
 
 
-def _check_cache(cache: Any, compile_: bool | None) -> None:
+def _check_cache(cache: Any) -> None:
     if cache is not None and cache not in CACHES:
         raise DSInferConfigError(
             f"DSInferConfig.cache: expected one of {CACHES} or None (auto), got {cache!r}. "
             "Fix: cache='dynamic' to keep HF's growing cache, or leave it None."
         )
-    if cache == "dynamic" and compile_:
-        raise DSInferConfigError(
-            "DSInferConfig: compile=True needs the preallocated static KV cache (a compiled "
-            "decode step has fixed shapes), got cache='dynamic'. Fix: drop one of the two."
-        )
 
 
-def _check_tp_size(tp_size: Any, compile_: bool) -> None:
+def _check_tp_size(tp_size: Any) -> None:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise DSInferConfigError(
             f"DSInferConfig.tp_size: expected a positive int, got {tp_size!r}. "
             "Fix: tp_size=1 (no tensor parallelism) or the number of processes per model, "
             "e.g. tp_size=2 under `torchrun --nproc-per-node 2`."
         )
-    if tp_size > 1 and compile_:
-        raise DSInferConfigError(
-            f"DSInferConfig: compile=True with tp_size={tp_size} is not supported (the captured "
-            "decode step would contain the tensor-parallel collectives). Fix: drop compile=True "
-            "or use tp_size=1."
-        )
 
-
-def _check_offload(config: DSInferConfig) -> None:
-    if config.offload is None:
-        return
-    clash = [name for name, on in (("quant", config.quant is not None), ("compile", config.compile),
-                                   ("tp_size", config.tp_size > 1),
-                                   ("cache='static'", config.cache == "static")) if on]
-    if clash:
-        raise DSInferConfigError(
-            f"DSInferConfig: offload cannot be combined with {clash} (offloaded weights are "
-            "streamed per layer and compressed by the offload engine itself, and generate() "
-            "gets the offload engine's own per-micro-batch cache). Fix: drop "
-            f"{clash[0]}; use offload={{'compress_weights': True}} for 4-bit weights.")
 
 
 def _check_moe(config: DSInferConfig) -> None:
@@ -275,12 +259,6 @@ def _check_moe(config: DSInferConfig) -> None:
             f"DSInferConfig.moe_capacity_factor: expected None (dropless, the default) or a "
             f"positive number, got {cap!r}. Fix: leave it None, or e.g. 1.25 to drop routed "
             "tokens beyond 1.25x an even share per expert.")
-    clash = [name for name, on in (("compile", config.compile),
-                                   ("offload", config.offload is not None)) if on]
-    if ep > 1 and clash:
-        raise DSInferConfigError(
-            f"DSInferConfig: ep_size={ep} cannot be combined with {clash} (the expert all-to-all "
-            f"needs every rank in eager lockstep). Fix: drop {clash[0]} or use ep_size=1.")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:
@@ -289,3 +267,52 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -
             f"DSInferConfig.{name}: expected {expected}, got {value!r} "
             f"({type(value).__name__}). Fix: pass {name}={expected.split(',')[0]}."
         )
+
+
+# -- which features combine: one table, checked once, when the config is built -----------------
+@dataclasses.dataclass(frozen=True)
+class Conflict:
+    """Two features that cannot run together, why, and what to drop."""
+
+    first: str  # a feature name of FEATURES
+    second: str
+    why: str
+    fix: str
+
+
+FEATURES: dict[str, Callable[[DSInferConfig], bool]] = {
+    "compile=True": lambda c: bool(c.compile),
+    "cache='dynamic'": lambda c: c.cache == "dynamic",
+    "cache='static'": lambda c: c.cache == "static",
+    "quant": lambda c: c.quant is not None,
+    "tp_size > 1": lambda c: c.tp_size > 1,
+    "ep_size > 1": lambda c: c.ep_size > 1,
+    "offload": lambda c: c.offload is not None,
+}
+_OFFLOAD_WHY = ("offloaded weights are streamed per layer and compressed by the offload engine "
+                "itself, and generate() gets the offload engine's own per-micro-batch cache")
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict("compile=True", "cache='dynamic'", "a compiled decode step has fixed shapes: it "
+             "needs the preallocated static KV cache", "drop one of the two"),
+    Conflict("compile=True", "tp_size > 1", "the captured decode step would contain the "
+             "tensor-parallel collectives", "drop compile=True or use tp_size=1"),
+    Conflict("compile=True", "ep_size > 1", "the expert all-to-all needs every rank in eager "
+             "lockstep", "drop compile=True or use ep_size=1"),
+    Conflict("compile=True", "offload", _OFFLOAD_WHY, "drop compile=True"),
+    Conflict("quant", "offload", _OFFLOAD_WHY,
+             "drop quant; use offload={'compress_weights': True} for 4-bit weights"),
+    Conflict("tp_size > 1", "offload", _OFFLOAD_WHY, "drop tp_size or offload"),
+    Conflict("cache='static'", "offload", _OFFLOAD_WHY, "drop cache='static'"),
+    Conflict("ep_size > 1", "offload", "the expert all-to-all needs every rank in eager "
+             "lockstep", "drop offload or use ep_size=1"),
+)
+
+
+def check_combinations(config: DSInferConfig) -> None:
+    """Raise for the first pair of features in CONFLICTS that the config turns on together."""
+    for conflict in CONFLICTS:
+        if FEATURES[conflict.first](config) and FEATURES[conflict.second](config):
+            raise DSInferConfigError(
+                f"DSInferConfig: {conflict.first} cannot be combined with {conflict.second} "
+                f"(tp_size={config.tp_size}, ep_size={config.ep_size}): {conflict.why}. "
+                f"Fix: {conflict.fix}.")

@@ -18,6 +18,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Tiny checkpoints on disk (safetensors + a tiny tokenizer), saved once per session, so that
 # from_pretrained, pipeline and the offload store read them exactly as a real checkpoint.
 import pytest
+from switches import switch
 from tiny_models import save_tiny
 
 
@@ -56,7 +57,6 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def native_tier(request, monkeypatch) -> str:
-    from hf_dsinfer.kernels import _native
 
-    monkeypatch.setenv(_native.ISA_ENV_VAR, request.param)
+    switch(monkeypatch, isa=request.param)
     return request.param

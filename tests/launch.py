@@ -5,12 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parent.parent)
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --standalone --nproc-per-node N args...`, one torch
     thread per worker, offline, with any outer launcher's rank variables removed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1",
+           # the workers import this checkout's hf_dsinfer, whatever is installed
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -36,14 +36,10 @@ from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dsinfer.errors import NativeUnsupported
+from hf_dsinfer.hf import outputs
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv, commit_kv, kv_rooms
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.decode import LayerChain, cache_kv_usable
-
-try:  # transformers' output capture: which collector (if any) its layer hooks fill now
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # another layout: every layer hook counts as live
-    _active_collector = None
 
 # inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
 # mask, norm (checked against transformers 5.x; Gemma-style embedding scaling is not)
@@ -63,8 +59,7 @@ def _inert(hook: Any) -> bool:
     """transformers installs its output-capturing hook on the decoder layers at the first call
     that asks for hidden states and leaves it there; it does nothing while no capture is
     active (and this path runs only when none is asked for)."""
-    return (_active_collector is not None and _active_collector.get() is None
-            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
+    return not outputs.capturing() and outputs.is_capture_hook(hook)
 
 
 def _sliding(config: Any) -> bool:
@@ -256,6 +251,7 @@ class NativeDecodeStep:
             commit_kv(cache, rooms, n)
             for fused in self.blocks:
                 fused.calls += 1
+                fused.paths.took("step_chain")
             self.calls += 1
             self.chained += 1
             return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
@@ -267,8 +263,10 @@ class NativeDecodeStep:
                 k, v = k[:, :, :sk], v[:, :, :sk]
             if not cache_kv_usable(k, v, d, rows):  # a cache layout the kernel does not read
                 x = fused.finish_decode(x, q, k, v, keep)
+                fused.paths.took("native_in")
             else:
                 x = layer.step_out(x, q, k, v, keep)
+                fused.paths.took("step_loop")
             fused.calls += 1
         self.calls += 1
         return BaseModelOutputWithPast(last_hidden_state=self._finish(x), past_key_values=cache)

@@ -3,12 +3,15 @@ alone and why."""
 
 from __future__ import annotations
 
+import functools
 from itertools import groupby
 
 import torch
 from torch import nn
 
+from hf_dsinfer import settings
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS
+from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.walker import InjectionReport, get_report
 
 _LEFT_ALONE = {  # class-name suffix -> why a module outside the decoder blocks stays HF's
@@ -42,13 +45,16 @@ def _block_rows(report: InjectionReport) -> list[str]:
         else:
             status = f"kept HF forward; parity {parity.summary()}"
         calls = sum(f.calls for _, f in group)
+        taken = functools.reduce(PathRecord.merge, (f.paths for _, f in group), PathRecord())
         rows.append(_row(span, f"{cls_name} x{len(group)}",
-                         f"FusedBlock ({fused.spec.describe()})", status, calls))
+                         f"FusedBlock ({fused.spec.describe()})", status, calls,
+                         taken.describe()))
     return rows
 
 
 def _left_alone_rows(model: nn.Module, report: InjectionReport) -> list[str]:
-    rows = [_row(path, "-", "-", f"left alone: {why}", "-") for path, why in report.skipped.items()]
+    rows = [_row(path, "-", "-", f"left alone: {why}", "-", "-")
+            for path, why in report.skipped.items()]
     block_prefix = next(iter(report.blocks), "").rsplit(".", 1)[0]
     for name, module in model.named_modules():
         if not name or (block_prefix and name.startswith(block_prefix)):
@@ -56,7 +62,7 @@ def _left_alone_rows(model: nn.Module, report: InjectionReport) -> list[str]:
         why = next((w for suffix, w in _LEFT_ALONE.items()
                     if type(module).__name__.endswith(suffix)), None)
         if why and name.count(".") <= 2:
-            rows.append(_row(name, type(module).__name__, "-", f"left alone: {why}", "-"))
+            rows.append(_row(name, type(module).__name__, "-", f"left alone: {why}", "-", "-"))
     return rows
 
 
@@ -65,6 +71,11 @@ def explain(model: nn.Module) -> str:
     report = get_report(model)
     if report is None:
         return f"hf_dsinfer: {type(model).__name__} is not injected (call init_inference)."
+    with settings.use(**(report.config.settings or {})):  # what this model's calls see
+        return _explain(model, report)
+
+
+def _explain(model: nn.Module, report: InjectionReport) -> str:
     cfg = report.config
     head = (f"hf_dsinfer: {report.model_class}"
             f" | family {report.policy.family if report.policy else '-'}"
@@ -85,6 +96,8 @@ def explain(model: nn.Module) -> str:
         extras.append(report.head.describe())
     if report.decode is not None:
         extras.append(f"decode (generate): {report.decode.describe()}")
+    if report.settings is not None:
+        extras.append(report.settings.describe())
     native = _native_decode_line(report, model)
     if native:
         extras.append(native)
@@ -105,8 +118,9 @@ def explain(model: nn.Module) -> str:
     if report.ep is not None:
         extras.append(report.ep.describe())
     head = "\n".join([head, *extras])
-    lines = [head, "", _row("module", "HF class", "replaced by", "status", "fused calls"),
-             _row("---", "---", "---", "---", "---")]
+    lines = [head, "", _row("module", "HF class", "replaced by", "status", "fused calls",
+                            "paths taken (calls)"),
+             _row("---", "---", "---", "---", "---", "---")]
     return "\n".join(lines + _block_rows(report) + _moe_rows(report)
                      + _left_alone_rows(model, report))
 
@@ -222,5 +236,5 @@ def _moe_rows(report: InjectionReport) -> list[str]:
                   else moe.deferred_why or "fused (follows its block)")
         rows.append(_row(span, f"{type(moe.module).__name__} x{len(group)}",
                          f"FusedMoE ({moe.spec.describe()})", status,
-                         sum(m.calls for _, m in group)))
+                         sum(m.calls for _, m in group), "-"))
     return rows

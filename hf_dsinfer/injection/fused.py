@@ -23,10 +23,12 @@ from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hf_dsinfer.errors import NativeUnsupported
+from hf_dsinfer.hf.outputs import recording
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection import policy as P
+from hf_dsinfer.injection.native_layer import RowSlice, build_decode_layer
+from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.quantize import QuantizedLinear
-from hf_dsinfer.integration.outputs import recording
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
@@ -130,6 +132,8 @@ class FusedBlock:
         self.backend = backend
         self.enabled = True  # False: run the HF forward (parity fallback)
         self.calls = 0       # fused calls, so tests can prove the fused path ran
+        self.paths = PathRecord()  # which path each call took (injection.paths), for explain
+        self._path = "torch"  # the path of the call in progress
         self.paged = paged.PagedStats()  # continuous-batching calls (injection.paged)
         # Tensor parallelism (hf_dsinfer.parallel): sums the row-parallel partial outputs over
         # the TP group before their bias is added; head_slice picks this rank's ALiBi heads.
@@ -236,23 +240,35 @@ class FusedBlock:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         named = dict(zip(self._arg_names, args))
         named.update(kwargs)
-        if paged.defers(self, named) or not self._can_fuse(named):
+        counting = not torch.compiler.is_compiling()  # a mutated Python int forces recompiles
+        why = paged.defer_why(self, named) or self._hf_why(named)
+        if why is not None:
             if self.reduce is not None:
                 _refuse_hf_forward_under_tp(named)
+            if counting:
+                self.paths.took("hf", why)
             return self.hf_forward(*args, **kwargs)
-        if not torch.compiler.is_compiling():  # a mutated Python int would force recompiles
-            self.calls += 1
+        self._path = "paged" if named.get(paged.PAGED_ARG) is not None else "torch"
         out = self._layouts[self.spec.layout](named["hidden_states"], named)
+        if counting:
+            self.calls += 1
+            self.paths.took(self._path)
         return (out, None) if self.policy.returns_tuple else out
 
+    def _hf_why(self, named: dict[str, Any]) -> str | None:
+        """Why this call runs HF's forward (None: it runs fused)."""
+        if not self.enabled:
+            return "kept by the parity gate"
+        if self.block.training:
+            return "training mode"
+        if named.get("output_attentions") or recording("attentions"):  # keyword or config
+            return "attention weights asked for"
+        if named.get("encoder_hidden_states") is not None:
+            return "cross-attention"
+        return None
+
     def _can_fuse(self, named: dict[str, Any]) -> bool:
-        return (
-            self.enabled
-            and not self.block.training
-            and not named.get("output_attentions")
-            and not recording("attentions")  # asked through the config: HF hooks the attention
-            and named.get("encoder_hidden_states") is None
-        )
+        return self._hf_why(named) is None
 
     # -- residual wirings (policy.layout) ------------------------------------------------------
     def _sequential(self, x: torch.Tensor, named: dict, attn=None) -> torch.Tensor:
@@ -326,7 +342,7 @@ class FusedBlock:
         self._decode, self._decode_key, self._decode_build_why = None, None, None
         spec = self.spec
         try:
-            self._decode = native_decode.DecodeLayer.build(
+            self._decode = build_decode_layer(
                 self._ln1, self._ln2, (_norm_eps(self._ln1), _norm_eps(self._ln2)),
                 self._decode_linears(), spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
@@ -344,12 +360,12 @@ class FusedBlock:
         qkv = list(self._qkv)
         if self.policy.qkv_layout == P.PACKED_GQA:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
-            qkv = [native_decode.RowSlice(qkv[0], at, n)
+            qkv = [RowSlice(qkv[0], at, n)
                    for at, n in ((0, q), (q, kv), (q + kv, kv))]
         mlp_in = list(self._mlp_in) if self._decode_mlp == "gated_silu" else [self._mlp_in[0], None]
         if len(mlp_in) == 1:  # [gate | up]
             inter = mlp_in[0].out_features // 2
-            mlp_in = [native_decode.RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
+            mlp_in = [RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
         return dict(zip(SLOTS, (*qkv, self._out, *mlp_in, self._mlp_out), strict=True))
 
     def decode_ready(self) -> native_decode.DecodeLayer | None:
@@ -398,12 +414,14 @@ class FusedBlock:
             return None
         x = x.contiguous()
         q, k, v = layer.step_in(x, cos, sin)
+        self._path = "native_in"
         if (attn := self._attend_in_cache(cache, q, k, v, named, b, q_scaled=True)) is not None:
             return self._sequential(x, named, attn=attn)
         k, v = append_kv(cache, k, v, self.spec.layer_idx)
         if native_decode.cache_kv_usable(k, v, d, b):
             usable, keep = native_decode.keep_rows(named.get("attention_mask"), b, k.shape[2])
             if usable:
+                self._path = "native" if b == 1 else "native_rows"
                 return layer.step_out(x, q, k, v, keep)
         # a cache or mask the kernel does not read: the torch path from the attention on
         return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True))
@@ -501,6 +519,8 @@ class FusedBlock:
         out = attend(q, k, v, self.spec.layer_idx, scale, named.get("attention_mask"))
         if out is None:
             return None
+        if not torch.compiler.is_compiling():
+            self.paths.took("cache_attend")
         return self._project_out(out, b, 1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict, b: int,

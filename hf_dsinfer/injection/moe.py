@@ -29,9 +29,9 @@ from torch import nn
 
 from hf_dsinfer.config import QuantConfig
 from hf_dsinfer.errors import MoeStateError
+from hf_dsinfer.hf.outputs import recording
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear, quantize_linear, resolve_group_size
-from hf_dsinfer.integration.outputs import recording
 from hf_dsinfer.kernels.activations import gated_act, resolve_activation
 from hf_dsinfer.kernels.linear import linear
 from hf_dsinfer.kernels.moe import (

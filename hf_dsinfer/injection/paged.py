@@ -29,7 +29,7 @@ cache themselves) and ALiBi positions (the bias would have to follow each reques
 
 transformers' BloomModel and GPTJModel do not pass these arguments on to their blocks: their
 blocks attend within the packed row only, and HF's own generate_batch returns wrong tokens for
-them. An injected model never does: integration.continuous_batching marks each forward that
+them. An injected model never does: hf.continuous_batching marks each forward that
 carries a paged cache, and a block that receives none in such a forward raises.
 """
 
@@ -58,7 +58,7 @@ class PagedStats:
     calls: int = 0
     deferred: dict[str, int] = dataclasses.field(default_factory=dict)
     refused: int = 0  # calls of a forward with a paged cache that reached the block without it
-    # set by integration.continuous_batching for the span of a forward that carries a paged
+    # set by hf.continuous_batching for the span of a forward that carries a paged
     # cache: a call of this block without one is then a model that does not pass it on
     expected: bool = False
 
@@ -81,20 +81,24 @@ def call_why(fused: FusedBlock, named: dict[str, Any]) -> str | None:
     return None
 
 
-def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
-    """True: this call is a continuous-batching call that the HF forward computes (counted).
-    Raises when a forward carrying a paged cache reached this block without it."""
+def defer_why(fused: FusedBlock, named: dict[str, Any]) -> str | None:
+    """Why this continuous-batching call goes to the HF forward (counted), or None: it is not
+    one, or it runs fused. Raises when a forward carrying a paged cache reached this block
+    without it."""
     if named.get(PAGED_ARG) is None:
         if fused.paged.expected:
             fused.paged.refused += 1
             raise _not_passed_error(fused)
-        return False
+        return None
     why = call_why(fused, named)
-    if why is None:
-        return False
-    if not torch.compiler.is_compiling():  # a mutated Python counter would force recompiles
+    if why is not None and not torch.compiler.is_compiling():  # mutated counters recompile
         fused.paged.deferred[why] = fused.paged.deferred.get(why, 0) + 1
-    return True
+    return why
+
+
+def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
+    """True: this call is a continuous-batching call that the HF forward computes."""
+    return defer_why(fused, named) is not None
 
 
 def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,

@@ -1,7 +1,8 @@
 """The parity gate: prove, at injection time, that fused blocks compute what HF computes.
 
 The model runs twice on the same probe, a left-padded prefill of 2 sequences followed by one
-cached decode step, once with the HF forwards and once fused. Every block's output is captured
+cached decode step, once with the HF forwards and once fused (for a model loaded sharded, once,
+with unsharded reference blocks replaying the recorded calls: see run_parity_gate). Every block's output is captured
 by a forward hook and compared at the non-padded positions; a block class passes when its
 worst relative L2 error is within the tolerance for the model's dtype. Comparing per block
 (not only the logits) says *which* class broke.
@@ -9,11 +10,16 @@ worst relative L2 error is within the tolerance for the model's dtype. Comparing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
+
+from hf_dsinfer.injection.paths import PathRecord
 
 # Relative L2 error ||fused - hf|| / ||hf|| of a block's output. fp32 differences come only from
 # summation order (~1e-7); half precision rounds every op (~1e-3 .. 5e-3 per block measured on
@@ -53,23 +59,42 @@ def _probe_inputs(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Tensor):
-    """Per block: the outputs of the prefill and of the decode step, concatenated on seq."""
-    captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(blocks))}
+def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Tensor,
+               with_inputs: bool = False) -> dict[int, Any]:
+    """Per block: the outputs of the prefill and of the decode step, concatenated on seq; with
+    `with_inputs`, also each call's (args, kwargs) so a reference block can replay them."""
+    captured: dict[int, list] = {i: [] for i in range(len(blocks))}
 
     def hook(index):
-        def record(_module, _args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            captured[index].append(out.detach().float().clone())
+        def record(_module, args, kwargs, output):
+            out = (output[0] if isinstance(output, tuple) else output).detach().float().clone()
+            captured[index].append((args, dict(kwargs), out) if with_inputs else out)
         return record
 
-    handles = [f.block.register_forward_hook(hook(i)) for i, f in enumerate(blocks)]
+    handles = [f.block.register_forward_hook(hook(i), with_kwargs=True)
+               for i, f in enumerate(blocks)]
     try:
         prefill_and_step(model, ids, mask)
     finally:
         for handle in handles:
             handle.remove()
+    if with_inputs:
+        return captured
     return {i: torch.cat(outs, dim=1) for i, outs in captured.items()}
+
+
+def _replay(ref: nn.Module, cache_arg: str, calls: list, config: Any) -> torch.Tensor:
+    """A reference block's outputs for the recorded calls of its twin, with a cache of its own."""
+    cache = DynamicCache(config=config)
+    signature = inspect.signature(type(ref).forward)
+    outs = []
+    for args, kwargs, _ in calls:
+        bound = signature.bind(ref, *args, **kwargs)
+        if cache_arg in bound.arguments:
+            bound.arguments[cache_arg] = cache
+        out = type(ref).forward(*bound.args, **bound.kwargs)
+        outs.append((out[0] if isinstance(out, tuple) else out).float())
+    return torch.cat(outs, dim=1)
 
 
 def prefill_and_step(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -84,12 +109,59 @@ def prefill_and_step(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
     base(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
-def run_parity_gate(model: nn.Module, blocks: list) -> dict[str, ParityResult]:
+def run_parity_gate(model: nn.Module, blocks: dict[str, Any],
+                    references: dict[str, tuple[str, nn.Module]] | None = None
+                    ) -> dict[str, ParityResult]:
+    """Per block class, the worst relative error of the fused blocks against HF on the probe.
+    `blocks`: path -> FusedBlock. The probe's calls count neither as use nor as paths taken.
+
+    Two modes, one comparison:
+    - whole weights: the model runs the probe with HF's forwards, then fused, and every block's
+      outputs are compared;
+    - `references` (class name -> (path, an unsharded HF block)): for a model loaded sharded
+      (tensor parallelism), where HF's forward cannot run on the local slices. The sharded model
+      runs the probe once, each referenced block's calls are recorded, and the reference
+      replays them (parallel/parity.py builds it from the checkpoint). Every rank runs the same
+      probe on the same all-reduced outputs, so every rank reaches the same verdict."""
+    fused_blocks = list(blocks.values())
     ids, mask = _probe_inputs(model)
     valid = mask.bool()  # [B, S]: compare only real tokens
+    dtype = next(model.parameters()).dtype
+    tolerance = PARITY_TOLERANCE.get(dtype, 3e-2)
+    with _uncounted(fused_blocks), _eval(model):
+        if references is not None:
+            paths = [path for path, _ in references.values()]
+            calls = _run_probe(model, [blocks[p] for p in paths], ids, mask, with_inputs=True)
+            results = {}
+            for i, (name, (path, ref)) in enumerate(references.items()):
+                want = _replay(ref, blocks[path].policy.cache_arg, calls[i], model.config)
+                got = torch.cat([out for _, _, out in calls[i]], dim=1)
+                results[name] = ParityResult(name, _rel_err(got[valid], want[valid]),
+                                             tolerance, 1)
+            return results
+        reference, fused, margins = _hf_then_fused(model, fused_blocks, ids, mask)
+    results: dict[str, ParityResult] = {}
+    tied = torch.zeros_like(valid)  # tokens past a routing near-tie in an earlier MoE block
+    for i, f in enumerate(fused_blocks):
+        moe = getattr(f, "moe", None)
+        if moe is not None:
+            tied |= margins[id(moe)].to(tied.device) < MOE_TIE_MARGIN.get(dtype, 1e-2)
+        err = _rel_err(fused[i][valid & ~tied], reference[i][valid & ~tied])
+        name = type(f.block).__name__
+        prev = results.get(name)
+        worst = max(err, prev.max_rel_err) if prev else err
+        count = prev.blocks_checked + 1 if prev else 1
+        results[name] = ParityResult(name, worst, tolerance, count)
+    return results
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _hf_then_fused(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Tensor):
+    """(HF outputs, fused outputs, routing margins per MoE) of every block on the probe."""
     states = [f.enabled for f in blocks]
-    was_training = model.training
-    model.eval()
     moes = [m for f in blocks if (m := getattr(f, "moe", None)) is not None]
     try:
         for f in blocks:
@@ -100,29 +172,37 @@ def run_parity_gate(model: nn.Module, blocks: list) -> dict[str, ParityResult]:
         margins = {id(m): torch.cat(m.margins, dim=1) for m in moes}  # [B, S] per MoE block
         for f in blocks:
             f.enabled = True
-        calls = [f.calls for f in (*blocks, *moes)]
         fused = _run_probe(model, blocks, ids, mask)
-        for f, c in zip((*blocks, *moes), calls):
-            f.calls = c  # the probe does not count as use
     finally:
         for f, state in zip(blocks, states):
             f.enabled = state
         for m in moes:
             m.margins = None
+    return reference, fused, margins
+
+
+@contextlib.contextmanager
+def _uncounted(blocks: list):
+    """The probe does not count as use: calls and paths taken are restored afterwards."""
+    moes = [m for f in blocks if (m := getattr(f, "moe", None)) is not None]
+    saved = [(f.calls, f.paths) for f in blocks]
+    moe_calls = [m.calls for m in moes]
+    for f in blocks:
+        f.paths = PathRecord()
+    try:
+        yield
+    finally:
+        for f, (calls, paths) in zip(blocks, saved):
+            f.calls, f.paths = calls, paths
+        for m, calls in zip(moes, moe_calls):
+            m.calls = calls
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
         model.train(was_training)
-    dtype = next(model.parameters()).dtype
-    tolerance = PARITY_TOLERANCE.get(dtype, 3e-2)
-    results: dict[str, ParityResult] = {}
-    tied = torch.zeros_like(valid)  # tokens past a routing near-tie in an earlier MoE block
-    for i, f in enumerate(blocks):
-        moe = getattr(f, "moe", None)
-        if moe is not None:
-            tied |= margins[id(moe)].to(tied.device) < MOE_TIE_MARGIN.get(dtype, 1e-2)
-        ref, out = reference[i][valid & ~tied], fused[i][valid & ~tied]
-        err = float((out - ref).norm() / ref.norm().clamp_min(1e-12))
-        name = type(f.block).__name__
-        prev = results.get(name)
-        worst = max(err, prev.max_rel_err) if prev else err
-        count = prev.blocks_checked + 1 if prev else 1
-        results[name] = ParityResult(name, worst, tolerance, count)
-    return results

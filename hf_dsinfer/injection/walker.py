@@ -1,4 +1,6 @@
 """Apply a policy to a model: install FusedBlocks on its decoder blocks, undo it, report it.
+These are the injection layer's phases; hf_dsinfer.phases runs them in order with the
+parallel and offload phases between them.
 
 Installing means setting the instance attribute `block.forward` (or, when accelerate has hooked
 the block, the `_old_forward` its hook calls). Nothing is patched on a class, so two injected
@@ -14,8 +16,10 @@ from typing import Any
 
 from torch import nn
 
+from hf_dsinfer import settings
 from hf_dsinfer.config import DSInferConfig
-from hf_dsinfer.errors import DSInferError, ParityError, UnsupportedModelError
+from hf_dsinfer.errors import ParityError, UnsupportedModelError
+from hf_dsinfer.hf import continuous_batching
 from hf_dsinfer.injection.decode_step import install_decode_step, uninstall_decode_step
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
 from hf_dsinfer.injection.head import HeadReport, install_head, uninstall_head
@@ -25,6 +29,7 @@ from hf_dsinfer.injection.latency import (
     enable_compiled_decode,
     resolve_decode_mode,
 )
+from hf_dsinfer.injection.layers import iter_layers, layers_path
 from hf_dsinfer.injection.moe import (
     build_moe,
     install_moe,
@@ -41,7 +46,7 @@ from hf_dsinfer.injection.quantize import (
     check_quant_supported,
     quantize_blocks,
 )
-from hf_dsinfer.integration import continuous_batching
+from hf_dsinfer.injection.scope import SettingsScope, install_settings, uninstall_settings
 from hf_dsinfer.kernels._dispatch import resolve
 from hf_dsinfer.kernels.quant import probe_private_ops
 
@@ -67,37 +72,33 @@ class InjectionReport:
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
     step: Any = None  # decode_step.NativeDecodeStep, when installed
-    serving: Any = None  # integration.continuous_batching.ContinuousBatching, when installed
+    serving: Any = None  # hf.continuous_batching.ContinuousBatching, when installed
+    backend: str | None = None  # the kernel backend the fused blocks run ("torch", "cpu", ...)
+    settings: SettingsScope | None = None  # config.settings around the model's forward
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
     return getattr(model, REPORT_ATTR, None)
 
 
-def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
-    """Fuse every supported decoder block of `model` in place and run the parity gate. On any
-    error the model is left as it was (what was installed comes off) and the error is raised."""
-    if get_report(model) is not None:
-        revert(model)
-    policy = find_policy(model)
-    report = InjectionReport(config=config, model_class=type(model).__name__, policy=policy)
+def begin(model: nn.Module, config: DSInferConfig) -> InjectionReport:
+    """A fresh report for `model`, stored on it (hf_dsinfer.phases runs the rest)."""
+    report = InjectionReport(config=config, model_class=type(model).__name__,
+                             policy=find_policy(model))
     setattr(model, REPORT_ATTR, report)
-    try:
-        _inject(model, config, report)
-    except BaseException as err:
-        _undo(model, report, err)
-        raise
     return report
 
 
-def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+def prepare(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> bool:
+    """Build a FusedBlock (and FusedMoE) for every supported decoder block and check what can
+    be checked before anything is installed. False when the model is unsupported (strict=False:
+    it runs unmodified, with the reason in the report; strict raises)."""
     policy = report.policy
-    if policy is None or _layers_path(model, policy) is None:
+    if policy is None or layers_path(model, policy) is None:
         _handle_unsupported(model, config, report)
-        _attach_offload(model, config)
-        return
-    backend = _model_backend(model, config)
-    for path, index, block in _blocks(model, policy):
+        return False
+    report.backend = _model_backend(model, config)
+    for path, index, block in iter_layers(model, policy):
         if type(block).__name__ not in policy.block_classes:
             report.skipped[path] = f"{type(block).__name__} is not a {policy.family} block class"
             continue
@@ -105,38 +106,56 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
             report.skipped[path] = ACCELERATE_OFFLOADED
             continue
         spec = resolve_spec(block, policy, model.config, index)
-        report.blocks[path] = FusedBlock(block, policy, spec, backend)
+        report.blocks[path] = FusedBlock(block, policy, spec, report.backend)
     _warn_accelerate_offloaded(report)
     report.moe = build_moe(report.blocks, model.config, config.moe_capacity_factor)
     _check_quant(model, config, report)  # fail before touching the model
-    _check_tp(model, config, policy)
-    _check_moe(config, report)
+    if config.quant is not None:
+        moe_group_size(report.moe, config.quant)
+    return True
+
+
+def install(model: nn.Module, report: InjectionReport) -> None:
+    """Put the fused blocks and MoE layers in place of HF's forwards, and the model's own
+    settings (config.settings) around its forward."""
+    report.settings = install_settings(model, report.config.settings)
     for fused in report.blocks.values():
         _install(fused.block, fused)
     install_moe(report.moe)
-    _attach_offload(model, config)  # before the parity probe: it streams the weights in
-    if config.parity_check and report.blocks and not _sharded_at_load(model):
-        _apply_parity(model, report)
-    if config.tp_size > 1:
-        from hf_dsinfer.parallel.tensor import parallelize
 
-        report.tp = parallelize(model, report)
-    if config.ep_size > 1:
-        from hf_dsinfer.parallel.expert import parallelize_experts
 
-        report.ep = parallelize_experts(model, report)
-    if config.quant is not None:
-        live = [f for f in report.blocks.values() if f.enabled]
-        report.quant = quantize_blocks(live, config.quant)
-        live_moe = {p: m for p, m in report.moe.items() if m.enabled}
-        report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
-        param = next(model.parameters())
-        if param.device.type == "cpu":
-            probe_private_ops(config.quant.bits, param.dtype)
+def check_parity(model: nn.Module, report: InjectionReport,
+                 references: dict[str, Any] | None = None) -> None:
+    """The parity gate, when the config asks for it: on whole weights (before sharding), or
+    with `references` on a model loaded sharded (after its blocks are wired)."""
+    if not report.config.parity_check or not report.blocks:
+        return
+    if references is None and _sharded_at_load(model):
+        return  # its gate runs once the blocks are wired, against the loader's references
+    _apply_parity(model, report, references)
+
+
+def quantize(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+    """Weight-only int8 / int4 of the fused blocks and MoE experts that stay enabled."""
+    if config.quant is None:
+        return
+    live = [f for f in report.blocks.values() if f.enabled]
+    report.quant = quantize_blocks(live, config.quant)
+    live_moe = {p: m for p, m in report.moe.items() if m.enabled}
+    report.moe_quant = quantize_moe(live_moe, config.quant) if live_moe else None
+    param = next(model.parameters())
+    if param.device.type == "cpu":
+        probe_private_ops(config.quant.bits, param.dtype)
+
+
+def finish(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+    """The model-level paths over the fused blocks: output head, one-loop decode step,
+    continuous batching, compiled decode."""
     if report.blocks:
-        report.head = install_head(model, config, backend)
+        report.head = install_head(model, config, report.backend)
     if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
-        report.step = install_decode_step(model, report.blocks, _layers_path(model, policy))
+        report.step = install_decode_step(model, report.blocks,
+                                          layers_path(model, report.policy))
     if report.blocks:
         report.serving = continuous_batching.install(model, list(report.blocks.values()))
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
@@ -144,33 +163,15 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
         enable_compiled_decode(model, report.decode)
 
 
-def _undo(model: nn.Module, report: InjectionReport, err: BaseException) -> None:
-    """After a failed inject: take off what it installed (`revert`). Sharded or quantized
-    weights cannot be restored; the error then says so."""
-    if get_report(model) is not report:  # the parity gate reverted already
-        return
-    try:
-        revert(model)
-    except DSInferError as undo_err:
-        delattr(model, REPORT_ATTR)
-        err.add_note(f"hf_dsinfer could not restore the model after this error ({undo_err}). "
-                     "Load it again before using it.")
+def release_moe(report: InjectionReport) -> None:
+    """Give the MoE layers their HF forwards back; raises first (nothing changed) when their
+    experts are quantized or sharded."""
+    uninstall_moe(report.moe)
 
 
-def revert(model: nn.Module) -> nn.Module:
-    """Undo `inject`: every block gets its HF forward back (quantized linears stay quantized:
-    dequantizing is lossy, and they remain ordinary callable modules). Returns the model."""
-    report = get_report(model)
-    if report is None:
-        return model
-    if report.tp is not None:
-        from hf_dsinfer.errors import TensorParallelError
-
-        raise TensorParallelError(
-            "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "
-            "ranks and the HF forwards cannot run on them. Fix: load the model again.")
-    uninstall_moe(report.moe)  # raises first if the experts are quantized or sharded
-    _detach_offload(model)
+def remove(model: nn.Module, report: InjectionReport) -> None:
+    """Take off what `install` and `finish` put on (after release_moe)."""
+    uninstall_settings(report.settings)
     uninstall_head(model, report.head)
     uninstall_decode_step(report.step)
     continuous_batching.uninstall(report.serving)
@@ -178,7 +179,6 @@ def revert(model: nn.Module) -> nn.Module:
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)
     delattr(model, REPORT_ATTR)
-    return model
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -201,18 +201,8 @@ def _warn_accelerate_offloaded(report: InjectionReport) -> None:
                       f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=5)
 
 
-def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
-    if config.offload is not None:  # imported lazily: accelerate hooks, threads, safetensors
-        from hf_dsinfer.offload.attach import attach_offload
-
-        attach_offload(model, config.offload)
 
 
-def _detach_offload(model: nn.Module) -> None:
-    if getattr(model, "_dsinfer_offload", None) is not None:
-        from hf_dsinfer.offload.attach import detach_offload
-
-        detach_offload(model)
 
 
 def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
@@ -247,20 +237,8 @@ def _sharded_at_load(model: nn.Module) -> bool:
     return hasattr(model, "_dsinfer_tp_plan")
 
 
-def _check_tp(model: nn.Module, config: DSInferConfig, policy: Policy) -> None:
-    if config.tp_size > 1:
-        from hf_dsinfer.parallel.tensor import check_tensor_parallel
-
-        check_tensor_parallel(model, policy, config.tp_size)
 
 
-def _check_moe(config: DSInferConfig, report: InjectionReport) -> None:
-    if config.quant is not None:
-        moe_group_size(report.moe, config.quant)
-    if config.ep_size > 1:
-        from hf_dsinfer.parallel.expert import check_expert_parallel
-
-        check_expert_parallel(report, config)
 
 
 def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
@@ -272,33 +250,19 @@ def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionRepor
 
 
 def _model_backend(model: nn.Module, config: DSInferConfig) -> str:
+    """The backend the fused blocks run: the config's, or for "auto" what HF_DSINFER_KERNELS
+    names (default auto: Triton on CUDA, the CPU paths on CPU)."""
     param = next(model.parameters())
-    return resolve(config.kernels, param.device) if config.kernels == "auto" else config.kernels
+    if config.kernels != "auto":
+        return config.kernels
+    with settings.use(**(config.settings or {})):
+        return resolve(None, param.device)
 
 
-def _layers_path(model: nn.Module, policy: Policy) -> str | None:
-    """The block list's path in `model` (None: not found). `policy.layers` names it from the
-    *ForCausalLM; other heads hold the same base model under their `base_model_prefix`
-    (Llama's question-answering head: `transformer`), and a bare base model holds it itself."""
-    tail = policy.layers.split(".", 1)[1]
-    prefix = getattr(model, "base_model_prefix", None)
-    candidates = (policy.layers, f"{prefix}.{tail}" if prefix else None, tail)
-    return next((path for path in candidates if path and _has_path(model, path)), None)
 
 
-def _blocks(model: nn.Module, policy: Policy):
-    path = _layers_path(model, policy)
-    container = () if path is None else model.get_submodule(path)
-    for index, block in enumerate(container):
-        yield f"{path}.{index}", index, block
 
 
-def _has_path(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def _install(block: nn.Module, fused: FusedBlock) -> None:
@@ -315,16 +279,21 @@ def _uninstall(block: nn.Module, fused: FusedBlock) -> None:
         del block.forward
 
 
-def _apply_parity(model: nn.Module, report: InjectionReport) -> None:
-    report.parity = run_parity_gate(model, list(report.blocks.values()))
+def _apply_parity(model: nn.Module, report: InjectionReport,
+                  references: dict[str, Any] | None) -> None:
+    report.parity = run_parity_gate(model, report.blocks, references)
     failed = {name: r for name, r in report.parity.items() if not r.passed}
     if not failed:
         return
     detail = "; ".join(f"{name}: {r.summary()}" for name, r in failed.items())
     cfg = report.config
-    if cfg.strict or cfg.tp_size > 1 or cfg.ep_size > 1:  # no HF fallback on sharded weights
-        revert(model)
+    if references is not None:
         raise ParityError(
+            f"tensor-parallel fused blocks disagree with their Hugging Face originals: {detail}. "
+            "There is no HF fallback on sharded weights. Fix: report this with the model config; "
+            "load with tp_size=1.")
+    if cfg.strict or cfg.tp_size > 1 or cfg.ep_size > 1:  # no HF fallback on sharded weights
+        raise ParityError(  # hf_dsinfer.phases takes the injection off
             f"fused blocks disagree with their Hugging Face originals beyond tolerance: {detail}. "
             "The model was left unmodified. Fix: report this with the model config; pass "
             "strict=None to keep the HF blocks for the failing classes and fuse the rest."

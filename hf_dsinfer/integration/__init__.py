@@ -1,7 +1,7 @@
-"""The only place that talks to transformers/accelerate internals.
-
-The modules are imported where used (not here), so that injection code can read HF's output
-capture (`outputs`) without importing the from_pretrained shim, which imports injection."""
+"""hf_dsinfer plugged into transformers' entry points: the `dsinfer=` keyword of
+`from_pretrained` (shim.py) and the quantization method transformers loads through
+(quantizer.py). The top of the layers (see docs/architecture.md); transformers' internals that
+the lower layers need are read through `hf_dsinfer.hf`."""
 
 
 def activate() -> None:

@@ -19,7 +19,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import UnsupportedModelError
 from hf_dsinfer.injection.policies import find_policy, supported_families
-from hf_dsinfer.injection.walker import inject
+from hf_dsinfer.phases import inject
 
 METHOD = "dsinfer"
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from hf_dsinfer.api import init_inference
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.integration.quantizer import DSInferQuantizationConfig
@@ -26,12 +27,10 @@ def _load(original, cls, args, kwargs, dsinfer: Any):
     if config.tp_size > 1:  # each rank reads only its slices (hf_dsinfer.parallel.loading)
         from hf_dsinfer.parallel.loading import load_tensor_parallel
 
-        return load_tensor_parallel(original, cls, args, kwargs, config)
+        return init_inference(load_tensor_parallel(original, cls, args, kwargs, config), config)
     if kwargs.get("gguf_file") is not None or kwargs.get("quantization_config") is not None:
         # transformers refuses a second quantization method next to GGUF / another method:
         # load as the user asked, then inject into the loaded model.
-        from hf_dsinfer.api import init_inference
-
         return init_inference(original(cls, *args, **kwargs), config)
     kwargs["quantization_config"] = DSInferQuantizationConfig.from_dsinfer(config)
     model = original(cls, *args, **kwargs)
@@ -39,8 +38,6 @@ def _load(original, cls, args, kwargs, dsinfer: Any):
     if report is None or report.config != config:
         # A checkpoint saved with dsinfer carries its own config, which transformers prefers
         # over the caller's; the caller's dsinfer= is the one to honour.
-        from hf_dsinfer.api import init_inference
-
         init_inference(model, config)
     return model
 

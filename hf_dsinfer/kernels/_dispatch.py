@@ -12,9 +12,9 @@ Backends:
     "triton" the Triton kernel; on CPU tensors only under TRITON_INTERPRET=1 (tests).
     "cpu"    the CPU fast path where one exists, else the reference.
 
-The environment variable HF_DSINFER_KERNELS sets the default for calls that pass no backend.
-Nothing here is mutable process state: the choice is a pure function of its arguments and the
-environment.
+hf_dsinfer.settings' `kernels` (default: the environment variable HF_DSINFER_KERNELS) is what a
+call that passes no backend, or a model configured with kernels="auto", gets. The choice is a
+pure function of its arguments and those settings.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "ref", "triton", "cpu")
-ENV_VAR = "HF_DSINFER_KERNELS"
+from hf_dsinfer import settings
+
+BACKENDS = settings.BACKENDS
+ENV_VAR = settings.ENV["kernels"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,7 +56,7 @@ def check_backend(name: str) -> str:
 
 def resolve(backend: str | None, device: torch.device, has_cpu_path: bool = True) -> str:
     """Return the concrete backend ("ref", "triton" or "cpu") for a tensor on `device`."""
-    requested = check_backend(backend or os.environ.get(ENV_VAR, "auto"))
+    requested = check_backend(backend or settings.current().kernels)
     if requested == "auto":
         if device.type == "cuda" and triton_available():
             return "triton"

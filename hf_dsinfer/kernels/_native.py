@@ -1,28 +1,22 @@
 """The native CPU kernels of csrc/: built on first use, loaded with ctypes.
 
-cpu_quant.c, the int8 matrix-vector product of decode. It is bound by memory bandwidth, and
-torch's own CPU kernel for it is not. On the 2-core Xeon here, weights cycled through 690 MB
-(past this VM's 480 MB L3): the kernel streams a 5632 x 2048 int8 weight at 19.1 GB/s (VNNI
-byte dot products, prefetch, huge pages; see the file's header for the numerics), a bf16
-`torch.mv` the same shape at 21.0 GB/s. In the Llama-1.1B decode step it replaced torch's
-`_weight_int8pack_mm` (1.27x -> 1.62-1.93x HF eager, benchmarks/decode.py).
+cpu_quant.c, the int8 matrix-vector product of decode (VNNI byte dot products, prefetch, huge
+pages; see the file's header for the numerics): decode reads every weight once, so it is bound
+by memory bandwidth, and torch's own CPU kernel for it is not.
 
 cpu_moe.c, the bf16 expert MLPs of a MoE layer: all routed experts in one call, on AMX tiles
 straight on the stored expert weights where the CPU has AMX-BF16 (AVX-512 BF16 dot products
-elsewhere, for about one row per expert). Against one oneDNN GEMM pair per expert (8 experts,
-hidden 1024, intermediate 3584): 7.3 vs 13.0 ms at 1 row per expert, 46.9 vs 64.2 ms at 512 (see
-kernels/moe.py). The same file's hfd_linear_bf16 runs dense bf16 linears of 2-256 rows
-(batched decode, short prefills) on AMX straight from the row-major weight, which oneDNN
-reorders on every call: 95.7 vs 110.3 ms for a Llama-1.1B's 154 linears at 16 rows (see
-kernels/linear.py). torch has no such path and no maintained library adds one to torch, so they
-are ours.
+elsewhere, for about one row per expert), where oneDNN runs one GEMM pair per expert. The same
+file's hfd_linear_bf16 runs dense bf16 linears of 2-256 rows (batched decode, short prefills)
+on AMX straight from the row-major weight, which oneDNN reorders on every call. torch has no
+such path and no maintained library adds one to torch, so they are ours.
 
 cpu_decode.c, one Llama-family decoder layer for one token in two calls (kernels/decode.py):
 batch-1 decode is bound by the weight reads, and computed with torch ops each layer also pays
-~60 dispatches around them. On SmolLM2-135M int4 a decode step went from 19 ms to 14 ms (and
-to 12.6-12.9 ms with the output head in int8, injection/head.py). Its batched variant (one
-token of each of up to 256 sequences, bf16 projections through hfd_linear_bf16) took a
-Llama-1.1B batch-16 step from ~118 to ~102-105 ms.
+~60 dispatches around them. Its batched variant takes one token of each of up to 256
+sequences, bf16 projections through hfd_linear_bf16.
+
+What each of them measured against the path it replaced: docs/performance.md.
 
 Build: gcc -O3 and OpenMP, once per machine and ISA tier, into
 ~/.cache/hf_dsinfer/native/<hash of sources, flags and tier>/ (HF_DSINFER_CACHE moves the root); a
@@ -56,18 +50,19 @@ from pathlib import Path
 
 import torch
 
+from hf_dsinfer import settings
 from hf_dsinfer.errors import NativeABIError
 from hf_dsinfer.kernels import abi
 
-ENV_VAR = "HF_DSINFER_NATIVE"
-AMX_ENV_VAR = "HF_DSINFER_NATIVE_AMX"  # 0: the kernels that can use AMX tiles keep AVX-512
-ISA_ENV_VAR = "HF_DSINFER_ISA"  # caps the tier: one of TIERS
+ENV_VAR = settings.ENV["native"]  # the switches are hf_dsinfer.settings; these are its defaults
+AMX_ENV_VAR = settings.ENV["amx"]  # 0: the kernels that can use AMX tiles keep AVX-512
+ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
 HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
-TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+TIERS = settings.TIERS
 # per tier: what it adds to the one below, as gcc flags and as /proc/cpuinfo flags
 _TIER_ADDS = {
     "generic": ((), ()),
@@ -121,8 +116,7 @@ def cpu_tier() -> str:
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("HF_DSINFER_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "hf_dsinfer"
+    return settings.current().cache_dir
 
 
 def _simde_include() -> str:
@@ -227,24 +221,14 @@ def _load(level: str) -> ctypes.CDLL | None:
 
 
 # The lowest tier at which each use of the kernels measured faster than the torch path it
-# replaces; below it lib(use) is None unless HF_DSINFER_ISA names a tier. Measured on a 2-core AMD
-# EPYC with AVX-512 made to run as an AVX2 CPU (the detected tier forced to avx2, torch's
-# dispatch capped by ATEN_CPU_CAPABILITY=avx2), 2026-11-24, quiet machine, SmolLM2 batch-1
-# (benchmarks/decode.py) unless said:
-#   "kernels": the decode layer and MoE experts against torch's ops: bf16 decode 1.50x HF eager
-#       at avx2 (torch path 0.80x); MoE layer (benchmarks/moe.py) at 1 token 0.87x best HF
-#       (0.75x).
-#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers) against
-#       torch's int8 kernel: a 5632 x 2048 weight at one row 0.60 ms at avx2 against 0.38 ms; with
-#       it from avx512, int8 decode went from 1.49x to 1.71x HF (torch path 1.54x).
-#   "int4": int4 products against torch's int4 kernel: int4 decode 0.63x HF with them at avx2,
-#       1.66x without (the int4 dot loop spills on 16 registers).
-#   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time, against torch's
-#       element-wise ops: prefill of 128 tokens int8 213 ms with them at avx2, 113 without.
+# replaces; below it lib(use) is None unless the settings name a tier (isa). The measurements
+# (an AVX-512 EPYC made to run as an AVX2 CPU, 2026-11-24) are in docs/performance.md.
+#   "kernels": the decode layer and MoE experts against torch's ops
+#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers)
+#   "int4": int4 products against torch's int4 kernel (the int4 dot loop spills on 16 registers)
+#   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
-#       offload engine's row-major codes, where the alternative is dequantize + GEMM): every
-#       tier (KV codes of a [32, 16, 512, 64] cache: avx2 33 ms, generic 46, torch 116; an int4
-#       linear on 5632 x 2048 row-major codes: avx2 2.3 ms, dequantize + GEMM 6.3).
+#       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize": "avx512",
@@ -252,20 +236,17 @@ MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize":
 
 
 def _running() -> tuple[str, bool]:
-    """The tier the kernels run (see tier()) and whether HF_DSINFER_ISA named one."""
-    cap = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    """The tier the kernels run (see tier()) and whether the settings named one (isa)."""
+    cap = settings.current().isa
     best = cpu_tier()
-    if not cap:
+    if cap is None:
         return best, False
-    if cap not in TIERS:
-        raise ValueError(f"{ISA_ENV_VAR}={cap!r} is not an ISA tier: expected one of "
-                         f"{', '.join(TIERS)}; unset it to use this CPU's best ({best})")
     return TIERS[min(TIERS.index(cap), TIERS.index(best))], True
 
 
 @torch.compiler.assume_constant_result  # traced (kernels.crossovers): a constant of the graph
 def tier() -> str:
-    """The tier the kernels run: the CPU's best, capped by HF_DSINFER_ISA."""
+    """The tier the kernels run: the CPU's best, capped by the settings' isa."""
     return _running()[0]
 
 
@@ -277,7 +258,7 @@ def lib(use: str = "kernels") -> ctypes.CDLL | None:
     """The loaded library of the running tier for `use` (a MIN_TIER key), or None when the
     native kernels do not run here, or run slower than torch's path at this tier. None inside
     a torch.compile trace: a ctypes call cannot be traced."""
-    if os.environ.get(ENV_VAR, "1") == "0" or torch.compiler.is_compiling():
+    if not settings.current().native or torch.compiler.is_compiling():
         return None
     level, named = _running()
     return None if _below_min(level, named, use) else _load(level)
@@ -294,13 +275,13 @@ def builds() -> bool:
 
 def why_unavailable(use: str = "kernels") -> str | None:
     """Why `lib(use)` is None (None when it is not)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return f"disabled by {ENV_VAR}=0"
+    if not settings.current().native:
+        return f"disabled by settings native=False ({ENV_VAR}=0)"
     level, named = _running()
     if _below_min(level, named, use):
         return (f"the {level} tier, where {use!r} kernels measured slower than torch's path "
-                f"(they run from {MIN_TIER[use]}: _native.MIN_TIER); {ISA_ENV_VAR}={level} "
-                "runs them anyway")
+                f"(they run from {MIN_TIER[use]}: _native.MIN_TIER); settings isa={level!r} "
+                f"({ISA_ENV_VAR}={level}) runs them anyway")
     return None if _load(level) is not None else f"{level} tier: {_why.get(level, '')}"
 
 
@@ -309,7 +290,8 @@ def describe_tier() -> str:
     if lib("codes") is None:  # the use that runs at every tier
         return f"native kernels off: {why_unavailable('codes')}"
     level, best = tier(), cpu_tier()
-    capped = f", capped by {ISA_ENV_VAR} (this CPU: {best})" if level != best else ""
+    capped = (f", capped by settings isa ({ISA_ENV_VAR}; this CPU: {best})" if level != best
+              else "")
     off = [f"{use} ({why_unavailable(use)})" for use in MIN_TIER if lib(use) is None]
     return f"native kernels: {level} tier{capped}" + (f"; torch's path for {'; '.join(off)}"
                                                         if off else "")
@@ -334,8 +316,8 @@ def streamed_copy(t: torch.Tensor) -> torch.Tensor:
 
 def amx_allowed() -> bool:
     """AMX may be used where the CPU has it (the C side checks the CPU and asks Linux for the
-    tile state); HF_DSINFER_NATIVE_AMX=0 keeps the AVX-512 paths."""
-    return os.environ.get(AMX_ENV_VAR, "1") != "0"
+    tile state); settings amx=False (HF_DSINFER_NATIVE_AMX=0) keeps the AVX-512 paths."""
+    return settings.current().amx
 
 
 def amx_available() -> bool:

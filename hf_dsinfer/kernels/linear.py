@@ -16,11 +16,10 @@ Numerics: products accumulate in fp32 in every path (F.linear / torch.mv do so f
 fp16 on CPU; the Triton kernels use an fp32 accumulator) and round once to x.dtype, as HF's
 nn.Linear does.
 
-CPU fast path (measured on the 2-core Xeon, 8192x8192 bf16, weights cycled beyond L3):
-`torch.mv` streams a row-major [out, in] bf16 weight at ~27 GB/s where `F.linear` reaches
-~15 GB/s, so one-row bf16 calls with a row-contiguous weight use `torch.mv`. `torch.mv` loses
-for fp16 (~8 vs ~14 GB/s) and for column-major weights (~6 vs ~9 GB/s), ties for fp32, and a
-loop of `torch.mv` over rows loses to F.linear from 4 rows up.
+CPU fast path: one-row bf16 calls with a row-contiguous weight use `torch.mv`, which streams a
+row-major [out, in] bf16 weight faster than `F.linear`; `torch.mv` loses for fp16 and for
+column-major weights, ties for fp32, and a loop of `torch.mv` over rows loses to F.linear from
+4 rows up (measured: docs/performance.md).
 
 From 2 to CPU_AMX_MAX_ROWS bf16 rows on a CPU with AMX (batched decode, short prefills), the
 native kernel of csrc/cpu_moe.c (`hfd_linear_bf16`) reads the row-major weight straight into AMX

@@ -35,11 +35,11 @@ Shapes and layouts:
                the row-major codes of quantize_int4(..., portable=True).
     out     [..., out] in x.dtype
 
-CPU fast paths (2-core Xeon, 8192x8192, bf16 activations; see benchmarks/kernel_ops.py):
-`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and run at
-~3 ms vs ~9 ms for bf16 F.linear at 1 row, but cost ~0.8 ms more per extra row; a chunked
-dequantize + F.linear (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs
-~17-35 ms flat. Up to int8_pack_max_rows / int4_pack_max_rows rows use the packed kernels,
+CPU fast paths (see benchmarks/kernel_ops.py; measurements in docs/performance.md):
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read 1 / 0.5 byte per weight and beat a
+bf16 F.linear at one row, but cost more per extra row; a chunked dequantize + F.linear
+(dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs about the same at any
+row count. Up to int8_pack_max_rows / int4_pack_max_rows rows use the packed kernels,
 above them the chunked path, except where the native kernels (csrc/) run: int8 on them up to
 int8_gemv_max_rows rows (to AMX_INT8_MAX_ROWS on AMX), int4 up to int4_native_max_rows (see
 linear_int8_cpu, linear_int4_cpu); those bounds are per ISA tier, in kernels/crossovers.py.
@@ -61,12 +61,8 @@ from hf_dsinfer.kernels.private_ops import verified
 
 # How many rows of x each CPU path takes is data per ISA tier: kernels/crossovers.py
 # (int8_ / int4_pack_max_rows: torch's packed kernels, then the chunked dequantize + F.linear;
-# int8_gemv_max_rows, int4_native_max_rows: the native kernels). The Xeon's values
-# (crossovers.XEON) came from these measurements there: packed kernels against the chunked path
-# ~24-32 rows at 8192 x 8192 bf16; per 5632 x 2048 weight, bf16 x, 6 weights cycled (69 MB, so
-# partly L3-resident on that VM; from DRAM both are slower, the native one ~1.4x faster): native
-# GEMV 0.41 / 0.52 / 0.72 / 1.34 / 2.27 ms at 1 / 2 / 4 / 8 / 16 rows, torch's
-# _weight_int8pack_mm 0.63 / 0.66 / 0.88 / 1.84 / 3.42 ms.
+# int8_gemv_max_rows, int4_native_max_rows: the native kernels), measured by
+# benchmarks/crossovers.py (the Xeon's first measurements: docs/performance.md).
 # Output rows dequantized at a time in the chunked path (512 x 8192 bf16 = 8 MB, cache-resident).
 DEQUANT_CHUNK_ROWS = 512
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -94,10 +90,8 @@ class Int4Weight(NamedTuple):
 # Row tiles (csrc/hfd_simd.h: tile_row): the native kernels stream TILE_ROWS weight rows per
 # thread block and read them fastest as one sequential stream, so on CPU an int8 weight or 4-bit
 # codes whose shape allows it are stored as [out // 4, row_bytes // 64, 4, 64]: 64 bytes of each
-# of 4 rows in turn. 22 Llama-1.1B MLPs from DRAM, 2 threads: int8 21.7-22.2 GB/s row-major,
-# 26.5-27.4 tiled (bf16 rows: ~28); int4 group 32 (codes tiled; scales and mins stay apart,
-# tiling them into the stream too was no faster): 21.5-22.1 -> 19.1-19.4 ms. A Llama-1.1B
-# decode step, tiled against row-major in one process: int8 46.1 vs 52.6 ms, int4 35.0 vs 35.4.
+# of 4 rows in turn (int4: codes tiled; scales and mins stay apart, tiling them into the stream
+# too was no faster). Measured: docs/performance.md.
 TILE_ROWS, TILE_BYTES = 4, 64
 
 
@@ -140,9 +134,7 @@ def int4_codes(qweight: Int4Weight) -> torch.Tensor:
 # (csrc/hfd_simd.h: int4_order): its 64-byte loads give each of 16 dword lanes 8 columns of
 # one 32-column run, the same run in all 4 loads, so a lane's 32 products are summed as
 # integers and scaled once per run instead of once per load (~11 vector ops per 64 bytes and
-# row instead of ~16). 22 Llama-1.1B gate-shaped projections (5632 x 2048, group 32), 2
-# threads, 5 runs: from DRAM (bf16 scales) 23.0-25.0 -> 25.2-26.4 GB/s of codes, scales and
-# mins; from cache (one projection, fp32 scales, repeats 2-5) 31-48 -> 43-55 GB/s.
+# row instead of ~16). Measured: docs/performance.md.
 INT4_SUPER_BYTES = 256
 
 
@@ -528,14 +520,10 @@ def _native_int8_lib(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
 
 
 # Rows of x from which an int8 linear runs on AMX-INT8 tiles (csrc/cpu_moe.c: hfd_int8_amx,
-# the native GEMV's numerics to the bit) where the CPU has them. 5632 x 2048 int8 weight, 8
-# copies cycled, 2 threads, medians of 5: GEMV 0.35 / 0.44 / 0.64 / 1.16 / 2.12 / 3.87 ms at
-# 1 / 2 / 4 / 8 / 16 / 32 rows; AMX 0.65 / 0.63 / 0.62 / 0.68 / 0.72 / 1.12 ms (64 rows 1.71,
-# 128 rows 2.88). Above AMX_INT8_MAX_ROWS the chunked dequantize + oneDNN GEMM is faster (each
-# 16-row weight block reads every row's x planes, 3 bytes per element: at 512 rows they leave
-# L2): one 5632 x 2048 weight, AMX / chunked 1.8 / 5.0 ms at 64 rows, 5.6 / 7.9 at 256, 20.3 /
-# 17.0 at 512, 89.4 / 31.0 at 2048.
-# (crossovers.XEON; the amx tier is the only one with AMX).
+# the native GEMV's numerics to the bit) where the CPU has them, and up to which (above, the
+# chunked dequantize + oneDNN GEMM is faster: each 16-row weight block reads every row's x
+# planes, 3 bytes per element, which leave L2 at some hundreds of rows). crossovers.XEON holds
+# the bounds; the amx tier is the only one with AMX. Measured: docs/performance.md.
 AMX_INT8_MIN_ROWS = crossovers.TABLE["amx"].amx_int8_min_rows
 AMX_INT8_MAX_ROWS = crossovers.TABLE["amx"].amx_int8_max_rows
 

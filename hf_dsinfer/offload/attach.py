@@ -23,6 +23,7 @@ from accelerate.hooks import remove_hook_from_module
 from torch import nn
 
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.injection.layers import decoder_layers
 from hf_dsinfer.kernels.quant import Int4Weight
 from hf_dsinfer.offload import files
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
@@ -50,22 +51,6 @@ def compute_device(policy: OffloadPolicy) -> torch.device:
     return device
 
 
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder-layer list: the longest ModuleList of the model's `_no_split_modules` class."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    best = None
-    for path, module in model.named_modules():
-        alike = isinstance(module, nn.ModuleList) and len(module) and all(
-            type(m).__name__ in names for m in module)
-        if alike and (best is None or len(module) > len(best[1])):
-            best = (path, module)
-    if best is None:
-        raise DSInferError(
-            f"hf_dsinfer offload: cannot find the decoder layers of {type(model).__name__} (no "
-            f"nn.ModuleList of its _no_split_modules {sorted(names)}). Fix: offload supports "
-            "transformers decoder-only models that declare _no_split_modules.")
-    return best
-
 
 def get_engine(model: nn.Module) -> OffloadEngine | None:
     return getattr(model, ENGINE_ATTR, None)
@@ -75,7 +60,7 @@ def get_engine(model: nn.Module) -> OffloadEngine | None:
 def loading_device_map(model: nn.Module, policy: OffloadPolicy) -> dict[str, str | int]:
     """The device map transformers loads with: decoder layers stay in the checkpoint ("disk"),
     everything else goes to the compute device. The store is built from there."""
-    prefix, blocks = find_blocks(model)
+    prefix, blocks = decoder_layers(model)
     device = _map_device(compute_device(policy))
     device_map = {f"{prefix}.{i}": "disk" for i in range(len(blocks))}
     for name, _ in model.named_children():
@@ -103,7 +88,7 @@ def attach_offload(model: nn.Module, policy: OffloadPolicy) -> OffloadEngine:
     """Offload `model`'s decoder layers per `policy` (see the module docstring)."""
     if get_engine(model) is not None:
         detach_offload(model)
-    prefix, blocks = find_blocks(model)
+    prefix, blocks = decoder_layers(model)
     device = compute_device(policy)
     dtype = next(blocks[0].parameters()).dtype
     slots = place_layer(blocks[0], policy, dtype, device)

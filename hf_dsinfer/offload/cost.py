@@ -5,7 +5,7 @@ Per decoder layer and block of `bs` sequences (prompt s, n new tokens, KV bytes 
     prefill  T_pre >= disk reads   w_disk * W / disk_read                 (+ host->device
              T_pre >= cache writes c_disk * bs*s*k / disk_write            copies on CUDA)
              T_pre >= compute      2*bs*s*P / flops + attention + decompression, or, with
-                                   the model's own layer timed (measure_prefill_layer),
+                                   the model's own layer timed (search.measure_prefill_layer),
                                    bs * that time + decompression
     decode   T_dec >= disk reads   (w_disk * W + c_disk * bs*(s+n/2)*k) / disk_read
              T_dec >= cache writes c_disk * bs*k / disk_write
@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from hf_dsinfer.hardware import median_time, read_bandwidth, synchronize
+from hf_dsinfer import settings
+from hf_dsinfer.hardware import median_time, read_bandwidth
 from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels.kv_quant import (
     KVSpan,
@@ -87,8 +88,11 @@ class Hardware:
 # -- measuring ---------------------------------------------------------------------------------------
 # bumped when a probe changes what it measures, so that ~/.cache's older results are not reused
 PROBES_VERSION = 3
-CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_dsinfer" \
-    / "hardware.json"
+
+
+def cache_file() -> Path:
+    """Where measured hardware is kept: under the settings' cache_dir (hf_dsinfer.settings)."""
+    return settings.current().cache_dir / "hardware.json"
 
 
 def measure_hardware(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -129,7 +133,7 @@ def _cache_key(folder: Path, dtype: torch.dtype, device: str, disk_mib: int,
 
 def _cached(key: str) -> Hardware | None:
     try:
-        entry = json.loads(CACHE_FILE.read_text()).get(key)
+        entry = json.loads(cache_file().read_text()).get(key)
     except (OSError, ValueError):
         return None
     fields = {f.name for f in dataclasses.fields(Hardware)}
@@ -140,10 +144,10 @@ def _cached(key: str) -> Hardware | None:
 
 def _store(key: str, hw: Hardware) -> None:
     try:
-        data = json.loads(CACHE_FILE.read_text()) if CACHE_FILE.exists() else {}
+        data = json.loads(cache_file().read_text()) if cache_file().exists() else {}
         data[key] = dataclasses.asdict(hw)
-        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        CACHE_FILE.write_text(json.dumps(data, indent=1))
+        cache_file().parent.mkdir(parents=True, exist_ok=True)
+        cache_file().write_text(json.dumps(data, indent=1))
     except (OSError, ValueError):
         pass  # a cache that cannot be written only costs a re-measurement
 
@@ -332,73 +336,14 @@ def measure_attn_int4(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * sum(t.numel() * t.element_size() for t in span.k[:3]) / seconds
 
 
-def measure_prefill_layer(model: str | Path | object, dtype: torch.dtype, device: str,
-                          prompt_len: int, reps: int = 3) -> float:
-    """Seconds of one of the model's own decoder layers prefilling one sequence of `prompt_len`
-    tokens, as the engine runs it (the fused block where one is injected, else HF's).
 
-    `model`: a checkpoint folder or a transformers config. A one-layer copy of the model (random
-    weights, a vocabulary cut to the special tokens) is built, injected and run; hooks on its
-    layer time the layer alone. Memory: one decoder layer in `dtype` for a few seconds.
-    Pricing a prefill by FLOPs at a square matmul's rate was 30-40% short on OPT-2.7B's layer
-    at 512 tokens (attention, norms, bias adds and the activation are the rest), and the square
-    probe itself read 1.1-2.5 TFLOP/s on this machine on different days."""
-    import copy
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_dsinfer.api import init_inference
-    from hf_dsinfer.offload.attach import find_blocks
-
-    config = (AutoConfig.from_pretrained(model) if isinstance(model, (str, Path))
-              else copy.deepcopy(model))
-    text = getattr(config, "get_text_config", lambda: config)()
-    text.num_hidden_layers = 1
-    if isinstance(getattr(text, "layer_types", None), list):
-        text.layer_types = text.layer_types[:1]
-    special = [i for name in ("pad_token_id", "bos_token_id", "eos_token_id")
-               for i in _ints(getattr(text, name, None))]
-    text.vocab_size = min(text.vocab_size, max([256] + [i + 1 for i in special]))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        net = AutoModelForCausalLM.from_config(config).to(device)
-    init_inference(net, dtype=dtype, parity_check=False)
-    layer = find_blocks(net)[1][0]
-    times: list[float] = []
-    start = [0.0]
-
-    def before(*_):
-        synchronize(device)
-        start[0] = time.perf_counter()
-
-    def after(*_):
-        synchronize(device)
-        times.append(time.perf_counter() - start[0])
-
-    handles = [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
-    ids = torch.randint(0, text.vocab_size, (1, prompt_len), device=device,
-                        generator=torch.Generator(device=device).manual_seed(0))
-    try:
-        with torch.inference_mode():
-            for _ in range(reps + 1):  # the first is a warm-up
-                net(input_ids=ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return statistics.median(times[1:])
-
-
-def _ints(value) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    return [v for v in value if isinstance(v, int)] if isinstance(value, (list, tuple)) else []
 
 
 # -- the model -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What is run: prompt and generated lengths, and optionally the measured prefill of one
-    layer for one sequence of this prompt (measure_prefill_layer; `plan` measures it). Without
+    layer for one sequence of this prompt (search.measure_prefill_layer; `plan` measures it). Without
     it the prefill's compute is priced by FLOPs at the matmul probe's rate."""
 
     prompt_len: int

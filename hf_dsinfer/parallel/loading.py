@@ -8,7 +8,7 @@
    which maps the file and copies only this rank's ranges. The file is opened per tensor, so
    at most one tensor's mapped pages count towards the process's resident memory at a time;
    peak RSS tracks this rank's shard rather than the checkpoint;
-4. injection runs on the sharded model (walker -> parallel.tensor.parallelize).
+4. injection runs on the sharded model (phases -> parallel.tensor.parallelize).
 
 Checkpoints that are not local-or-cached safetensors (GGUF, .bin) are loaded whole and sliced in
 place instead (each rank then briefly holds the full model).
@@ -29,9 +29,9 @@ from torch import nn
 
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import TensorParallelError
+from hf_dsinfer.hf.checkpoint import renamed_keys
+from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policies import find_policy
-from hf_dsinfer.injection.walker import _blocks
-from hf_dsinfer.integration.checkpoint import renamed_keys
 from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
 from hf_dsinfer.parallel.parity import REFERENCES_ATTR, build_references
 from hf_dsinfer.parallel.slicing import ShardSpec
@@ -135,16 +135,15 @@ def safetensors_folder(path: Any, hub: dict[str, Any]) -> Path | None:
 
 def load_tensor_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str, Any],
                          config: DSInferConfig) -> nn.Module:
-    """The `from_pretrained` of a tensor-parallel model (called by the dsinfer= shim)."""
-    from hf_dsinfer.api import init_inference
-
+    """The `from_pretrained` of a tensor-parallel model (called by the dsinfer= shim, which
+    then injects it): this rank's slices where the checkpoint allows, else the whole model."""
     tp = tensor_parallel_group(config.tp_size)  # fail before reading anything
     path = args[0] if args else kwargs.pop("pretrained_model_name_or_path")
     folder = None if kwargs.get("gguf_file") else safetensors_folder(
         path, {k: kwargs[k] for k in _HUB_KEYS if k in kwargs})
     if folder is None or kwargs.get("use_safetensors") is False:
         model = original(cls, *((path,) + tuple(args[1:])), **kwargs)
-        return init_inference(model, config)
+        return model
     _refuse_unhonoured(kwargs)
     model = build_on_meta(cls, folder, kwargs, config)
     reader = CheckpointReader(folder)
@@ -157,15 +156,15 @@ def load_tensor_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str
             "memory is the whole model's.", stacklevel=3)
         del model
         model = original(cls, *((path,) + tuple(args[1:])), **kwargs)
-        return init_inference(model, config)
+        return model
     if config.parity_check:  # full weights of one block per class, for the parity gate
         policy = find_policy(model)
         refs = build_references(model, policy, lambda name: _read_full(reader, keys, name, tp),
-                                [(path, block) for path, _, block in _blocks(model, policy)])
+                                [(path, block) for path, _, block in iter_layers(model, policy)])
         setattr(model, REFERENCES_ATTR, refs)
     load_shards(model, reader, keys, tp)
     _load_generation_config(model, folder)
-    return init_inference(model.eval(), config)
+    return model.eval()
 
 
 def _refuse_unhonoured(kwargs: dict[str, Any]) -> None:

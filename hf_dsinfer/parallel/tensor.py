@@ -1,6 +1,6 @@
 """Tensor parallelism on an injected model: shard, wire the collectives, keep ranks in step.
 
-`parallelize(model, report)` runs inside injection (walker) when `tp_size > 1`:
+`parallelize(model, report)` runs inside injection (hf_dsinfer.phases) when `tp_size > 1`:
 1. plan every block, the embedding and lm_head for this rank (plan.py) and slice the weights in
    place, unless the sharded loader (loading.py) already read only this rank's slices;
 2. re-resolve each FusedBlock on its local shards (head counts follow the weight shapes), give it
@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_dsinfer.errors import ParityError, TensorParallelError
+from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
+from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
 from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
-from hf_dsinfer.parallel.parity import REFERENCES_ATTR, tp_parity_gate
 from hf_dsinfer.parallel.plan import (
     BlockShard,
     linear_styles,
@@ -85,11 +85,10 @@ class TPReport:
 # -- planning ------------------------------------------------------------------------------------
 def plan_model(model: nn.Module, policy: Policy, tp: RankGroup) -> ModelPlan:
     """This rank's slices of every block, the embedding and lm_head (full or meta weights)."""
-    from hf_dsinfer.injection.walker import _blocks  # walker imports this module lazily
 
     _, source = linear_styles(policy, model.config)
     blocks, params = {}, {}
-    for path, index, block in _blocks(model, policy):
+    for path, index, block in iter_layers(model, policy):
         shard = plan_block(block, policy, model.config, index, tp.size, tp.rank)
         blocks[path] = shard
         params.update({f"{path}.{name}": spec for name, spec in shard.params.items()})
@@ -278,21 +277,7 @@ def parallelize(model: nn.Module, report: Any) -> TPReport:
     _wire_vocab(model, plan, tp)
     model.generate = SyncedGenerate(model.generate, tp)
     model.save_pretrained = RefuseShardedSave(tp)
-    refs = model.__dict__.pop(REFERENCES_ATTR, None)
-    if refs is not None:  # loaded sharded: compare with unsharded copies of one block per class
-        report.parity = tp_parity_gate(model, report, refs)
-        _raise_on_parity_failure(report)
     return TPReport(tp.rank, tp.size, tp.ranks, plan, loaded_sharded)
-
-
-def _raise_on_parity_failure(report: Any) -> None:
-    failed = {name: r for name, r in report.parity.items() if not r.passed}
-    if failed:
-        detail = "; ".join(f"{name}: {r.summary()}" for name, r in failed.items())
-        raise ParityError(
-            f"tensor-parallel fused blocks disagree with their Hugging Face originals: {detail}. "
-            "There is no HF fallback on sharded weights. Fix: report this with the model config; "
-            "load with tp_size=1.")
 
 
 def check_tensor_parallel(model: nn.Module, policy: Policy, tp_size: int) -> None:

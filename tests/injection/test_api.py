@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import warnings
 
 import pytest
 import torch
+from switches import switch
 from tiny_models import make_model, prompts
 
 import hf_dsinfer
@@ -167,3 +169,41 @@ def test_output_attentions_defers_to_hf():
         expected = ref(ids, attention_mask=mask, output_attentions=True)
     assert out.attentions is not None and len(out.attentions) == 2
     assert torch.allclose(out.attentions[0], expected.attentions[0])
+
+
+def test_kernels_env_var_sets_what_auto_means(monkeypatch):
+    switch(monkeypatch, kernels="ref")
+    model = hf_dsinfer.init_inference(make_model("llama"))
+    assert walker.get_report(model).backend == "ref"
+    assert {f.backend for f in walker.get_report(model).blocks.values()} == {"ref"}
+    explicit = hf_dsinfer.init_inference(make_model("llama"), kernels="cpu")
+    assert walker.get_report(explicit).backend == "cpu"
+    switch(monkeypatch, kernels="auto")
+    assert walker.get_report(hf_dsinfer.init_inference(make_model("llama"))).backend == "cpu"
+
+
+_TURN_ON = {"compile=True": {"compile": True}, "cache='dynamic'": {"cache": "dynamic"},
+            "cache='static'": {"cache": "static"}, "quant": {"quant": {"bits": 8}},
+            "tp_size > 1": {"tp_size": 2}, "ep_size > 1": {"ep_size": 2}, "offload": {"offload": {}}}
+
+
+def test_one_table_says_which_features_combine():
+    """Every pair of features builds a config exactly when config.CONFLICTS does not list it."""
+    from hf_dsinfer.config import CONFLICTS, FEATURES
+
+    assert set(_TURN_ON) == set(FEATURES)
+    banned = {frozenset((c.first, c.second)) for c in CONFLICTS}
+    names = list(FEATURES)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if set(_TURN_ON[a]) & set(_TURN_ON[b]):
+                continue  # two values of one field
+            kwargs = {**_TURN_ON[a], **_TURN_ON[b]}
+            if frozenset((a, b)) in banned:
+                with pytest.raises(hf_dsinfer.DSInferConfigError,
+                                   match=f"{re.escape(a)} cannot be combined with "
+                                         f"{re.escape(b)}|{re.escape(b)} cannot be combined "
+                                         f"with {re.escape(a)}"):
+                    hf_dsinfer.DSInferConfig(**kwargs)
+            else:
+                hf_dsinfer.DSInferConfig(**kwargs)

@@ -24,9 +24,9 @@ from transformers import (
 
 import hf_dsinfer
 from hf_dsinfer.errors import ContinuousBatchingError
+from hf_dsinfer.hf.continuous_batching import result_problems
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection.walker import get_report
-from hf_dsinfer.integration.continuous_batching import result_problems
 from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
 from tests.tiny_models import FAMILIES, MOE_MODELS, VOCAB, make_model
 

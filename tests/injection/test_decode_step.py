@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switches import switch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, StaticCache
 
 import hf_dsinfer
@@ -232,7 +233,7 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
         model(tok, attention_mask=float_mask, past_key_values=cache, use_cache=True)
         assert step.last_reason == "an attention mask other than padding"
         with monkeypatch.context() as m:
-            m.setenv(_native.ENV_VAR, "0")
+            switch(m, native=False)
             model(tok, past_key_values=cache, use_cache=True)
             assert step.last_reason.startswith("native kernels unavailable")
         assert step.calls == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_dsinfer
-from hf_dsinfer.cli import _chat_inputs, load
+from hf_dsinfer.default_model import chat_inputs, load
 from hf_dsinfer.evaluate import english_text, perplexity
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_perplexity_int8_within_1_percent_int4_within_6(smollm2_bf16):
 
 
 def _greedy_text(model, tok, prompt: str) -> str:
-    inputs = _chat_inputs(tok, prompt)
+    inputs = chat_inputs(tok, prompt)
     out = model.generate(**inputs, max_new_tokens=24, do_sample=False,
                          pad_token_id=tok.pad_token_id)
     return tok.decode(out[0], skip_special_tokens=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_dsinfer
-from hf_dsinfer.cli import _chat_inputs, load
+from hf_dsinfer.default_model import chat_inputs, load
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -29,7 +29,7 @@ def smollm2():
 
 
 def _greedy(model, tok, prompt: str, n: int) -> torch.Tensor:
-    inputs = _chat_inputs(tok, prompt)
+    inputs = chat_inputs(tok, prompt)
     out = model.generate(**inputs, max_new_tokens=n, do_sample=False,
                          pad_token_id=tok.pad_token_id)
     return out[0, inputs["input_ids"].shape[1]:]

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from switches import switch
 
 from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels import quant as Q
@@ -41,14 +42,14 @@ def test_below_its_min_tier_a_kernel_keeps_the_bound_of_the_tier_above():
 
 @pytest.mark.parametrize("tier", RUNNABLE)
 def test_rows_are_the_running_tiers(monkeypatch, tier):
-    monkeypatch.setenv(_native.ISA_ENV_VAR, tier)
+    switch(monkeypatch, isa=tier)
     assert crossovers.rows() is crossovers.TABLE[tier]
     assert crossovers.rows("amx") is crossovers.TABLE["amx"]
 
 
 def test_rows_follow_the_cpu(monkeypatch):
     """Without a cap, the CPU's best tier decides (an AMX Xeon pretended here)."""
-    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    switch(monkeypatch, isa=None)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "amx")
     assert crossovers.rows() is crossovers.TABLE["amx"]
     monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
@@ -60,8 +61,8 @@ def test_linears_dispatch_on_the_row(monkeypatch):
     """Pinned bounds of 2 rows (int8 GEMV) and 1 row (int4): the native kernels take exactly
     that many rows, the next row count goes to the next path (and gives the same numbers within
     the tolerance of the other path's roundings)."""
-    monkeypatch.setenv(_native.ISA_ENV_VAR, BEST)  # a named tier runs every kernel
-    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    switch(monkeypatch, isa=BEST)  # a named tier runs every kernel
+    switch(monkeypatch, amx=False)
     pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=1)
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(64, 256, generator=gen) * 0.05).bfloat16()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switches import switch
 
 from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels import kv_quant as KV
@@ -86,7 +87,7 @@ def test_int8_tiles_hold_the_row_major_codes(monkeypatch):
     w, x = _gaussian(40, 192), _gaussian(3, 192, seed=1)
     tiled = Q.quantize_int8(w, equalize=True)
     y = Q.linear_int8(x, tiled, backend="cpu")
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     row_major = Q.quantize_int8(w, equalize=True)
     assert tiled.tiled and not row_major.tiled and tiled.qweight.shape == (10, 3, 4, 64)
     assert torch.equal(Q.int8_matrix(tiled), row_major.qweight)
@@ -103,7 +104,7 @@ def test_int4_tiles_hold_the_row_major_codes(monkeypatch):
     w, x = _gaussian(40, 1152), _gaussian(40, 1152, seed=1)
     tiled = Q.quantize_int4(w, 32)
     y = Q.linear_int4(x, tiled, backend="cpu")
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     row_major = Q.quantize_int4(w, 32)
     assert tiled.tiled and not row_major.tiled and tiled.packed.shape == (10, 9, 4, 64)
     assert not torch.equal(Q.untile_rows(tiled.packed), row_major.packed)  # reordered runs
@@ -176,7 +177,7 @@ def test_int8_amx_is_the_gemv_to_the_bit(monkeypatch, dtype, equalize, rows):
     out = Q.linear_int8(x.reshape(1, rows, 320), qw, bias, backend="cpu")
     gemv = Q._native_int8(_native.lib(), x, qw, bias)
     assert len(calls) == 1 and torch.equal(out.reshape(rows, 96), gemv)
-    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    switch(monkeypatch, amx=False)
     assert Q._native_int8_amx(x, qw, bias) is None
 
 
@@ -197,7 +198,7 @@ def test_int8_amx_takes_only_what_it_computes():
 
 
 def test_native_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     assert not _native.available() and "disabled" in _native.why_unavailable()
     calls = _count(monkeypatch, "_native_int8")
     qw = Q.quantize_int8(_gaussian(32, 64))
@@ -207,7 +208,7 @@ def test_native_can_be_switched_off(monkeypatch):
 
 def test_failed_build_falls_back_with_reason(monkeypatch, tmp_path):
     """No working compiler: lib() is None, the reason names the failure, nothing is cached."""
-    monkeypatch.setenv("HF_DSINFER_CACHE", str(tmp_path))
+    switch(monkeypatch, cache_dir=tmp_path)
     monkeypatch.setenv("CC", "/bin/false")
     _native._load.cache_clear()
     monkeypatch.setattr(_native, "_why", {})
@@ -226,7 +227,7 @@ def test_explain_names_the_int8_kernel(monkeypatch):
 
     model = hf_dsinfer.init_inference(make_model("llama"), quant={"bits": 8})
     assert "int8 CPU kernel: native" in hf_dsinfer.explain(model)
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     assert "_weight_int8pack_mm (native kernel unavailable: disabled" in hf_dsinfer.explain(model)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switches import switch
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -25,7 +26,7 @@ from transformers import (
 
 import hf_dsinfer
 from hf_dsinfer.injection.fused import _norm_eps
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, abi
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.attention import attention_ref
 
@@ -110,7 +111,7 @@ def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
         with torch.inference_mode():
             model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
             if not native:
-                m.setenv(_native.ENV_VAR, "0")
+                switch(m, native=False)
             out = []
             for i in range(steps):
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
@@ -177,7 +178,7 @@ def test_int4_projections_against_float64(name, group):
     block = model.model.layers[0].forward
     layer = block.decode_layer()
     tiled = block._qkv[0].quantized.tiled
-    kind = native_decode.LIN_INT4_TILED if tiled else native_decode.LIN_INT4
+    kind = abi.LIN_INT4_TILED if tiled else abi.LIN_INT4
     assert layer is not None and layer.struct.lin[0].kind == kind
     assert tiled == (name != "llama_odd")  # llama_odd's rows are not whole tiles: both run
     hidden, d = block._ln1.weight.shape[0], block.spec.head_dim
@@ -222,7 +223,7 @@ def test_generate_tokens_match_the_torch_path(cache, grad_mode, monkeypatch):
     with context():
         native = model.generate(ids, **kwargs)
         calls = _native_calls(model)
-        monkeypatch.setenv(_native.ENV_VAR, "0")
+        switch(monkeypatch, native=False)
         torch_path = model.generate(ids, **kwargs)
     assert calls == 9 * len(model.model.layers)  # 10 tokens: a prefill and 9 decode steps
     assert torch.equal(native, torch_path)
@@ -250,8 +251,8 @@ def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
         __import__("transformers").GPT2Config(n_embd=64, n_head=2, n_layer=1, vocab_size=VOCAB),
         dtype=torch.bfloat16))
     assert "torch ops otherwise (not separate q/k/v" in hf_dsinfer.explain(gpt2)
-    monkeypatch.setenv(_native.ENV_VAR, "0")
-    assert "disabled by HF_DSINFER_NATIVE=0" in hf_dsinfer.explain(model)
+    switch(monkeypatch, native=False)
+    assert "disabled by settings native=False (HF_DSINFER_NATIVE=0)" in hf_dsinfer.explain(model)
 
 
 def test_replaced_weights_rebuild_the_layer(monkeypatch):
@@ -393,7 +394,7 @@ def test_batched_generate_matches_the_torch_path(mode, grad_mode, monkeypatch):
         torch.manual_seed(0)
         native = model.generate(ids, **kwargs)
         calls = _row_calls(model) - before
-        monkeypatch.setenv(_native.ENV_VAR, "0")
+        switch(monkeypatch, native=False)
         torch.manual_seed(0)
         torch_path = model.generate(ids, **kwargs)
     assert calls == 7 * len(model.model.layers)  # a prefill and 7 one-token steps
@@ -472,11 +473,11 @@ def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch)
     before = _row_calls(model)
     _step_logits(model, ids, mask, True, monkeypatch, steps=1)
     assert _row_calls(model) == before + len(model.model.layers)
-    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    switch(monkeypatch, amx=False)
     _step_logits(model, ids, mask, True, monkeypatch, steps=1)
     assert _row_calls(model) == before + len(model.model.layers)
     assert "batched steps: torch ops (AMX switched off" in hf_dsinfer.explain(model)
-    monkeypatch.delenv(_native.AMX_ENV_VAR)
+    switch(monkeypatch, amx=True)
     layer = model.model.layers[0].forward.decode_layer()
     x = torch.randn(2, 1, 128).bfloat16()
     cos, sin = torch.randn(2, 2, 32).bfloat16()
@@ -610,7 +611,7 @@ def test_opt_batched_generate_matches_the_torch_path(mode, cache, monkeypatch):
     with torch.inference_mode():
         native = model.generate(ids, **kwargs)
         calls = _row_calls(model) - before
-        monkeypatch.setenv(_native.ENV_VAR, "0")
+        switch(monkeypatch, native=False)
         torch_path = model.generate(ids, **kwargs)
     assert calls == 7 * len(_layers(model))
     assert torch.equal(native, torch_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from switches import switch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_dsinfer
@@ -98,7 +99,7 @@ def test_cases_it_does_not_take_keep_torch_kernels(monkeypatch, case):
 
 
 def test_switched_off_with_the_native_kernels(monkeypatch):
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     calls = _count(monkeypatch)
     x, w, b = _operands(4, 64, 64, True)
     with torch.no_grad():
@@ -128,7 +129,7 @@ def test_batched_generate_runs_it_and_keeps_the_tokens(monkeypatch):
     with torch.inference_mode():
         native = model.generate(ids, **kwargs)
         n = len(calls)
-        monkeypatch.setenv(_native.ENV_VAR, "0")
+        switch(monkeypatch, native=False)
         torch_path = model.generate(ids, **kwargs)
     # prefill: q, k, v, o, gate, up, down per layer, and the output head (3 rows: the last
     # positions); then the head of each of the 5 decode steps
@@ -150,6 +151,6 @@ def test_explain_names_the_kernel(monkeypatch):
     line = "bf16 linears of 2-256 rows (batched decode, short prompts): native AMX kernel"
     assert line in hf_dsinfer.explain(bf16)
     assert "bf16 linears of" not in hf_dsinfer.explain(fp32)
-    monkeypatch.setenv(_native.ENV_VAR, "0")
-    assert ("F.linear (native AMX kernel unavailable: disabled by HF_DSINFER_NATIVE=0)"
-            in hf_dsinfer.explain(bf16))
+    switch(monkeypatch, native=False)
+    assert ("F.linear (native AMX kernel unavailable: disabled by settings native=False "
+            "(HF_DSINFER_NATIVE=0))" in hf_dsinfer.explain(bf16))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switches import switch
 
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import moe as M
@@ -60,7 +61,7 @@ SHAPES = [(8, 64, 96, 5, 2), (4, 40, 56, 3, 1), (3, 33, 70, 9, 2), (8, 128, 64, 
 def test_native_expert_rows_match_reference(monkeypatch, shape, drop, amx):
     """Any number of rows per expert (the dispatcher sends it a few, the kernel takes all), on
     AMX tiles where the CPU has them and the sizes are multiples of 32, and on AVX-512."""
-    monkeypatch.setenv(_native.AMX_ENV_VAR, amx)
+    switch(monkeypatch, amx=amx != "0")
     x, gate_up, down, ids, _ = _experts(*shape, drop=drop)
     align = M.moe_align(ids, gate_up.shape[0])
     xs = x.index_select(0, align.token_idx)
@@ -150,7 +151,7 @@ def test_amx_kernel_over_several_panel_groups(monkeypatch, threads):
 
 def test_avx512_path_takes_only_about_one_row_per_expert(monkeypatch):
     """Without AMX tiles the dot products bound the kernel from 2 rows per expert on."""
-    monkeypatch.setenv(_native.AMX_ENV_VAR, "0")
+    switch(monkeypatch, amx=False)
     calls = _count(monkeypatch)
     x, gate_up, down, _, weights = _one_row_per_expert(tokens=4)
     M.grouped_expert_mlp(x, gate_up, down, weights, torch.tensor([[0, 1]] * 4), "silu",
@@ -164,7 +165,7 @@ def test_avx512_path_takes_only_about_one_row_per_expert(monkeypatch):
 
 
 def test_native_moe_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(_native.ENV_VAR, "0")
+    switch(monkeypatch, native=False)
     calls = _count(monkeypatch)
     x, gate_up, down, ids, weights = _one_row_per_expert()
     out = M.grouped_expert_mlp(x, gate_up, down, weights, ids, "silu", backend="cpu")

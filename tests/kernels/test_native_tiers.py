@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switches import switch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import hf_dsinfer
+from hf_dsinfer import settings
 from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import moe as M
@@ -29,8 +31,8 @@ def _at(monkeypatch, tier: str, fn):
     """fn() with the kernels capped at `tier`, dispatching on the best tier's row counts
     (kernels/crossovers.py): the same kernels run, whatever each tier's crossovers are."""
     with monkeypatch.context() as m:
-        m.setenv(_native.ISA_ENV_VAR, tier)
-        m.setenv(_native.AMX_ENV_VAR, "0")
+        switch(m, isa=tier)
+        switch(m, amx=False)
         m.setitem(crossovers.TABLE, tier, crossovers.TABLE[BEST])
         assert _native.tier() == tier and _native.available(), _native.why_unavailable()
         return fn()
@@ -50,13 +52,12 @@ def _gaussian(*shape, seed=0, dtype=torch.bfloat16):
 
 
 def test_tier_is_capped_and_named(monkeypatch):
-    monkeypatch.setenv(_native.ISA_ENV_VAR, "generic")
+    switch(monkeypatch, isa="generic")
     assert _native.tier() == "generic"
-    assert "generic tier, capped by HF_DSINFER_ISA" in _native.describe_tier()
-    monkeypatch.setenv(_native.ISA_ENV_VAR, "avx1024")
-    with pytest.raises(ValueError, match="expected one of generic, avx2"):
-        _native.tier()
-    monkeypatch.delenv(_native.ISA_ENV_VAR)
+    assert "generic tier, capped by settings isa (HF_DSINFER_ISA" in _native.describe_tier()
+    with pytest.raises(ValueError, match="'avx1024' is not an ISA tier: expected one of generic"):
+        settings.Settings.from_env({_native.ISA_ENV_VAR: "avx1024"})
+    switch(monkeypatch, isa=None)
     assert _native.tier() == BEST
 
 
@@ -80,7 +81,7 @@ def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
     """On a CPU whose best tier is avx2 (pretended), the decode layer runs natively in bf16,
     while int4 products, int8 GEMVs of their own and prefill dequantization keep torch's
     kernels (MIN_TIER), and explain says so; a named tier runs them all."""
-    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    switch(monkeypatch, isa=None)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
     assert _native.lib() is _native._load("avx2")
     assert all(_native.lib(use) is None for use in ("int4", "gemv", "dequantize"))
@@ -97,7 +98,7 @@ def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
     model = hf_dsinfer.init_inference(_llama(), dtype=torch.bfloat16,
                                       quant={"bits": 4, "group_size": 32})
     assert "int4 weights: the avx2 tier" in hf_dsinfer.explain(model)
-    monkeypatch.setenv(_native.ISA_ENV_VAR, "avx2")
+    switch(monkeypatch, isa="avx2")
     assert _native.lib("int4") is _native._load("avx2")
 
 
@@ -105,7 +106,7 @@ def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
 def test_a_generic_cpu_runs_only_what_beats_torch_element_wise(monkeypatch):
     """Below MIN_TIER["kernels"] (a pretended generic CPU) the matrix kernels stay off, while
     the KV-code kernel still runs (counted: fails if the use were ignored)."""
-    monkeypatch.delenv(_native.ISA_ENV_VAR, raising=False)
+    switch(monkeypatch, isa=None)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
     assert _native.lib() is None and "the generic tier" in _native.why_unavailable()
     assert _native.lib("codes") is _native._load("generic")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from switches import switch
 
 from hf_dsinfer.kernels import _native, moe, private_ops
 from hf_dsinfer.kernels import quant as Q
@@ -83,7 +84,7 @@ def test_explain_names_a_refused_op(fresh):
 
     import hf_dsinfer
 
-    fresh.setenv(_native.ENV_VAR, "0")
+    switch(fresh, native=False)
     model = hf_dsinfer.init_inference(make_model("llama"), quant={"bits": 8})  # fp32
     assert "private torch ops refused" not in hf_dsinfer.explain(model)
     fresh.setitem(private_ops._VERDICTS, (Q.INT8PACK_MM, torch.float32),

@@ -16,8 +16,8 @@ import pytest
 from launch import torchrun
 from tiny_models import MOE_CONFIGS, MOE_MODELS, make_model
 
+from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policies import find_policy
-from hf_dsinfer.injection.walker import _blocks
 from hf_dsinfer.parallel.plan import kv_owned, linear_styles, plan_block
 from hf_dsinfer.parallel.slicing import split_sizes
 
@@ -99,7 +99,7 @@ def test_moe_tp_plan_keeps_experts_whole(model):
     assert source == "policy tp_plan"
     assert styles["self_attn.o_proj"] == "rowwise"
     assert not any("experts" in path or path.endswith(".gate") for path in styles)
-    for path, index, block in _blocks(m, policy):
+    for path, index, block in iter_layers(m, policy):
         shard = plan_block(block, policy, m.config, index, TP, 1)
         assert not any("experts" in n or n.startswith("mlp.gate.") for n in shard.params), path
         sliced_mlp = {n for n in shard.params if n.startswith("mlp.")}

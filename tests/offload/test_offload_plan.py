@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from switches import switch
 from tiny_models import prompts
 
 import hf_dsinfer
@@ -14,7 +15,7 @@ from hf_dsinfer.cli import main
 from hf_dsinfer.offload import cost
 from hf_dsinfer.offload.cost import Hardware, Workload, predict
 from hf_dsinfer.offload.memory import footprint
-from hf_dsinfer.offload.search import model_shape, search
+from hf_dsinfer.offload.search import measure_prefill_layer, model_shape, search
 
 # A fixed machine (no measuring in the unit test): CPU compute, slow disk.
 HW = Hardware(device="cpu", flops=2e11, memory_bw=2e10, disk_read=1.5e9, disk_write=1e9,
@@ -53,9 +54,8 @@ def test_search_fits_budget_and_prefers_memory(llama_dir, tmp_path):
 
 
 def test_plan_cli(llama_dir, tmp_path, capsys, monkeypatch):
-    from hf_dsinfer.offload import cost
 
-    monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
+    switch(monkeypatch, cache_dir=tmp_path)  # cost.cache_file() is tmp_path / "hardware.json"
     code = main(["plan", "--model", llama_dir, "--prompt-len", "32", "--gen-len", "4",
                  "--memory", "256MiB", "--offload-dir", str(tmp_path), "--probe-mib", "8",
                  "--dtype", "float32", "--top", "2"])
@@ -73,7 +73,6 @@ def test_prefill_layer_probe_times_the_models_own_layer(name, request, monkeypat
     that layer alone (hooks on it): one warm-up and `reps` calls of the fused block. It leaves the
     caller's random state as it was."""
     from hf_dsinfer.injection.fused import FusedBlock
-    from hf_dsinfer.offload import cost
 
     calls = []
     original = FusedBlock.__call__
@@ -86,7 +85,7 @@ def test_prefill_layer_probe_times_the_models_own_layer(name, request, monkeypat
     path = request.getfixturevalue(name)
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    seconds = cost.measure_prefill_layer(path, torch.float32, "cpu", 24, reps=2)
+    seconds = measure_prefill_layer(path, torch.float32, "cpu", 24, reps=2)
     assert torch.equal(torch.get_rng_state(), state)
     assert 0 < seconds < 5
     assert len(calls) == 3 and all(tuple(c)[:2] == (1, 24) for c in calls)
@@ -111,7 +110,7 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     from hf_dsinfer.offload import cost
 
     calls = []
-    monkeypatch.setattr(cost, "CACHE_FILE", tmp_path / "hardware.json")
+    switch(monkeypatch, cache_dir=tmp_path)  # cost.cache_file() is tmp_path / "hardware.json"
     monkeypatch.setattr(cost, "measure_disk",
                         lambda folder, mib, old=None: calls.append(mib) or (2e9, 1e9))
     for name in ("measure_flops", "measure_decompress", "measure_int4_mm",
@@ -125,10 +124,10 @@ def test_hardware_probe_is_cached_per_machine(tmp_path, monkeypatch):
     assert calls == [64, 64]
     assert first.disk_read == 2e9 and first.memory_bw == 1e10
     # an entry written before a constant existed is re-measured, not filled with a default
-    data = json.loads(cost.CACHE_FILE.read_text())
+    data = json.loads(cost.cache_file().read_text())
     for entry in data.values():
         entry.pop("int4_mm")
-    cost.CACHE_FILE.write_text(json.dumps(data))
+    cost.cache_file().write_text(json.dumps(data))
     assert cost.measure_hardware(tmp_path, torch.bfloat16, "cpu", 64, cache=True) == first
     assert calls == [64, 64, 64]
     # a probe that reads a checkpoint's old data is keyed apart from one that reads its own file

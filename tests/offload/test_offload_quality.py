@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_dsinfer
-from hf_dsinfer.cli import load
+from hf_dsinfer.default_model import load
 from hf_dsinfer.evaluate import english_text
 from hf_dsinfer.offload import get_engine
 from hf_dsinfer.offload.cache import BlockCache

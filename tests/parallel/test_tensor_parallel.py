@@ -112,7 +112,8 @@ def test_tp_size_validated(bad):
 
 
 def test_tp_with_compile_rejected():
-    with pytest.raises(ValueError, match="compile=True with tp_size=2"):
+    with pytest.raises(ValueError,
+                       match=r"compile=True cannot be combined with tp_size > 1 \(tp_size=2"):
         hf_dsinfer.DSInferConfig(tp_size=2, compile=True)
 
 

@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_dsinfer
 from hf_dsinfer.errors import TensorParallelError
-from hf_dsinfer.parallel.parity import build_references, tp_parity_gate
+from hf_dsinfer.injection.parity import run_parity_gate
+from hf_dsinfer.parallel.parity import build_references
 
 NEW_TOKENS = 16
 GEN = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "pad_token_id": 0}
@@ -90,7 +91,7 @@ def check_parity_gate_can_fail(folder: str, tp: int) -> dict:
     other = make_model("bloom", seed=7)
     blocks = [("transformer.h.0", other.transformer.h[0])]
     refs = build_references(other, report.policy, lambda n: other.get_parameter(n).detach(), blocks)
-    return {k: [r.max_rel_err, r.passed] for k, r in tp_parity_gate(loaded, report, refs).items()}
+    return {k: [r.max_rel_err, r.passed] for k, r in run_parity_gate(loaded, report.blocks, refs).items()}
 
 
 def check_errors(tp: int, world: int) -> dict:

@@ -15,3 +15,14 @@ def recording(key: str) -> bool:
     """Whether the running forward collects `key` ("attentions", "router_logits", ...)."""
     collected = output_capturing._active_collector.get()
     return collected is not None and key in collected
+
+
+def capturing() -> bool:
+    """Whether the running forward collects any output at all."""
+    return output_capturing._active_collector.get() is not None
+
+
+def is_capture_hook(hook: object) -> bool:
+    """Whether `hook` is the forward hook transformers' output capture installs on the decoder
+    layers (left in place after the first capturing call; inert while nothing is captured)."""
+    return getattr(hook, "__qualname__", "").endswith(".output_capturing_hook")

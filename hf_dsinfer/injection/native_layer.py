@@ -1,0 +1,205 @@
+"""The native decode layer of one fused block, described from its modules: what
+kernels.decode's C layer reads (the weights where the model keeps them: bf16 nn.Linear, int8
+and int4 QuantizedLinear, row slices of fused projections) and the tensors it watches, so a
+moved or replaced weight rebuilds it. kernels/ works on tensors; reading modules is here.
+`build_decode_layer` raises NativeUnsupported, with the reason, for a layer the kernel does not
+compute; the fused block then takes the torch path."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from hf_dsinfer.errors import NativeUnsupported
+from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels.abi import (
+    LIN_BF16,
+    LIN_INT4,
+    LIN_INT4_TILED,
+    LIN_INT8,
+    LIN_INT8_TILED,
+    MLPS,
+    NORMS,
+    SLOTS,
+)
+from hf_dsinfer.kernels.abi import Layer as _Layer
+from hf_dsinfer.kernels.abi import Lin as _Lin
+from hf_dsinfer.kernels.decode import DecodeLayer, Watched
+from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES, TILE_ROWS
+
+MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
+MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
+
+
+class RowSlice(NamedTuple):
+    """Rows row0 .. row0 + rows of a fused projection's output, as one projection of the layer
+    (Phi-3: q, k, v of `qkv_proj`; gate, up of `gate_up_proj`). Read in place, no copy."""
+
+    module: nn.Module
+    row0: int
+    rows: int
+
+
+def _dtype_code(t: torch.Tensor, what: str) -> int:
+    code = _native.DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise NativeUnsupported(f"{what} of dtype {t.dtype}")
+    return code
+
+
+def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple[_Lin, Watched]:
+    """The C description of one projection [n, k] and where the tensors it reads live: all of
+    `module`, or (row0 given) its rows row0 .. row0 + n, one part of a fused projection
+    (Phi-3's qkv_proj or gate_up_proj: every per-row array is read from row row0 on)."""
+    rows_needed, exact = (n, True) if row0 is None else (row0 + n, False)
+    row0 = row0 or 0
+
+    def at(t: torch.Tensor, per_row: int) -> int:  # address of row row0 of a per-row array
+        return t.data_ptr() + row0 * per_row * t.element_size()
+
+    buffers = module._buffers
+    if isinstance(module, QuantizedLinear):
+        qw = module.quantized
+        if qw.tiled and (row0 % TILE_ROWS or n % TILE_ROWS):
+            raise NativeUnsupported(f"rows {row0}..{row0 + n} of a tiled weight ({TILE_ROWS}-row tiles)")
+        if module.bits == 8:
+            if qw.rowsum is None or (qw.in_scale is not None
+                                     and qw.in_scale.dtype != torch.float32):
+                raise NativeUnsupported("int8 weight without row sums or fp32 input scales")
+            names = ["qweight", "scales", "rowsum"] + (["in_scale"] if qw.in_scale is not None
+                                                      else [])
+            kind = LIN_INT8_TILED if qw.tiled else LIN_INT8
+            lin = _Lin(kind, n, k, 0, _dtype_code(qw.scales, "int8 scales"), 0,
+                       at(qw.qweight, k), at(qw.scales, 1), None,
+                       None if qw.in_scale is None else qw.in_scale.data_ptr(),
+                       at(qw.rowsum, 1), None)
+        else:
+            if _native.lib("int4") is None:
+                raise NativeUnsupported(f"int4 weights: {_native.why_unavailable('int4')}")
+            if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES
+                    or k // qw.group_size > MAX_INT4_GROUPS):
+                raise NativeUnsupported(f"int4 group size {qw.group_size} for input size {k}")
+            if qw.mins.dtype != qw.scales.dtype:
+                raise NativeUnsupported("int4 mins and scales of different dtypes")
+            names = ["packed", "scales", "mins"]
+            kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
+            groups = k // qw.group_size
+            lin = _Lin(kind, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
+                       at(qw.packed, k // 2), at(qw.scales, groups), at(qw.mins, groups), None,
+                       None, None)
+        total = qw.scales.shape[0]
+        if total < rows_needed or (exact and total != n):
+            raise NativeUnsupported(f"quantized weight of {qw.scales.shape[0]} rows, not {n}")
+        watched = [(buffers, name) for name in names]
+    elif type(module) is nn.Linear:
+        w = module.weight
+        rows_ok = w.shape[0] == n if exact else w.shape[0] >= rows_needed
+        if w.dtype != torch.bfloat16 or not rows_ok or w.shape[1] != k or k % 32:
+            raise NativeUnsupported(f"linear weight {w.dtype} {tuple(w.shape)} (bf16, input size a "
+                              "multiple of 32)")
+        lin = _Lin(LIN_BF16, n, k, 0, 0, 0, at(w, k), None, None, None, None, None)
+        watched = [(module._parameters, "weight")]
+    else:
+        raise NativeUnsupported(f"{type(module).__name__} projection")
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        lin.b_dt = _dtype_code(bias, "bias")
+        lin.bias = at(bias, 1)
+        watched.append((module._parameters, "bias"))
+    return lin, watched
+
+
+def _head_norms(struct: _Layer, qk_norm: tuple[nn.Module, nn.Module, float, float],
+                head_dim: int) -> Watched:
+    """Point the layer at its per-head q / k RMSNorm weights (bf16 [head_dim])."""
+    q_norm, k_norm, q_eps, k_eps = qk_norm
+    for module in (q_norm, k_norm):
+        w = module.weight
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (head_dim,):
+            raise NativeUnsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
+    struct.q_norm, struct.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
+    struct.q_eps, struct.k_eps = q_eps, k_eps
+    return [(q_norm._parameters, "weight"), (k_norm._parameters, "weight")]
+
+
+def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
+          linears: dict[str, nn.Module | RowSlice | None], heads: int, kv_heads: int,
+          head_dim: int,
+          scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
+          q_scale: float | None = None,
+          qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
+          residual_multiplier: float | None = None) -> DecodeLayer:
+    """Raises NativeUnsupported (with the reason) for a layer the kernel does not compute.
+
+    linears: by slot name (abi.SLOTS) q, k, v, o, then gate, up, down (mlp "gated_silu":
+    Llama) or gate=fc1, up=None, down=fc2 (mlp "relu": OPT); any of them may be a RowSlice
+    of a fused projection (Phi-3). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
+    bias); rope False: positions enter before the layers (OPT's learned embeddings);
+    q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
+    to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
+    head's head_dim before RoPE, Llama numerics (Qwen3); residual_multiplier: the
+    attention and MLP outputs are multiplied by it (rounded) before each residual add
+    (Granite)."""
+    lib = _native.lib()
+    if lib is None:
+        raise NativeUnsupported(f"native kernels unavailable ({_native.why_unavailable()})")
+    if head_dim % 32 or head_dim > MAX_HEAD_DIM:
+        raise NativeUnsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
+    if heads % kv_heads:
+        raise NativeUnsupported(f"{heads} query heads over {kv_heads} kv heads")
+    if norm not in NORMS or mlp not in MLPS:
+        raise NativeUnsupported(f"norm {norm!r} / MLP {mlp!r} (kernels: {sorted(NORMS)} / "
+                          f"{sorted(MLPS)})")
+    hidden = ln1.weight.shape[0]
+    biases = []
+    for module in (ln1, ln2):
+        w = module.weight
+        if w.dtype != torch.bfloat16:
+            raise NativeUnsupported(f"bf16 models only (weights are {w.dtype})")
+        if w.shape != (hidden,):
+            raise NativeUnsupported(f"norm weight of shape {tuple(w.shape)}")
+        b = getattr(module, "bias", None) if norm == "layer" else None
+        if b is not None and (b.dtype != torch.bfloat16 or b.shape != (hidden,)):
+            raise NativeUnsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
+        biases.append(b)
+    if sorted(linears) != sorted(SLOTS):
+        raise ValueError(f"DecodeLayer.build: linears must name exactly {SLOTS}, got "
+                         f"{tuple(linears)}")
+    gated = mlp == "gated_silu"
+    if (linears["up"] is None) == gated:
+        raise NativeUnsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
+    gate = linears["gate"]
+    inter = gate.rows if isinstance(gate, RowSlice) else getattr(gate, "out_features", None)
+    if inter is None:
+        raise NativeUnsupported(f"{type(gate).__name__} projection")
+    shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
+              "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale,
+                    q_scale or 0.0, ln1.weight.data_ptr(), ln2.weight.data_ptr(),
+                    *(None if b is None else b.data_ptr() for b in biases), NORMS[norm],
+                    int(rope), MLPS[mlp])
+    watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
+    watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
+    if qk_norm is not None:
+        watched += _head_norms(struct, qk_norm, head_dim)
+    if residual_multiplier is not None:
+        if residual_multiplier == 0:
+            raise NativeUnsupported("a residual multiplier of 0")
+        struct.resid_mult = residual_multiplier
+    for i, name in enumerate(SLOTS):
+        module, (n, k) = linears[name], shapes[name]
+        if module is None:  # fc1 -> relu -> fc2: no up projection (n = 0 rows)
+            struct.lin[i] = _Lin(LIN_BF16, 0, 0, 0, 0, 0, None, None, None, None, None, None)
+            continue
+        row0 = None
+        if isinstance(module, RowSlice):
+            if module.rows != n:
+                raise NativeUnsupported(f"a slice of {module.rows} rows for a [{n}, {k}] projection")
+            module, row0 = module.module, module.row0
+        struct.lin[i], used = _linear(module, n, k, row0)
+        watched += used
+    return DecodeLayer(lib, struct, watched)

@@ -1,0 +1,115 @@
+"""The injection pipeline: every phase of `init_inference`, in order, in one place.
+
+    begin             the report, on the model                       injection.walker
+    prepare           fused blocks built, quant / MoE checked         injection.walker
+    check parallel    TP and EP sizes against the model               parallel.tensor / .expert
+    install           fused blocks and MoE layers in place            injection.walker
+    attach offload    weights streamed from the store                 offload.attach
+    parity gate       fused vs HF on probe inputs                     injection.walker
+    shard             tensor-parallel and expert-parallel slices      parallel.tensor / .expert
+                      (loaded sharded: the parity gate now, against unsharded references)
+    quantize          int8 / int4 weights                             injection.walker
+    finish            output head, decode step, serving, compile      injection.walker
+
+Any error after `begin` takes off whatever was installed (`revert`) before it propagates, so a
+failed call leaves the model as it was. This module sits above injection, parallel and offload
+(docs/architecture.md): they never import it, and it is the only one that calls into all three.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hf_dsinfer.config import DSInferConfig
+from hf_dsinfer.errors import DSInferError, TensorParallelError
+from hf_dsinfer.injection import walker
+from hf_dsinfer.injection.walker import InjectionReport, get_report
+
+
+def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
+    """Fuse every supported decoder block of `model` in place, with the parallel, offload and
+    quantization phases the config asks for. On any error the model is left as it was (what
+    was installed comes off) and the error is raised."""
+    if get_report(model) is not None:
+        revert(model)
+    report = walker.begin(model, config)
+    try:
+        _run(model, config, report)
+    except BaseException as err:
+        _undo(model, report, err)
+        raise
+    return report
+
+
+def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+    if not walker.prepare(model, config, report):  # unsupported, running unmodified
+        _attach_offload(model, config)
+        return
+    if config.tp_size > 1:
+        from hf_dsinfer.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(model, report.policy, config.tp_size)
+    if config.ep_size > 1:
+        from hf_dsinfer.parallel.expert import check_expert_parallel
+
+        check_expert_parallel(report, config)
+    walker.install(model, report)
+    _attach_offload(model, config)  # before the parity probe: it streams the weights in
+    walker.check_parity(model, report)
+    if config.tp_size > 1:
+        from hf_dsinfer.parallel.parity import REFERENCES_ATTR
+        from hf_dsinfer.parallel.tensor import parallelize
+
+        report.tp = parallelize(model, report)
+        references = model.__dict__.pop(REFERENCES_ATTR, None)
+        if references is not None:  # loaded sharded: the gate against unsharded references
+            walker.check_parity(model, report, references)
+    if config.ep_size > 1:
+        from hf_dsinfer.parallel.expert import parallelize_experts
+
+        report.ep = parallelize_experts(model, report)
+    walker.quantize(model, config, report)
+    walker.finish(model, config, report)
+
+
+def _undo(model: nn.Module, report: InjectionReport, err: BaseException) -> None:
+    """After a failed inject: take off what it installed (`revert`). Sharded or quantized
+    weights cannot be restored; the error then says so."""
+    if get_report(model) is not report:  # an unsupported model under strict: nothing installed
+        return
+    try:
+        revert(model)
+    except DSInferError as undo_err:
+        delattr(model, walker.REPORT_ATTR)
+        err.add_note(f"hf_dsinfer could not restore the model after this error ({undo_err}). "
+                     "Load it again before using it.")
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo `inject`: every block gets its HF forward back (quantized linears stay quantized:
+    dequantizing is lossy, and they remain ordinary callable modules). Returns the model."""
+    report = get_report(model)
+    if report is None:
+        return model
+    if report.tp is not None:
+        raise TensorParallelError(
+            "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "
+            "ranks and the HF forwards cannot run on them. Fix: load the model again.")
+    walker.release_moe(report)  # raises first if the experts are quantized or sharded
+    _detach_offload(model)
+    walker.remove(model, report)
+    return model
+
+
+def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
+    if config.offload is not None:  # imported lazily: accelerate hooks, threads, safetensors
+        from hf_dsinfer.offload.attach import attach_offload
+
+        attach_offload(model, config.offload)
+
+
+def _detach_offload(model: nn.Module) -> None:
+    if getattr(model, "_dsinfer_offload", None) is not None:
+        from hf_dsinfer.offload.attach import detach_offload
+
+        detach_offload(model)
