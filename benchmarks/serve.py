@@ -56,7 +56,7 @@ def embedded_model_folder(cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dsinfer.cli import DEFAULT_GGUF, default_model_dir
+    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
 
     source = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_GGUF)

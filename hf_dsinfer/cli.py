@@ -66,13 +66,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from hf_dsinfer.serve.cli import dsinfer_options, serve
-
-    model, tokenizer = load(args.model, dsinfer_options(args), _dtype(args.dtype))
-    return serve(args, model, tokenizer, Path(args.model or DEFAULT_GGUF).name.split(".")[0])
-
-
 def _dtype(name: str) -> torch.dtype:
     from hf_dsinfer.config import parse_dtype
 
@@ -108,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser(sub)  # hf-dsinfer plan: offload policy from the cost model + LP
     from hf_dsinfer.serve.cli import add_parser as serve_parser
 
-    serve_parser(sub).set_defaults(func=cmd_serve)  # OpenAI-compatible server (docs/serving.md)
+    serve_parser(sub)  # hf-dsinfer serve: OpenAI-compatible server (docs/serving.md)
     return parser
 
 

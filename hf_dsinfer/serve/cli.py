@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 SERVE_HELP = "OpenAI-compatible HTTP server with continuous batching (docs/serving.md)"
@@ -47,6 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get "
         "to finish on shutdown")
     add("--log-level", default="warning")
+    parser.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -99,14 +101,23 @@ def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any, name: str
                   generation_config=config, limits=limits)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model (the embedded default without --model) and serve it until SIGINT /
+    SIGTERM; 1 if the generation thread had failed."""
+    from hf_dsinfer.config import parse_dtype
+    from hf_dsinfer.default_model import DEFAULT_GGUF, load
+
+    logging.basicConfig(level=args.log_level.upper())
+    model, tokenizer = load(args.model, dsinfer_options(args), parse_dtype(args.dtype))
+    return serve(args, model, tokenizer, Path(args.model or DEFAULT_GGUF).name.split(".")[0])
+
+
 def serve(args: argparse.Namespace, model: Any, tokenizer: Any, name: str) -> int:
-    """Serve a loaded model until SIGINT / SIGTERM; 1 if the generation thread had failed.
-    (hf_dsinfer.cli loads the model, so that this package does not import the command line.)"""
+    """Serve a loaded model until SIGINT / SIGTERM; 1 if the generation thread had failed."""
     import uvicorn
 
     from hf_dsinfer.serve.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper())
     engine = build_engine(args, model, tokenizer, name)
     engine.start()  # the paged cache is built before the port opens; failures raise here
     print(f"hf-dsinfer serve: {engine.model_name} on http://{args.host}:{args.port} "
