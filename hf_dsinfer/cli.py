@@ -5,6 +5,7 @@
     hf-dsinfer explain --model ./my-model
     hf-dsinfer bench --models llama-1.1b --batch 1 16      # HF vs hf_dsinfer decode table + PNG
     hf-dsinfer plan --model ./opt-2.7b --prompt-len 512 --gen-len 32 --memory 2.5GiB
+    hf-dsinfer serve --port 8000                         # OpenAI-compatible server (docs/serving.md)
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hf_dsinfer.offload.search import add_parser as plan_parser
 
     plan_parser(sub)  # hf-dsinfer plan: offload policy from the cost model + LP
+    from hf_dsinfer.serve.cli import add_parser as serve_parser
+
+    serve_parser(sub)  # hf-dsinfer serve: OpenAI-compatible server (docs/serving.md)
     return parser
 
 

@@ -69,3 +69,17 @@ class NativeUnsupported(Exception):
 class NativeABIError(DSInferError):
     """A native kernel library reports another C interface (version or struct layout) than the
     Python side mirrors (kernels/abi.py): it is refused, and the kernels fall back to torch."""
+
+
+class ServeError(DSInferError):
+    """A request `hf-dsinfer serve` refuses or cannot answer. Carries the HTTP status, the
+    request field at fault (OpenAI's `param`) and a short code; the message says what was
+    expected, what was given and the fix."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code

@@ -23,6 +23,7 @@ LAYERS = [
     ("phases", ["phases"]),  # the pipeline that runs every phase in order
     ("api", ["api", "default_model", "offload.search", "evaluate"]),  # entry points and tools
     ("integration", ["integration", "benchmark"]),  # plugged into transformers' entry points
+    ("serve", ["serve"]),  # hf-dsinfer serve: the HTTP server over continuous batching
     ("cli", ["cli", "__init__"]),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
