@@ -57,11 +57,13 @@ class BlockSpec:
     rope: bool = True  # False: a NoPE layer of a RoPE model (SmolLM3)
     attn_softcap: float | None = None  # Gemma 2: tanh soft-cap of the attention logits
     residual_multiplier: float | None = None  # Granite: branch outputs scaled before the add
+    sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
 
     def describe(self) -> str:
         extras = [name for name, on in (
             ("NoPE", not self.rope), (f"attn softcap {self.attn_softcap}", self.attn_softcap),
-            (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None))
+            (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None),
+            ("attention sinks", self.sinks))
             if on]
         return (f"{self.layout}, {self.norm}_norm, {self.num_heads}q/{self.num_kv_heads}kv heads"
                 f" x {self.head_dim}, {self.activation}" + "".join(f", {e}" for e in extras))
@@ -113,7 +115,25 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         rope=policy.rope_attr is None or bool(getattr(attn, policy.rope_attr)),
         attn_softcap=None if policy.softcap_attr is None else getattr(attn, policy.softcap_attr),
         residual_multiplier=P.resolve(policy.residual_multiplier, config),
+        sinks=_check_sinks(attn, policy, q_out // head_dim),
     )
+
+
+def _check_sinks(attn: nn.Module, policy: P.Policy, num_heads: int) -> bool:
+    """The attention has one sink logit per (local) query head; raises where the heads were
+    sliced (tensor parallelism) but the sinks were not."""
+    if policy.sinks_attr is None:
+        return False
+    sinks = getattr(attn, policy.sinks_attr)
+    if sinks.shape != (num_heads,):
+        from hf_dsinfer.parallel.groups import TensorParallelError
+
+        raise TensorParallelError(
+            f"{type(attn).__name__}.{policy.sinks_attr}: expected one attention-sink logit per "
+            f"query head ({num_heads}), got shape {tuple(sinks.shape)} (heads sliced by tensor "
+            "parallelism, whose plan does not slice the sinks). Fix: use tp_size=1 (ep_size "
+            "shards the experts).")
+    return True
 
 
 class FusedBlock:
@@ -213,6 +233,8 @@ class FusedBlock:
             (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
              "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
+            (not p.rope_half_table, "a half-width cos / sin table"),
+            (not spec.sinks, "attention sinks"),
             (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
@@ -481,7 +503,8 @@ class FusedBlock:
         K/V live: every layout but ALiBi's (whose bias the cache's kernel does not take) and
         soft-capped attention (which it does not compute)."""
         return (self.enabled and self.policy.positions != P.ALIBI
-                and self.spec.attn_softcap is None)  # nor the soft-cap
+                and self.spec.attn_softcap is None  # nor the soft-cap
+                and not self.spec.sinks)  # nor the sinks
 
     def _attend_in_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          named: dict, b: int, q_scaled: bool = False
@@ -518,6 +541,7 @@ class FusedBlock:
         out = attention_op(
             q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
             backend=self.backend, softcap=self.spec.attn_softcap,
+            sinks=getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None,
         )  # [B, H, S, D]
         return self._project_out(out, b, s)
 
@@ -533,6 +557,8 @@ class FusedBlock:
             return q, k
         if positions == P.ROPE:
             cos, sin = named["position_embeddings"]
+            if self.policy.rope_half_table:  # [.., D/2] -> Llama's [.., D] (same products)
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         elif positions == P.ROPE_TABLE:
             cos, sin = _gptj_cos_sin(self._attn.embed_positions, named["position_ids"], q.dtype)
         else:
@@ -549,7 +575,8 @@ class FusedBlock:
 
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:  # the MoE module's forward is a FusedMoE
-            return self._mlp_module(x), None
+            out = self._mlp_module(x)  # gpt-oss's MoE returns (hidden, router scores)
+            return (out[0] if isinstance(out, tuple) else out), None
         if self.policy.gated:  # one projection: its output is [gate | up]
             gate, up = (*(self._linear(m, x) for m in self._mlp_in), None)[:2]
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)

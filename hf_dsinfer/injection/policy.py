@@ -85,6 +85,15 @@ class MoeLayout:
     experts: str = "experts"
     shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
     shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1)
+    softmax_first: bool = True            # False: top-k of the router logits, then a softmax
+                                          # over those k (gpt-oss). A router `bias` is added.
+    # The experts' form (kernels.expert_forms), beyond the canonical [gate | up] nn.Linear one:
+    experts_transposed: bool = False      # gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    gate_up_interleaved: bool = False     # gate / up columns alternate (g0, u0, g1, u1 ...)
+    expert_bias: bool = False             # experts.gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
+    swiglu_alpha: Any = None              # clamped SwiGLU (gpt-oss): FromConfig of alpha, limit
+    swiglu_limit: Any = None
+    returns_scores: bool = False          # the MoE module returns (hidden, router scores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +139,10 @@ class Policy:
                                           # logits, or None on the module (Gemma 2)
     residual_multiplier: Any = None       # attention / MLP outputs scaled before the residual
                                           # add (Granite; FromConfig)
+    rope_half_table: bool = False         # cos / sin hold the D/2 frequencies once (gpt-oss),
+                                          # not cat(freqs, freqs): rotate-half over all of D
+    sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
+                                          # head in each softmax's denominator (gpt-oss)
     notes: str = ""
 
     def matches(self, model: Any) -> bool:

@@ -76,8 +76,10 @@ def _keep_mask(mask: torch.Tensor | None, causal: bool, window: int | None, sq: 
 
 
 def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None,
-                  softcap=None):
-    """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows."""
+                  softcap=None, sinks=None):
+    """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows.
+    sinks [Hq]: a learned logit per head that joins each row's softmax and is then dropped
+    (gpt-oss), so a row's weights over its keys sum to less than one."""
     rep = _check_heads(q, k)
     k = k.repeat_interleave(rep, dim=1)  # [B, Hq, Sk, D], HF's repeat_kv
     v = v.repeat_interleave(rep, dim=1)
@@ -93,7 +95,12 @@ def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
         # HF's finfo.min rather than -inf: a row with every key masked stays finite (then
         # zeroed below); inductor's AVX2 code let the NaN of an all -inf row through.
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # [B, Hq, Sq, Sk + 1]: the sink column is the last, dropped after the softmax
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1,
+                              dtype=torch.float32)[..., :-1]
     if keep is not None:  # a row of only -inf is NaN after softmax: make it attend nothing
         probs = probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
     return torch.matmul(probs.to(q.dtype), v)
@@ -322,12 +329,14 @@ def attention_cpu(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               mask: torch.Tensor | None = None, causal: bool = False,
               bias: torch.Tensor | None = None, window: int | None = None,
-              backend: str | None = None, softcap: float | None = None) -> torch.Tensor:
+              backend: str | None = None, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias, masked) v; q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D].
-    softcap: scores soft-capped first (Gemma 2), on the reference whatever the backend."""
-    if softcap is not None:
+    softcap: scores soft-capped first (Gemma 2); sinks [Hq]: a per-head logit in each softmax's
+    denominator (gpt-oss); both on the reference whatever the backend."""
+    if softcap is not None or sinks is not None:
         return attention_ref(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias,
-                             window=window, softcap=softcap)
+                             window=window, softcap=softcap, sinks=sinks)
     fn = _dispatch.pick(backend, q.device, ref=attention_ref, triton_fn=attention_triton,
                         cpu_fn=attention_cpu)
     return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)

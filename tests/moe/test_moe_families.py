@@ -1,0 +1,158 @@
+"""The issue-27 MoE families (gpt-oss) through the dense families' grid, plus what is theirs.
+
+The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (its test functions are
+imported, so they collect again with this module's `pair`): fp32 logits within 1e-4 of HF eager
+on a left-padded batch, identical tokens for greedy, padded batches, beams, seeded sampling, the
+static cache, no cache and inference_mode, fused calls counted. Prompts (5-9 tokens) and 24 new
+tokens run past gpt-oss's 4-token sliding window. tests/moe/test_moe_parity.py covers bf16 (the
+parity gate and logits) for every MoE model, these included.
+
+Here: each feature option provably bites (sinks, router and expert biases, the SwiGLU clamp),
+int8 / int4 experts against HF on the dequantized weights, and the refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import MOE_2026, make_model, prompts
+
+import hf_dsinfer
+from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
+from hf_dsinfer.parallel.expert import ExpertParallelError, ExpertPlacement, shard_experts
+from tests.injection.test_family_parity import (  # noqa: F401  (collected here again)
+    FP32_LOGIT_ATOL,
+    test_beam_search,
+    test_greedy_24_tokens,
+    test_inference_mode,
+    test_left_padded_batch,
+    test_logits_match_hf_eager,
+    test_seeded_sampling,
+    test_static_cache,
+    test_static_cache_logits,
+    test_without_cache,
+)
+
+BF16_REL_L2 = 3e-2
+QUANTS = {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
+
+
+@pytest.fixture(scope="module", params=MOE_2026)
+def pair(request):
+    ref = make_model(request.param)
+    return ref, hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+
+
+def _logits(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+def test_moe_and_blocks_counted(pair):
+    _, fused = pair
+    before = hf_dsinfer.fused_call_counts(fused)
+    _logits(fused, *prompts())
+    after = hf_dsinfer.fused_call_counts(fused)
+    assert any(p.endswith(".mlp") for p in after)  # the MoE modules, fused
+    assert all(after[p] == before[p] + 1 for p in before)
+
+
+def test_gpt_oss_features_bite():
+    """Dropping any one of the options (the sinks, the router bias, the expert biases, the
+    clamp) moves the logits far past the parity tolerance: the tiny model exercises each."""
+    ref = make_model("gpt_oss")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    ids, mask = prompts()
+    valid = mask.bool()
+    want = _logits(ref, ids, mask)
+    assert (want - _logits(fused, ids, mask))[valid].abs().max() <= FP32_LOGIT_ATOL
+    report = get_report(fused)
+    blocks, moes = list(report.blocks.values()), list(report.moe.values())
+    variants = {
+        "sinks": [(b, "spec", dataclasses.replace(b.spec, sinks=False)) for b in blocks],
+        "clamp": [(m, "spec", dataclasses.replace(m.spec, form=dataclasses.replace(
+            m.spec.form, swiglu_limit=1e4))) for m in moes],
+        "expert bias": [(m, "spec", dataclasses.replace(m.spec, expert_bias=False))
+                        for m in moes],
+    }
+    for name, patches in variants.items():
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, value in patches:
+            setattr(obj, attr, value)
+        try:
+            got = _logits(fused, ids, mask)
+        finally:
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
+        assert (want - got)[valid].abs().max() > 1e-2, name
+    router_bias = [m.router.bias for m in moes]
+    with torch.no_grad():
+        saved = [b.clone() for b in router_bias]
+        for b in router_bias:
+            b.zero_()
+        try:
+            got = _logits(fused, ids, mask)
+        finally:
+            for b, s in zip(router_bias, saved):
+                b.copy_(s)
+    assert (want - got)[valid].abs().max() > 1e-2, "router bias"
+
+
+def _dequantized_copy(ref: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.Module:
+    """`ref` with every weight the fused model quantized replaced by its dequantized value, the
+    experts back in their HF form (gpt-oss: transposed, [E, H, 2I] / [E, I, H])."""
+    out = copy.deepcopy(ref)
+    with torch.no_grad():
+        for path, module in fused.named_modules():
+            if isinstance(module, QuantizedLinear) and ".dsinfer_quantized." not in path:
+                out.get_submodule(path).weight.copy_(_dequantize(module))
+        for path, moe in get_report(fused).moe.items():
+            experts = out.get_submodule(path).experts
+            weights = [_dequantize(q) for q in moe.quantized]  # nn.Linear weights [out, in]
+            if moe.spec.form.transposed:
+                weights = [w.t() for w in weights]
+            experts.gate_up_proj.copy_(torch.stack(weights[0::2]))
+            experts.down_proj.copy_(torch.stack(weights[1::2]))
+    return out
+
+
+def _dequantize(q: QuantizedLinear) -> torch.Tensor:
+    return (dequantize_int8 if q.bits == 8 else dequantize_int4)(q.quantized, torch.bfloat16)
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("name", MOE_2026)
+def test_quantized_experts_match_hf_on_dequantized_weights(name, quant):
+    ref = make_model(name, dtype=torch.bfloat16)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), quant=QUANTS[quant], strict=True)
+    report = get_report(fused)
+    moe = next(iter(report.moe.values()))
+    assert moe.quantized is not None and not hasattr(moe.experts, "gate_up_proj")
+    assert all(q.bits == QUANTS[quant]["bits"] for q in moe.quantized)
+    if moe.spec.expert_bias:  # the biases moved into the quantized linears, unquantized
+        assert all(q.bias is not None for q in moe.quantized)
+    ref = _dequantized_copy(ref, fused)
+    ids, mask = prompts()
+    calls = sum(hf_dsinfer.fused_call_counts(fused).values())
+    a, b = _logits(ref, ids, mask).float(), _logits(fused, ids, mask).float()
+    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls
+    valid = mask.bool()
+    rel = (a[valid] - b[valid]).norm() / a[valid].norm()
+    assert rel <= BF16_REL_L2, rel.item()
+    gen = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert fused.generate(ids, attention_mask=mask, **gen).shape[1] == ids.shape[1] + 6
+
+
+def test_biased_experts_are_not_sliced():
+    """Expert slicing would add the down-projection bias once per slice: refused."""
+    fused = hf_dsinfer.init_inference(make_model("gpt_oss"))
+    moe = next(iter(get_report(fused).moe.values()))
+    with pytest.raises(ExpertParallelError, match="only sharded whole"):
+        shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=16, rank=0))
+    shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=2, rank=1))  # whole: experts 4-7
+    assert moe.experts.gate_up_proj.shape[0] == moe.experts.down_proj_bias.shape[0] == 4
