@@ -50,6 +50,7 @@ from hf_dsinfer.kernels.moe import (
     topk_gating,
     traced_expert_rows,
 )
+from hf_dsinfer.kernels.moe_routing import selection_margin, sigmoid_group_topk
 
 
 class MoeStateError(DSInferError):
@@ -72,6 +73,11 @@ class MoeSpec:
     softmax_first: bool = True
     form: ExpertForm = dataclasses.field(default_factory=ExpertForm)
     expert_bias: bool = False
+    scoring: str = "softmax"  # or "sigmoid_group" (kernels.moe_routing)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    router_fp32: bool = False
 
     @property
     def canonical(self) -> bool:
@@ -81,6 +87,9 @@ class MoeSpec:
     def describe(self) -> str:
         routing = "dropless" if self.capacity_factor is None else f"capacity {self.capacity_factor}"
         shared = " + shared expert" if self.shared_expert else ""
+        if self.scoring == "sigmoid_group":
+            routing += (f", sigmoid top-{self.top_k} in {self.topk_group} of {self.n_group} "
+                        f"groups, x{self.routed_scaling}")
         form = "" if self.canonical else (
             f" ({self.form.describe()}{', biased' if self.expert_bias else ''})")
         return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}{form}"
@@ -110,7 +119,20 @@ def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activa
         softmax_first=layout.softmax_first,
         form=form,
         expert_bias=layout.expert_bias,
+        **_routing_fields(layout, config),
     )
+
+
+def _routing_fields(layout: P.MoeLayout, config: Any) -> dict[str, Any]:
+    if layout.scoring == "softmax":
+        return {}
+    if layout.scoring != "sigmoid_group":
+        raise ValueError(f"MoeLayout.scoring: expected 'softmax' or 'sigmoid_group', got "
+                         f"{layout.scoring!r}")
+    return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
+            "n_group": int(P.resolve(layout.n_group, config)),
+            "topk_group": int(P.resolve(layout.topk_group, config)),
+            "routed_scaling": float(P.resolve(layout.routed_scaling, config))}
 
 
 def drop_over_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
@@ -200,7 +222,10 @@ class FusedMoE:
 
     # -- pieces --------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # HF computes the router GEMM in the activations' dtype; the softmax is fp32.
+        # HF computes the router GEMM in the activations' dtype (DeepSeek-V3: in fp32); the
+        # softmax is fp32.
+        if self.spec.router_fp32:
+            return F.linear(x.float(), self.router.weight.float())  # [T, E]
         return F.linear(x, self.router.weight, getattr(self.router, "bias", None))  # [T, E]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +235,15 @@ class FusedMoE:
             logits = out[0] if isinstance(out, tuple) else out
         else:
             logits = self.router_logits(x)
-        weights, ids = topk_gating(logits, self.spec.top_k, softmax_first=self.spec.softmax_first,
-                                   renormalize=self.spec.renormalize, backend=self.backend)
+        if self.spec.scoring == "sigmoid_group":
+            weights, ids = sigmoid_group_topk(
+                logits, getattr(self.router, self.layout.correction_bias), self.spec.top_k,
+                self.spec.n_group, self.spec.topk_group, self.spec.renormalize,
+                self.spec.routed_scaling)
+        else:
+            weights, ids = topk_gating(logits, self.spec.top_k,
+                                       softmax_first=self.spec.softmax_first,
+                                       renormalize=self.spec.renormalize, backend=self.backend)
         if not self.spec.fp32_weights:  # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
             weights = weights.to(logits.dtype)
         if self.spec.capacity_factor is not None:
@@ -254,6 +286,8 @@ class FusedMoE:
                     for n in self.owner.policy.mlp_in)
         h = gated_act(gate, up, self.spec.activation, backend=self.backend)
         out = _linear_any(mlp.get_submodule(self.owner.policy.mlp_out), h, self.backend)
+        if self.layout.shared_expert_gate is None:  # DeepSeek-V3: added as is
+            return out
         gate_linear = self.module.get_submodule(self.layout.shared_expert_gate)
         return torch.sigmoid(_linear_any(gate_linear, x, self.backend)) * out
 
@@ -277,6 +311,10 @@ class FusedMoE:
         logits where the top-k precedes the softmax): how far each token is from swapping its
         k-th expert. The parity gate excludes near-ties, which rounding may legally flip."""
         logits = self.router_logits(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        if self.spec.scoring == "sigmoid_group":
+            return selection_margin(logits, getattr(self.router, self.layout.correction_bias),
+                                    self.spec.top_k, self.spec.n_group, self.spec.topk_group
+                                    ).view(hidden_states.shape[:-1])
         probs = torch.softmax(logits.float(), dim=-1) if self.spec.softmax_first else logits.float()
         k = self.spec.top_k
         if k >= probs.shape[-1]:

@@ -84,7 +84,8 @@ class MoeLayout:
     router: str = "gate"                  # Linear-like module with `weight [E, H]`
     experts: str = "experts"
     shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
-    shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1)
+    shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1); None: ungated
+                                          # (DeepSeek-V3's shared experts)
     softmax_first: bool = True            # False: top-k of the router logits, then a softmax
                                           # over those k (gpt-oss). A router `bias` is added.
     # The experts' form (kernels.expert_forms), beyond the canonical [gate | up] nn.Linear one:
@@ -94,6 +95,32 @@ class MoeLayout:
     swiglu_alpha: Any = None              # clamped SwiGLU (gpt-oss): FromConfig of alpha, limit
     swiglu_limit: Any = None
     returns_scores: bool = False          # the MoE module returns (hidden, router scores)
+    # DeepSeek-V3's router (kernels.moe_routing): "sigmoid_group" = sigmoid scores, a
+    # correction bias (router buffer) steering the choice, top-k within the topk_group best of
+    # n_group groups, weights times routed_scaling; its router GEMM runs in fp32.
+    scoring: str = "softmax"
+    correction_bias: str | None = None    # router attribute
+    n_group: Any = None                   # FromConfig
+    topk_group: Any = None
+    routed_scaling: Any = None
+    router_fp32: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaLayout:
+    """Multi-head latent attention (DeepSeek-V2/V3, injection.mla): the attention module's
+    submodule and attribute names (HF's, verbatim)."""
+
+    q_proj: str = "q_proj"                # the full-rank query, when q_a_proj is None
+    q_a_proj: str = "q_a_proj"            # low-rank query: q_b_proj(norm(q_a_proj(x)))
+    q_a_norm: str = "q_a_layernorm"
+    q_b_proj: str = "q_b_proj"
+    kv_a_proj: str = "kv_a_proj_with_mqa"  # x -> [latent r | shared rotary key dr]
+    kv_a_norm: str = "kv_a_layernorm"
+    kv_b_proj: str = "kv_b_proj"          # latent -> per head [k_nope dn | v dv]
+    num_heads_attr: str = "num_heads"     # attention attribute
+    v_dim_attr: str = "v_head_dim"        # attention attribute
+    rope_interleave: Any = False          # rotary dims in interleaved pairs (FromConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +168,7 @@ class Policy:
                                           # add (Granite; FromConfig)
     rope_half_table: bool = False         # cos / sin hold the D/2 frequencies once (gpt-oss),
                                           # not cat(freqs, freqs): rotate-half over all of D
+    mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
     notes: str = ""

@@ -249,7 +249,13 @@ def _sharded_at_load(model: nn.Module) -> bool:
 
 def _check_tp(model: nn.Module, config: DSInferConfig, policy: Policy) -> None:
     if config.tp_size > 1:
-        from hf_dsinfer.parallel.tensor import check_tensor_parallel
+        from hf_dsinfer.parallel.tensor import TensorParallelError, check_tensor_parallel
+
+        if policy.mla is not None:
+            raise TensorParallelError(
+                f"tp_size={config.tp_size}: {policy.family}'s multi-head latent attention has no "
+                "tensor-parallel plan here (its heads share one latent KV cache). Fix: use "
+                "tp_size=1; ep_size shards the experts.")
 
         check_tensor_parallel(model, policy, config.tp_size)
 

@@ -1,14 +1,15 @@
 """The issue-27 MoE families (gpt-oss) through the dense families' grid, plus what is theirs.
 
-The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (its test functions are
+The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (gpt-oss, DeepSeek-V3) (its test functions are
 imported, so they collect again with this module's `pair`): fp32 logits within 1e-4 of HF eager
 on a left-padded batch, identical tokens for greedy, padded batches, beams, seeded sampling, the
 static cache, no cache and inference_mode, fused calls counted. Prompts (5-9 tokens) and 24 new
 tokens run past gpt-oss's 4-token sliding window. tests/moe/test_moe_parity.py covers bf16 (the
 parity gate and logits) for every MoE model, these included.
 
-Here: each feature option provably bites (sinks, router and expert biases, the SwiGLU clamp),
-int8 / int4 experts against HF on the dequantized weights, and the refusals.
+Here: each gpt-oss feature option provably bites (sinks, router and expert biases, the SwiGLU
+clamp), DeepSeek-V3's decode runs the absorbed MLA over HF's latent cache, int8 / int4 against HF
+on the dequantized weights, and the refusals.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
 from hf_dsinfer.parallel.expert import ExpertParallelError, ExpertPlacement, shard_experts
+from hf_dsinfer.parallel.groups import TensorParallelError
 from tests.injection.test_family_parity import (  # noqa: F401  (collected here again)
     FP32_LOGIT_ATOL,
     test_beam_search,
@@ -37,8 +39,9 @@ from tests.injection.test_family_parity import (  # noqa: F401  (collected here 
     test_static_cache_logits,
     test_without_cache,
 )
+from tests.moe.test_moe_parity import _hf_routing_ties
 
-BF16_REL_L2 = 3e-2
+BF16_LOGIT_RTOL = 3e-2
 QUANTS = {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
 
@@ -107,13 +110,14 @@ def _dequantized_copy(ref: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.
     """`ref` with every weight the fused model quantized replaced by its dequantized value, the
     experts back in their HF form (gpt-oss: transposed, [E, H, 2I] / [E, I, H])."""
     out = copy.deepcopy(ref)
+    dtype = next(ref.parameters()).dtype
     with torch.no_grad():
         for path, module in fused.named_modules():
             if isinstance(module, QuantizedLinear) and ".dsinfer_quantized." not in path:
-                out.get_submodule(path).weight.copy_(_dequantize(module))
+                out.get_submodule(path).weight.copy_(_dequantize(module, dtype))
         for path, moe in get_report(fused).moe.items():
             experts = out.get_submodule(path).experts
-            weights = [_dequantize(q) for q in moe.quantized]  # nn.Linear weights [out, in]
+            weights = [_dequantize(q, dtype) for q in moe.quantized]  # nn.Linear [out, in]
             if moe.spec.form.transposed:
                 weights = [w.t() for w in weights]
             experts.gate_up_proj.copy_(torch.stack(weights[0::2]))
@@ -121,29 +125,39 @@ def _dequantized_copy(ref: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.
     return out
 
 
-def _dequantize(q: QuantizedLinear) -> torch.Tensor:
-    return (dequantize_int8 if q.bits == 8 else dequantize_int4)(q.quantized, torch.bfloat16)
+def _dequantize(q: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+    return (dequantize_int8 if q.bits == 8 else dequantize_int4)(q.quantized, dtype)
 
 
-@pytest.mark.parametrize("quant", list(QUANTS))
-@pytest.mark.parametrize("name", MOE_2026)
-def test_quantized_experts_match_hf_on_dequantized_weights(name, quant):
-    ref = make_model(name, dtype=torch.bfloat16)
+def _quantized_pair(name: str, quant: str, dtype: torch.dtype):
+    ref = make_model(name, dtype=dtype)
     fused = hf_dsinfer.init_inference(copy.deepcopy(ref), quant=QUANTS[quant], strict=True)
-    report = get_report(fused)
-    moe = next(iter(report.moe.values()))
+    moe = next(iter(get_report(fused).moe.values()))
     assert moe.quantized is not None and not hasattr(moe.experts, "gate_up_proj")
     assert all(q.bits == QUANTS[quant]["bits"] for q in moe.quantized)
     if moe.spec.expert_bias:  # the biases moved into the quantized linears, unquantized
         assert all(q.bias is not None for q in moe.quantized)
-    ref = _dequantized_copy(ref, fused)
+    return _dequantized_copy(ref, fused), fused
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("name", MOE_2026)
+def test_quantized_matches_hf_on_dequantized_weights(name, quant):
+    """fp32: every quantized linear (experts, shared experts, attention, dense MLPs) computes
+    what HF computes with the dequantized weights, to 1e-4; bf16: the same within bf16 rounding
+    on the tokens whose routing is no near-tie, and greedy decoding runs fused."""
+    ref, fused = _quantized_pair(name, quant, torch.float32)
     ids, mask = prompts()
     calls = sum(hf_dsinfer.fused_call_counts(fused).values())
-    a, b = _logits(ref, ids, mask).float(), _logits(fused, ids, mask).float()
+    a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
     assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls
-    valid = mask.bool()
-    rel = (a[valid] - b[valid]).norm() / a[valid].norm()
-    assert rel <= BF16_REL_L2, rel.item()
+    assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
+    ref, fused = _quantized_pair(name, quant, torch.bfloat16)
+    a, b = _logits(ref, ids, mask).float(), _logits(fused, ids, mask).float()
+    valid = mask.bool() & ~_hf_routing_ties(ref, fused, ids, mask)  # bf16 may flip those
+    assert valid.sum() >= mask.sum() * 2 // 3, "too many near-ties to test anything"
+    err = (a[valid] - b[valid]).abs().max() / a[valid].abs().max()
+    assert err <= BF16_LOGIT_RTOL, err.item()
     gen = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert fused.generate(ids, attention_mask=mask, **gen).shape[1] == ids.shape[1] + 6
 
@@ -156,3 +170,32 @@ def test_biased_experts_are_not_sliced():
         shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=16, rank=0))
     shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=2, rank=1))  # whole: experts 4-7
     assert moe.experts.gate_up_proj.shape[0] == moe.experts.down_proj_bias.shape[0] == 4
+
+
+def test_deepseek_v3_decode_reads_the_latent_cache_absorbed():
+    """Decode steps run the absorbed MLA over the latent as HF caches it ([B, 1, S, r] latent,
+    [B, 1, S, dr] rotary key, HF's own shapes and values), and the tokens stay HF's."""
+    ref = make_model("deepseek_v3")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    blocks = list(get_report(fused).blocks.values())
+    ids, mask = prompts(batch=2)
+    gen = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+           "return_dict_in_generate": True}
+    before = [f.mla.absorbed_calls for f in blocks]  # the parity probe's step included
+    a, b = (m.generate(ids, attention_mask=mask, **gen) for m in (ref, fused))
+    assert torch.equal(a.sequences, b.sequences)
+    assert [f.mla.absorbed_calls - n for f, n in zip(blocks, before)] == [4] * len(blocks)
+    spec = blocks[0].mla.spec
+    valid = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1).bool()  # not padding
+    for la, lb in zip(a.past_key_values.layers, b.past_key_values.layers):
+        assert lb.keys.shape == (2, 1, ids.shape[1] + 4, spec.latent_dim)
+        assert lb.values.shape == (2, 1, ids.shape[1] + 4, spec.rope_dim)
+        assert (la.keys - lb.keys)[:, 0][valid].abs().max() <= 1e-5
+        assert (la.values - lb.values)[:, 0][valid].abs().max() <= 1e-5
+
+
+def test_deepseek_v3_tensor_parallel_is_refused():
+    model = make_model("deepseek_v3")
+    with pytest.raises(TensorParallelError, match="latent attention"):
+        hf_dsinfer.init_inference(model, tp_size=2)
+    assert get_report(model) is None
