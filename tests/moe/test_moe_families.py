@@ -19,7 +19,8 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import MOE_2026, make_model, prompts
+from tiny_models import MOE_2026, MOE_CONFIGS, make_model, prompts
+from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
 from hf_dsinfer.injection.quantize import QuantizedLinear
@@ -199,3 +200,19 @@ def test_deepseek_v3_tensor_parallel_is_refused():
     with pytest.raises(TensorParallelError, match="latent attention"):
         hf_dsinfer.init_inference(model, tp_size=2)
     assert get_report(model) is None
+
+
+def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
+    """DeepSeek-V2-Lite's variant: one q_proj (q_lora_rank None), rotary dims not interleaved."""
+    config = MOE_CONFIGS["deepseek_v3"]()
+    config.q_lora_rank, config.rope_interleave = None, False
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    assert not next(iter(get_report(fused).blocks.values())).mla.spec.low_rank_q
+    ids, mask = prompts()
+    assert (_logits(ref, ids, mask) - _logits(fused, ids, mask))[mask.bool()].abs().max() \
+        <= FP32_LOGIT_ATOL
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
+                       fused.generate(ids, attention_mask=mask, **gen))
