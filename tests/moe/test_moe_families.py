@@ -23,11 +23,13 @@ from tiny_models import MOE_2026, MOE_CONFIGS, make_model, prompts
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
+from hf_dsinfer.injection.policies import find_policy
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
 from hf_dsinfer.parallel.expert import ExpertParallelError, ExpertPlacement, shard_experts
 from hf_dsinfer.parallel.groups import TensorParallelError
+from hf_dsinfer.parallel.plan import linear_styles
 from tests.injection.test_family_parity import (  # noqa: F401  (collected here again)
     FP32_LOGIT_ATOL,
     test_beam_search,
@@ -216,3 +218,10 @@ def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
                        fused.generate(ids, attention_mask=mask, **gen))
+
+
+def test_gpt_oss_tensor_parallel_is_refused():
+    """HF has no base_model_tp_plan for gpt-oss, and a plan would have to slice the sinks."""
+    model = make_model("gpt_oss")
+    with pytest.raises(TensorParallelError, match="no tensor-parallel plan for gpt_oss"):
+        linear_styles(find_policy(model), model.config)
