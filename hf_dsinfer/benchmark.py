@@ -33,7 +33,9 @@ import torch
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     OPTConfig,
     Qwen3Config,
@@ -62,6 +64,19 @@ MODELS = {
                                           vocab_size=262144, sliding_window=512,
                                           query_pre_attn_scalar=256,
                                           max_position_embeddings=32768),
+    # the issue-27 MoE families, scaled down (the real ones are 21B / 671B parameters): each
+    # family's block and routing at ~0.4-0.5B parameters
+    "gpt-oss-mini": lambda: GptOssConfig(hidden_size=1024, intermediate_size=1024,
+                                         num_hidden_layers=8, num_attention_heads=16,
+                                         num_key_value_heads=4, head_dim=64,
+                                         num_local_experts=16, num_experts_per_tok=4,
+                                         sliding_window=128, vocab_size=32000),
+    "deepseek-v3-mini": lambda: DeepseekV3Config(
+        hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+        kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, vocab_size=32000),
     "tiny": lambda: LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
     "smollm2": None,  # the embedded SmolLM2-135M-Instruct GGUF (real weights), see default_model.load

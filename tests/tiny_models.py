@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -31,6 +32,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SmolLM3Config,
 )
 
@@ -104,12 +106,11 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),
-               # one the refusal names the lacking features of (attention sinks, ...)
-               "gpt_oss": lambda: GptOssConfig(hidden_size=64, num_attention_heads=4,
-                                               num_key_value_heads=2, head_dim=16,
-                                               num_hidden_layers=2, intermediate_size=32,
-                                               num_local_experts=4, num_experts_per_tok=2,
-                                               **_COMMON)}
+               # one the refusal names the lacking features of (Gated DeltaNet)
+               "qwen3_next": lambda: Qwen3NextConfig(
+                   hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32,
+                   num_experts=4, num_experts_per_tok=2, **_COMMON)}
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -131,9 +132,25 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                              attn_implementation=attn_implementation)
-    if name in FAMILIES_2026:
+    if name in FAMILIES_2026 or name in MOE_2026:
         _randomize_norms(model, seed)
+    if name in MOE_2026:
+        _randomize_zero_inits(model, seed)
     return model.eval()
+
+
+def _randomize_zero_inits(model: torch.nn.Module, seed: int) -> None:
+    """HF initializes biases (gpt-oss's expert, attention and router biases) and DeepSeek-V3's
+    routing correction bias to zeros: a fused path that dropped one would compute the same.
+    Noise makes each of them count; gpt-oss's sinks get unit scale, so they take a visible
+    share of every softmax."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "sinks")) and tensor.is_floating_point():
+                scale = 1.0 if name.endswith("sinks") else 0.1
+                noise = scale * torch.randn(tensor.shape, generator=gen)
+                tensor.add_(noise.to(tensor.dtype))
 
 
 def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
@@ -197,5 +214,29 @@ MOE_CONFIGS = {
     "olmoe": lambda: OlmoeConfig(**{**_MOE_ATTN, "num_key_value_heads": 5}, num_experts=8,
                                  num_experts_per_tok=2, intermediate_size=40, clip_qkv=3.0,
                                  norm_topk_prob=False),
+    # gpt-oss: sinks, q/k/v/o biases, layers sliding (window 4) / full, 8 experts top-4 with a
+    # router bias, biased experts and a SwiGLU limit small enough to clamp
+    "gpt_oss": lambda: GptOssConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=0.5, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False}, **_COMMON),
+    # DeepSeek-V3: MLA (low-rank q, latent 40 + rope 8, interleaved RoPE, yarn's mscale in the
+    # softmax scale), layer 0 dense, layer 1 sparse: 8 experts in 4 groups, top-3 within the
+    # 2 best groups, a correction bias, routed scaling 2.5, a shared expert. One sparse layer,
+    # the last: a bf16 routing near-tie then changes its own token only (bf16 tests skip those)
+    "deepseek_v3": lambda: DeepseekV3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+        intermediate_size=96, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=40,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 32, "mscale_all_dim": 1.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0}, **_COMMON),
 }
 MOE_MODELS = list(MOE_CONFIGS)
+MOE_2026 = ["gpt_oss", "deepseek_v3"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from hf_dsinfer.errors import NativeUnsupported
+from hf_dsinfer.errors import NativeUnsupported, TensorParallelError
 from hf_dsinfer.hf.outputs import recording
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection import policy as P
@@ -61,11 +61,14 @@ class BlockSpec:
     rope: bool = True  # False: a NoPE layer of a RoPE model (SmolLM3)
     attn_softcap: float | None = None  # Gemma 2: tanh soft-cap of the attention logits
     residual_multiplier: float | None = None  # Granite: branch outputs scaled before the add
+    sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    mla: bool = False  # DeepSeek-V3: multi-head latent attention (injection.mla)
 
     def describe(self) -> str:
         extras = [name for name, on in (
             ("NoPE", not self.rope), (f"attn softcap {self.attn_softcap}", self.attn_softcap),
-            (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None))
+            (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None),
+            ("attention sinks", self.sinks), ("multi-head latent attention", self.mla))
             if on]
         return (f"{self.layout}, {self.norm}_norm, {self.num_heads}q/{self.num_kv_heads}kv heads"
                 f" x {self.head_dim}, {self.activation}" + "".join(f", {e}" for e in extras))
@@ -91,9 +94,12 @@ def _out_features(linear_module: nn.Module, conv1d: bool) -> int:
 
 def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) -> BlockSpec:
     attn = block.get_submodule(policy.attn)
-    head_dim = int(getattr(attn, "head_dim", None) or attn.head_size)
+    head_dim = int(getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None)
+                   or attn.head_size)  # MLA: q / k head dims (nope + rope)
     projections = [attn.get_submodule(n) for n in policy.qkv]
-    if policy.qkv_layout == P.SEPARATE:
+    if policy.mla is not None:  # its own shapes: injection.mla.MlaSpec
+        q_out = kv_out = int(getattr(attn, policy.mla.num_heads_attr)) * head_dim
+    elif policy.qkv_layout == P.SEPARATE:
         q_out = _out_features(projections[0], policy.conv1d)
         kv_out = _out_features(projections[1], policy.conv1d)
     elif policy.qkv_layout == P.PACKED_GQA:  # [q | k | v] with the config's head counts
@@ -117,7 +123,33 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         rope=policy.rope_attr is None or bool(getattr(attn, policy.rope_attr)),
         attn_softcap=None if policy.softcap_attr is None else getattr(attn, policy.softcap_attr),
         residual_multiplier=P.resolve(policy.residual_multiplier, config),
+        sinks=_check_sinks(attn, policy, q_out // head_dim),
+        mla=policy.mla is not None,
     )
+
+
+def _mla_attention(fused: FusedBlock) -> Any:
+    from hf_dsinfer.injection.mla import MlaAttention, resolve_mla_spec
+
+    layout = fused.policy.mla
+    # the attention module's own config (HF's MLA modules keep it): rope_interleave
+    return MlaAttention(fused, layout, resolve_mla_spec(fused._attn, layout,
+                                                        fused._attn.config))
+
+
+def _check_sinks(attn: nn.Module, policy: P.Policy, num_heads: int) -> bool:
+    """The attention has one sink logit per (local) query head; raises where the heads were
+    sliced (tensor parallelism) but the sinks were not."""
+    if policy.sinks_attr is None:
+        return False
+    sinks = getattr(attn, policy.sinks_attr)
+    if sinks.shape != (num_heads,):
+        raise TensorParallelError(
+            f"{type(attn).__name__}.{policy.sinks_attr}: expected one attention-sink logit per "
+            f"query head ({num_heads}), got shape {tuple(sinks.shape)} (heads sliced by tensor "
+            "parallelism, whose plan does not slice the sinks). Fix: use tp_size=1 (ep_size "
+            "shards the experts).")
+    return True
 
 
 class FusedBlock:
@@ -174,6 +206,7 @@ class FusedBlock:
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
         if policy.qk_norm is not None:
             self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
+        self.mla = None if policy.mla is None else _mla_attention(self)
         # the native one-token decode layer (kernels.decode), built on the first decode call
         self._decode: native_decode.DecodeLayer | None = None
         self._decode_key: tuple | None = None  # weights the last failed build looked at
@@ -219,6 +252,9 @@ class FusedBlock:
             (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
              "q/k norm over the whole projection, or clipping"),
             (spec.attn_softcap is None, "attention logit soft-cap"),
+            (not p.rope_half_table, "a half-width cos / sin table"),
+            (p.mla is None, "multi-head latent attention"),
+            (not spec.sinks, "attention sinks"),
             (not p.conv1d, "Conv1D projections"),
             (self.backend == "cpu", f"kernels backend {self.backend!r}"),
         ]
@@ -228,6 +264,8 @@ class FusedBlock:
         """(parent, attribute name, module) of every linear layer the block computes with."""
         policy, attn, mlp = self.policy, self._attn, self._mlp_module
         names = [(attn, n) for n in (*policy.qkv, policy.out_proj)]
+        if self.mla is not None:
+            names = [(attn, n) for n in self.mla.linear_names()]
         if not self.is_moe:  # MoE experts are quantized by hf_dsinfer.injection.moe
             names += [(mlp, n) for n in (*policy.mlp_in, policy.mlp_out)]
         return [(parent, n, parent.get_submodule(n)) for parent, n in names]
@@ -482,6 +520,8 @@ class FusedBlock:
         return out.flatten(-2)
 
     def _attention(self, x: torch.Tensor, named: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.mla is not None:
+            return self.mla(x, named)
         b, s, _ = x.shape
         q, k, v = self._project_qkv(x)
         q, k = self._rotate(q, k, named)
@@ -501,7 +541,9 @@ class FusedBlock:
         K/V live: every layout but ALiBi's (whose bias the cache's kernel does not take) and
         soft-capped attention (which it does not compute)."""
         return (self.enabled and self.policy.positions != P.ALIBI
-                and self.spec.attn_softcap is None)  # nor the soft-cap
+                and self.spec.attn_softcap is None  # nor the soft-cap
+                and not self.spec.sinks  # nor the sinks
+                and self.mla is None)  # nor MLA, whose cache holds a latent
 
     def _attend_in_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          named: dict, b: int, q_scaled: bool = False
@@ -540,6 +582,7 @@ class FusedBlock:
         out = attention_op(
             q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
             backend=self.backend, softcap=self.spec.attn_softcap,
+            sinks=getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None,
         )  # [B, H, S, D]
         return self._project_out(out, b, s)
 
@@ -555,6 +598,8 @@ class FusedBlock:
             return q, k
         if positions == P.ROPE:
             cos, sin = named["position_embeddings"]
+            if self.policy.rope_half_table:  # [.., D/2] -> Llama's [.., D] (same products)
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         elif positions == P.ROPE_TABLE:
             cos, sin = _gptj_cos_sin(self._attn.embed_positions, named["position_ids"], q.dtype)
         else:
@@ -571,7 +616,8 @@ class FusedBlock:
 
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:  # the MoE module's forward is a FusedMoE
-            return self._mlp_module(x), None
+            out = self._mlp_module(x)  # gpt-oss's MoE returns (hidden, router scores)
+            return (out[0] if isinstance(out, tuple) else out), None
         if self.policy.gated:  # one projection: its output is [gate | up]
             gate, up = (*(self._linear(m, x) for m in self._mlp_in), None)[:2]
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)

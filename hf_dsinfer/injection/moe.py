@@ -33,6 +33,14 @@ from hf_dsinfer.hf.outputs import recording
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.quantize import QuantizedLinear, quantize_linear, resolve_group_size
 from hf_dsinfer.kernels.activations import gated_act, resolve_activation
+from hf_dsinfer.kernels.expert_forms import (
+    ExpertForm,
+    ExpertTensors,
+    expert_activation,
+    expert_linear_weights,
+    form_expert_mlp,
+    form_expert_rows,
+)
 from hf_dsinfer.kernels.linear import linear
 from hf_dsinfer.kernels.moe import (
     combine_expert_rows,
@@ -42,6 +50,7 @@ from hf_dsinfer.kernels.moe import (
     topk_gating,
     traced_expert_rows,
 )
+from hf_dsinfer.kernels.moe_routing import selection_margin, sigmoid_group_topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +66,42 @@ class MoeSpec:
     intermediate: int
     capacity_factor: float | None
     shared_expert: bool
+    softmax_first: bool = True
+    form: ExpertForm = dataclasses.field(default_factory=ExpertForm)
+    expert_bias: bool = False
+    scoring: str = "softmax"  # or "sigmoid_group" (kernels.moe_routing)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    router_fp32: bool = False
+
+    @property
+    def canonical(self) -> bool:
+        """Experts kernels.moe computes (else kernels.expert_forms)."""
+        return self.form.canonical and not self.expert_bias
 
     def describe(self) -> str:
         routing = "dropless" if self.capacity_factor is None else f"capacity {self.capacity_factor}"
         shared = " + shared expert" if self.shared_expert else ""
-        return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}"
+        if self.scoring == "sigmoid_group":
+            routing += (f", sigmoid top-{self.top_k} in {self.topk_group} of {self.n_group} "
+                        f"groups, x{self.routed_scaling}")
+        form = "" if self.canonical else (
+            f" ({self.form.describe()}{', biased' if self.expert_bias else ''})")
+        return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}{form}"
 
 
 def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activation: str,
                      capacity_factor: float | None) -> MoeSpec:
     experts = module.get_submodule(layout.experts)
     n_exp, two_inter, hidden = experts.gate_up_proj.shape  # [E, 2I, H]
+    if layout.experts_transposed:  # [E, H, 2I]
+        hidden, two_inter = two_inter, hidden
+    alpha, limit = (P.resolve(v, config) for v in (layout.swiglu_alpha, layout.swiglu_limit))
+    form = ExpertForm(act=resolve_activation(activation), transposed=layout.experts_transposed,
+                      interleaved=layout.gate_up_interleaved,
+                      swiglu_alpha=None if alpha is None else float(alpha),
+                      swiglu_limit=None if limit is None else float(limit))
     return MoeSpec(
         num_experts=int(n_exp),
         top_k=int(getattr(config, layout.top_k)),
@@ -78,7 +112,23 @@ def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activa
         intermediate=int(two_inter) // 2,
         capacity_factor=capacity_factor,
         shared_expert=layout.shared_expert is not None,
+        softmax_first=layout.softmax_first,
+        form=form,
+        expert_bias=layout.expert_bias,
+        **_routing_fields(layout, config),
     )
+
+
+def _routing_fields(layout: P.MoeLayout, config: Any) -> dict[str, Any]:
+    if layout.scoring == "softmax":
+        return {}
+    if layout.scoring != "sigmoid_group":
+        raise ValueError(f"MoeLayout.scoring: expected 'softmax' or 'sigmoid_group', got "
+                         f"{layout.scoring!r}")
+    return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
+            "n_group": int(P.resolve(layout.n_group, config)),
+            "topk_group": int(P.resolve(layout.topk_group, config)),
+            "routed_scaling": float(P.resolve(layout.routed_scaling, config))}
 
 
 def drop_over_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
@@ -144,17 +194,19 @@ class FusedMoE:
         return None
 
     # -- entry point ---------------------------------------------------------------------------
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor) -> Any:
         if not self.enabled or self.module.training or self.deferred_why is not None:
             return self._hf(hidden_states)
         if not torch.compiler.is_compiling():
             self.calls += 1
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
-        return self.forward_tokens(x).view(hidden_states.shape)
-
-    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H]: routed experts (local or across the EP group) + shared expert."""
         weights, ids = self.route(x)
+        out = self.forward_tokens(x, (weights, ids)).view(hidden_states.shape)
+        return (out, weights) if self.layout.returns_scores else out  # HF's return value
+
+    def forward_tokens(self, x: torch.Tensor, routed: tuple | None = None) -> torch.Tensor:
+        """[T, H] -> [T, H]: routed experts (local or across the EP group) + shared expert."""
+        weights, ids = self.route(x) if routed is None else routed
         if self.parallel is not None:
             out = self.parallel.experts(x, weights, ids, self.expert_rows)
         else:
@@ -166,8 +218,11 @@ class FusedMoE:
 
     # -- pieces --------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # HF computes the router GEMM in the activations' dtype; the softmax is fp32.
-        return F.linear(x, self.router.weight)  # [T, E]
+        # HF computes the router GEMM in the activations' dtype (DeepSeek-V3: in fp32); the
+        # softmax is fp32.
+        if self.spec.router_fp32:
+            return F.linear(x.float(), self.router.weight.float())  # [T, E]
+        return F.linear(x, self.router.weight, getattr(self.router, "bias", None))  # [T, E]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""
@@ -176,8 +231,15 @@ class FusedMoE:
             logits = out[0] if isinstance(out, tuple) else out
         else:
             logits = self.router_logits(x)
-        weights, ids = topk_gating(logits, self.spec.top_k, softmax_first=True,
-                                   renormalize=self.spec.renormalize, backend=self.backend)
+        if self.spec.scoring == "sigmoid_group":
+            weights, ids = sigmoid_group_topk(
+                logits, getattr(self.router, self.layout.correction_bias), self.spec.top_k,
+                self.spec.n_group, self.spec.topk_group, self.spec.renormalize,
+                self.spec.routed_scaling)
+        else:
+            weights, ids = topk_gating(logits, self.spec.top_k,
+                                       softmax_first=self.spec.softmax_first,
+                                       renormalize=self.spec.renormalize, backend=self.backend)
         if not self.spec.fp32_weights:  # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
             weights = weights.to(logits.dtype)
         if self.spec.capacity_factor is not None:
@@ -188,11 +250,24 @@ class FusedMoE:
     def expert_rows(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Unweighted outputs [R, H] of this rank's experts for expert-sorted rows."""
         if self.quantized is not None:
-            return _quantized_rows(x_sorted, self.quantized, offsets, self.spec.activation)
+            return _quantized_rows(x_sorted, self.quantized, offsets, self.spec.form)
+        if not self.spec.canonical:
+            return form_expert_rows(x_sorted, self.expert_tensors(), offsets, self.spec.form)
         return grouped_expert_rows(x_sorted, self.experts.gate_up_proj, self.experts.down_proj,
                                    offsets, self.spec.activation, backend=self.backend)
 
+    def expert_tensors(self) -> ExpertTensors:
+        """The expert parameters as kernels.expert_forms takes them (biases when the layout
+        has them)."""
+        e = self.experts
+        if not self.spec.expert_bias:
+            return ExpertTensors(e.gate_up_proj, e.down_proj)
+        return ExpertTensors(e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias)
+
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        if (self.quantized is None and self.spec.capacity_factor is None
+                and not self.spec.canonical):
+            return form_expert_mlp(x, self.expert_tensors(), weights, ids, self.spec.form)
         if self.quantized is None and self.spec.capacity_factor is None:
             return grouped_expert_mlp(x, self.experts.gate_up_proj, self.experts.down_proj,
                                       weights, ids, self.spec.activation, backend=self.backend)
@@ -207,6 +282,8 @@ class FusedMoE:
                     for n in self.owner.policy.mlp_in)
         h = gated_act(gate, up, self.spec.activation, backend=self.backend)
         out = _linear_any(mlp.get_submodule(self.owner.policy.mlp_out), h, self.backend)
+        if self.layout.shared_expert_gate is None:  # DeepSeek-V3: added as is
+            return out
         gate_linear = self.module.get_submodule(self.layout.shared_expert_gate)
         return torch.sigmoid(_linear_any(gate_linear, x, self.backend)) * out
 
@@ -226,10 +303,15 @@ class FusedMoE:
 
     @torch.no_grad()
     def routing_margin(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """p_k - p_(k+1) per token [B, S] (fp32 softmax): how far each token is from swapping
-        its k-th expert. The parity gate excludes near-ties, which rounding may legally flip."""
+        """p_k - p_(k+1) per token [B, S] of what the router ranks (the fp32 softmax, or the
+        logits where the top-k precedes the softmax): how far each token is from swapping its
+        k-th expert. The parity gate excludes near-ties, which rounding may legally flip."""
         logits = self.router_logits(hidden_states.reshape(-1, hidden_states.shape[-1]))
-        probs = torch.softmax(logits.float(), dim=-1)
+        if self.spec.scoring == "sigmoid_group":
+            return selection_margin(logits, getattr(self.router, self.layout.correction_bias),
+                                    self.spec.top_k, self.spec.n_group, self.spec.topk_group
+                                    ).view(hidden_states.shape[:-1])
+        probs = torch.softmax(logits.float(), dim=-1) if self.spec.softmax_first else logits.float()
         k = self.spec.top_k
         if k >= probs.shape[-1]:
             return torch.ones(hidden_states.shape[:-1], device=probs.device)
@@ -238,22 +320,27 @@ class FusedMoE:
 
 
 def _quantized_rows(x_sorted: torch.Tensor, qlinears: nn.ModuleList, offsets: torch.Tensor,
-                    act: str) -> torch.Tensor:
+                    form: ExpertForm) -> torch.Tensor:
     """int8 / int4 experts: one weight-only quantized GEMM pair per expert that has rows (torch
     has no grouped int8/int4 GEMM; idle experts still cost nothing). Under torch.compile the
     offsets are not read on the host: every expert runs over all rows and keeps its own (E / k
     times the expert work, but one graph, fullgraph included)."""
     if torch.compiler.is_compiling():
         return traced_expert_rows(x_sorted, offsets, lambda e, x: qlinears[2 * e + 1].matmul(
-            gated_act(qlinears[2 * e].matmul(x), None, act)))
+            _activate(qlinears[2 * e].matmul(x), form)))
     y = torch.zeros_like(x_sorted)
     bounds = offsets.tolist()
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             h = qlinears[2 * e].matmul(x_sorted[lo:hi])  # [n, 2I]
-            y[lo:hi] = qlinears[2 * e + 1].matmul(gated_act(h, None, act))
+            y[lo:hi] = qlinears[2 * e + 1].matmul(_activate(h, form))
     return y
+
+
+def _activate(h: torch.Tensor, form: ExpertForm) -> torch.Tensor:
+    """[n, 2I] -> [n, I]: the canonical gated activation (kernels.activations), or the form's."""
+    return gated_act(h, None, form.act) if form.canonical else expert_activation(h, form)
 
 
 # -- building, installing, quantizing ------------------------------------------------------------
@@ -300,12 +387,16 @@ def quantize_moe(moes: dict[str, FusedMoE], quant: QuantConfig) -> tuple[int, in
     group = moe_group_size(moes, quant)
     before = after = 0
     for moe in moes.values():
-        gu, dn = moe.experts.gate_up_proj, moe.experts.down_proj
-        before += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
-        qlinears = nn.ModuleList(quantize_linear(_as_linear(w), False, quant, group, moe.backend)
-                                 for e in range(gu.shape[0]) for w in (gu[e], dn[e]))
+        tensors = moe.expert_tensors()
+        before += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        qlinears = nn.ModuleList(
+            quantize_linear(_as_linear(w, b), False, quant, group, moe.backend)
+            for e in range(tensors.gate_up.shape[0])
+            for w, b in expert_linear_weights(tensors, e, moe.spec.form))
         after += sum(t.numel() * t.element_size() for t in qlinears.buffers())
         del moe.experts.gate_up_proj, moe.experts.down_proj
+        if moe.spec.expert_bias:  # now inside the QuantizedLinears
+            del moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias
         moe.experts.dsinfer_quantized = qlinears
         moe.quantized = qlinears
         if moe.spec.shared_expert:
@@ -313,10 +404,10 @@ def quantize_moe(moes: dict[str, FusedMoE], quant: QuantConfig) -> tuple[int, in
     return before, after
 
 
-def _as_linear(weight: torch.Tensor) -> nn.Module:
-    """A weight-only stand-in for nn.Linear, what quantize_linear reads."""
+def _as_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """A stand-in for nn.Linear, what quantize_linear reads."""
     holder = nn.Module()
-    holder.weight, holder.bias = weight.detach(), None
+    holder.weight, holder.bias = weight.detach(), None if bias is None else bias.detach()
     return holder
 
 

@@ -166,7 +166,7 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
             raise NativeUnsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
         biases.append(b)
     if sorted(linears) != sorted(SLOTS):
-        raise ValueError(f"DecodeLayer.build: linears must name exactly {SLOTS}, got "
+        raise ValueError(f"build_decode_layer: linears must name exactly {SLOTS}, got "
                          f"{tuple(linears)}")
     gated = mlp == "gated_silu"
     if (linears["up"] is None) == gated:

@@ -67,6 +67,8 @@ def layout_why(fused: FusedBlock) -> str | None:
     """Why no continuous-batching call of this block runs fused (None: calls with a mask do)."""
     if fused.policy.positions == P.ALIBI:
         return "ALiBi positions (the bias would follow each request's key offsets): HF forward"
+    if fused.policy.mla is not None:
+        return "multi-head latent attention (its paged latent cache is not read fused): HF forward"
     return None
 
 

@@ -75,6 +75,7 @@ NORMS = ("layer", *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
 QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
 TP_STYLES = ("colwise", "rowwise")
+SCORINGS = ("softmax", "sigmoid_group")
 
 
 def _check_choice(where: str, field: str, value: Any, allowed: tuple) -> None:
@@ -111,7 +112,26 @@ class MoeLayout:
     router: str = "gate"                  # Linear-like module with `weight [E, H]`
     experts: str = "experts"
     shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
-    shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1)
+    shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1); None: ungated
+                                          # (DeepSeek-V3's shared experts)
+    softmax_first: bool = True            # False: top-k of the router logits, then a softmax
+                                          # over those k (gpt-oss). A router `bias` is added.
+    # The experts' form (kernels.expert_forms), beyond the canonical [gate | up] nn.Linear one:
+    experts_transposed: bool = False      # gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    gate_up_interleaved: bool = False     # gate / up columns alternate (g0, u0, g1, u1 ...)
+    expert_bias: bool = False             # experts.gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
+    swiglu_alpha: Any = None              # clamped SwiGLU (gpt-oss): FromConfig of alpha, limit
+    swiglu_limit: Any = None
+    returns_scores: bool = False          # the MoE module returns (hidden, router scores)
+    # DeepSeek-V3's router (kernels.moe_routing): "sigmoid_group" = sigmoid scores, a
+    # correction bias (router buffer) steering the choice, top-k within the topk_group best of
+    # n_group groups, weights times routed_scaling; its router GEMM runs in fp32.
+    scoring: str = "softmax"
+    correction_bias: str | None = None    # router attribute
+    n_group: Any = None                   # FromConfig
+    topk_group: Any = None
+    routed_scaling: Any = None
+    router_fp32: bool = False
 
     def __post_init__(self) -> None:
         _check_names("MoeLayout", "classes", self.classes)
@@ -121,6 +141,31 @@ class MoeLayout:
                                   f"name, got {getattr(self, field)!r}")
         if self.shared_expert_gate is not None and self.shared_expert is None:
             raise PolicyError("MoeLayout: shared_expert_gate without a shared_expert")
+        _check_choice("MoeLayout", "scoring", self.scoring, SCORINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaLayout:
+    """Multi-head latent attention (DeepSeek-V2/V3, injection.mla): the attention module's
+    submodule and attribute names (HF's, verbatim)."""
+
+    q_proj: str = "q_proj"                # the full-rank query, when q_a_proj is None
+    q_a_proj: str = "q_a_proj"            # low-rank query: q_b_proj(norm(q_a_proj(x)))
+    q_a_norm: str = "q_a_layernorm"
+    q_b_proj: str = "q_b_proj"
+    kv_a_proj: str = "kv_a_proj_with_mqa"  # x -> [latent r | shared rotary key dr]
+    kv_a_norm: str = "kv_a_layernorm"
+    kv_b_proj: str = "kv_b_proj"          # latent -> per head [k_nope dn | v dv]
+    num_heads_attr: str = "num_heads"     # attention attribute
+    v_dim_attr: str = "v_head_dim"        # attention attribute
+    rope_interleave: Any = False          # rotary dims in interleaved pairs (FromConfig)
+
+    def __post_init__(self) -> None:
+        for field in ("q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm",
+                      "kv_b_proj", "num_heads_attr", "v_dim_attr"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise PolicyError(f"MlaLayout: {field} must be a module / attribute name, got "
+                                  f"{getattr(self, field)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +211,11 @@ class Policy:
                                           # logits, or None on the module (Gemma 2)
     residual_multiplier: Any = None       # attention / MLP outputs scaled before the residual
                                           # add (Granite; FromConfig)
+    rope_half_table: bool = False         # cos / sin hold the D/2 frequencies once (gpt-oss),
+                                          # not cat(freqs, freqs): rotate-half over all of D
+    mla: MlaLayout | None = None          # the attention is multi-head latent attention
+    sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
+                                          # head in each softmax's denominator (gpt-oss)
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -181,8 +231,16 @@ class Policy:
         _check_choice(where, "qkv_layout", self.qkv_layout, QKV_LAYOUTS)
         _check_choice(where, "positions", self.positions, POSITIONS)
         _check_choice(where, "qk_norm", self.qk_norm, QK_NORMS)
-        _check_names(where, "qkv", self.qkv)
-        want = 3 if self.qkv_layout == SEPARATE else 1
+        if self.mla is not None:  # multi-head latent attention names its own projections
+            if self.qkv:
+                raise PolicyError(f"{where}: with mla, qkv must be () (MlaLayout names the "
+                                  f"projections), got {self.qkv}")
+            if not isinstance(self.mla, MlaLayout):
+                raise PolicyError(f"{where}: mla must be an MlaLayout, got "
+                                  f"{type(self.mla).__name__}")
+        else:
+            _check_names(where, "qkv", self.qkv)
+        want = 0 if self.mla is not None else 3 if self.qkv_layout == SEPARATE else 1
         if len(self.qkv) != want:
             raise PolicyError(f"{where}: qkv_layout={self.qkv_layout!r} reads {want} "
                               f"projection(s), but qkv names {len(self.qkv)}: {self.qkv}")

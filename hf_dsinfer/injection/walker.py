@@ -201,10 +201,6 @@ def _warn_accelerate_offloaded(report: InjectionReport) -> None:
                       f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=5)
 
 
-
-
-
-
 def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
     model_type = getattr(model.config, "model_type", "?")
     if report.policy is None:
@@ -237,10 +233,6 @@ def _sharded_at_load(model: nn.Module) -> bool:
     return hasattr(model, "_dsinfer_tp_plan")
 
 
-
-
-
-
 def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
     if config.quant is None:
         return
@@ -257,12 +249,6 @@ def _model_backend(model: nn.Module, config: DSInferConfig) -> str:
         return config.kernels
     with settings.use(**(config.settings or {})):
         return resolve(None, param.device)
-
-
-
-
-
-
 
 
 def _install(block: nn.Module, fused: FusedBlock) -> None:

@@ -43,8 +43,6 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch
 
-tl = None  # triton.language, bound lazily by _kernels() so importing this file needs no Triton
-
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor) -> int:
     """Return the GQA group size Hq // Hkv."""
@@ -76,8 +74,10 @@ def _keep_mask(mask: torch.Tensor | None, causal: bool, window: int | None, sq: 
 
 
 def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=None,
-                  softcap=None):
-    """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows."""
+                  softcap=None, sinks=None):
+    """Reference: HF's eager_attention_forward, plus causal/window masks and zeroed empty rows.
+    sinks [Hq]: a learned logit per head that joins each row's softmax and is then dropped
+    (gpt-oss), so a row's weights over its keys sum to less than one."""
     rep = _check_heads(q, k)
     k = k.repeat_interleave(rep, dim=1)  # [B, Hq, Sk, D], HF's repeat_kv
     v = v.repeat_interleave(rep, dim=1)
@@ -93,7 +93,12 @@ def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
         # HF's finfo.min rather than -inf: a row with every key masked stays finite (then
         # zeroed below); inductor's AVX2 code let the NaN of an all -inf row through.
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # [B, Hq, Sq, Sk + 1]: the sink column is the last, dropped after the softmax
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1,
+                              dtype=torch.float32)[..., :-1]
     if keep is not None:  # a row of only -inf is NaN after softmax: make it attend nothing
         probs = probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
     return torch.matmul(probs.to(q.dtype), v)
@@ -107,102 +112,101 @@ def attention_ref(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
 # the scale, like the eager matmul and multiply; keys outside causal/window bounds are skipped.
 
 
-def _attention_kernel(Q, K, V, O, MASK, BIAS,
-                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-                      smb, smh, smq, smk, sbb, sbh, sbq, sbk,
-                      hkv, rep, sq, sk, dim, scale, mask_min, window,
-                      MASK_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      DOT_FP32: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    pid_q, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, hk = (pid_bh // hkv).to(tl.int64), pid_bh % hkv
-    r = tl.arange(0, BLOCK_G * BLOCK_Q)
-    g = r // BLOCK_Q
-    i = pid_q * BLOCK_Q + r % BLOCK_Q  # query index among Sq
-    h = (hk * rep + g).to(tl.int64)  # query head
-    row_ok = (g < rep) & (i < sq)
-    q_pos = i + (sk - sq)  # absolute position of the query in the key sequence
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < dim
-    dt = O.dtype.element_ty
-
-    q_ptrs = Q + b * sqb + h[:, None] * sqh + i[:, None] * sqs + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full((BLOCK_G * BLOCK_Q,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G * BLOCK_Q,), tl.float32)
-    acc = tl.zeros((BLOCK_G * BLOCK_Q, BLOCK_D), tl.float32)
-
-    lo = 0
-    hi = sk
-    if CAUSAL:  # the last query of this tile sees keys up to its own position
-        hi = tl.minimum(sk, (pid_q + 1) * BLOCK_Q + sk - sq)
-    if HAS_WINDOW:  # the first query of this tile sees keys after its position - window
-        lo = tl.maximum(0, pid_q * BLOCK_Q + sk - sq - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < sk
-        kt = tl.load(K + b * skb + hk * skh + n[None, :] * sks + d[:, None],
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [D, N]
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [M, N], fp32 accumulate
-        s = (s.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
-        keep = row_ok[:, None] & n_ok[None, :]
-        if HAS_BIAS:
-            bv = tl.load(BIAS + b * sbb + h[:, None] * sbh + i[:, None] * sbq + n[None, :] * sbk,
-                         mask=keep, other=0.0)
-            s = (s + bv.to(tl.float32)).to(dt).to(tl.float32)
-        if MASK_KIND == 1:  # bool: True = may attend
-            mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
-                         + n[None, :] * smk, mask=keep, other=0)
-            keep = keep & (mv != 0)
-        if MASK_KIND == 2:  # additive float; HF's finfo.min (or -inf) means masked
-            mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
-                         + n[None, :] * smk, mask=keep, other=0.0).to(tl.float32)
-            keep = keep & (mv > mask_min)
-            s = s + mv
-        if CAUSAL:
-            keep = keep & (n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            keep = keep & ((q_pos[:, None] - n[None, :]) < window)
-        s = tl.where(keep, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing kept yet has m_new = -inf; shift by 0 so exp gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        # Probabilities are rounded to v's dtype before the matmul, as eager's .to(q.dtype).
-        pv = p.to(dt)
-        if DOT_FP32:
-            vt, pv = vt.to(tl.float32), pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * sos + d[None, :]
-    tl.store(o_ptrs, out.to(dt), mask=row_ok[:, None] & d_ok[None, :])
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
-    """Import Triton and JIT the kernel above (once per process)."""
-    global tl
+    """Import Triton and define its kernels (once per process)."""
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _attention_kernel(Q, K, V, O, MASK, BIAS,
+                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                          smb, smh, smq, smk, sbb, sbh, sbq, sbk,
+                          hkv, rep, sq, sk, dim, scale, mask_min, window,
+                          MASK_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          DOT_FP32: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+        pid_q, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, hk = (pid_bh // hkv).to(tl.int64), pid_bh % hkv
+        r = tl.arange(0, BLOCK_G * BLOCK_Q)
+        g = r // BLOCK_Q
+        i = pid_q * BLOCK_Q + r % BLOCK_Q  # query index among Sq
+        h = (hk * rep + g).to(tl.int64)  # query head
+        row_ok = (g < rep) & (i < sq)
+        q_pos = i + (sk - sq)  # absolute position of the query in the key sequence
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < dim
+        dt = O.dtype.element_ty
+
+        q_ptrs = Q + b * sqb + h[:, None] * sqh + i[:, None] * sqs + d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        m_i = tl.full((BLOCK_G * BLOCK_Q,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_G * BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_G * BLOCK_Q, BLOCK_D), tl.float32)
+
+        lo = 0
+        hi = sk
+        if CAUSAL:  # the last query of this tile sees keys up to its own position
+            hi = tl.minimum(sk, (pid_q + 1) * BLOCK_Q + sk - sq)
+        if HAS_WINDOW:  # the first query of this tile sees keys after its position - window
+            lo = tl.maximum(0, pid_q * BLOCK_Q + sk - sq - window + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < sk
+            kt = tl.load(K + b * skb + hk * skh + n[None, :] * sks + d[:, None],
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [D, N]
+            if DOT_FP32:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [M, N], fp32 accumulate
+            s = (s.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
+            keep = row_ok[:, None] & n_ok[None, :]
+            if HAS_BIAS:
+                bv = tl.load(BIAS + b * sbb + h[:, None] * sbh + i[:, None] * sbq + n[None, :] * sbk,
+                             mask=keep, other=0.0)
+                s = (s + bv.to(tl.float32)).to(dt).to(tl.float32)
+            if MASK_KIND == 1:  # bool: True = may attend
+                mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
+                             + n[None, :] * smk, mask=keep, other=0)
+                keep = keep & (mv != 0)
+            if MASK_KIND == 2:  # additive float; HF's finfo.min (or -inf) means masked
+                mv = tl.load(MASK + b * smb + h[:, None] * smh + i[:, None] * smq
+                             + n[None, :] * smk, mask=keep, other=0.0).to(tl.float32)
+                keep = keep & (mv > mask_min)
+                s = s + mv
+            if CAUSAL:
+                keep = keep & (n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                keep = keep & ((q_pos[:, None] - n[None, :]) < window)
+            s = tl.where(keep, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with nothing kept yet has m_new = -inf; shift by 0 so exp gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :],
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+            # Probabilities are rounded to v's dtype before the matmul, as eager's .to(q.dtype).
+            pv = p.to(dt)
+            if DOT_FP32:
+                vt, pv = vt.to(tl.float32), pv.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * sos + d[None, :]
+        tl.store(o_ptrs, out.to(dt), mask=row_ok[:, None] & d_ok[None, :])
+
     return types.SimpleNamespace(
         cdiv=triton.cdiv, next_power_of_2=triton.next_power_of_2,
-        attention=triton.jit(_attention_kernel),
+        attention=_attention_kernel,
     )
 
 
@@ -322,12 +326,14 @@ def attention_cpu(q, k, v, *, scale, mask=None, causal=False, bias=None, window=
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               mask: torch.Tensor | None = None, causal: bool = False,
               bias: torch.Tensor | None = None, window: int | None = None,
-              backend: str | None = None, softcap: float | None = None) -> torch.Tensor:
+              backend: str | None = None, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias, masked) v; q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D].
-    softcap: scores soft-capped first (Gemma 2), on the reference whatever the backend."""
-    if softcap is not None:
+    softcap: scores soft-capped first (Gemma 2); sinks [Hq]: a per-head logit in each softmax's
+    denominator (gpt-oss); both on the reference whatever the backend."""
+    if softcap is not None or sinks is not None:
         return attention_ref(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias,
-                             window=window, softcap=softcap)
+                             window=window, softcap=softcap, sinks=sinks)
     fn = _dispatch.pick(backend, q.device, ref=attention_ref, triton_fn=attention_triton,
                         cpu_fn=attention_cpu)
     return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)

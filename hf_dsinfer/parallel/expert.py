@@ -348,7 +348,8 @@ def check_expert_parallel(report: Any, config: Any) -> None:
             f"ep_size={config.ep_size}: {report.model_class} has no mixture-of-experts blocks to "
             "shard. Fix: use ep_size=1, or tp_size for dense models.")
     for path, moe in report.moe.items():
-        plan_placement(moe.spec.num_experts, moe.spec.intermediate, config.ep_size, 0, path)
+        _refuse_form_slicing(moe, plan_placement(moe.spec.num_experts, moe.spec.intermediate,
+                                                 config.ep_size, 0, path))
     check_world(config.ep_size, config.tp_size)
     expert_groups(config.ep_size, config.tp_size, config.ep_node_size)
 
@@ -409,6 +410,9 @@ def shard_experts(moe: Any, placement: ExpertPlacement) -> None:
     """Keep only this rank's experts (or expert slice) as the module's parameters."""
     experts = moe.experts
     local = placement.local_experts()
+    if not moe.spec.canonical:
+        _shard_form_experts(moe, placement)
+        return
     gate_up, down = experts.gate_up_proj.data, experts.down_proj.data  # [E, 2I, H], [E, H, I]
     inter = gate_up.shape[1] // 2
     cols = placement.intermediate_slice(inter)
@@ -418,6 +422,28 @@ def shard_experts(moe: Any, placement: ExpertPlacement) -> None:
                                         requires_grad=False)  # [E_local, 2I/s, H]
     experts.down_proj = nn.Parameter(down[local.start:local.stop, :, cols].contiguous(),
                                      requires_grad=False)  # [E_local, H, I/s]
+
+
+def _shard_form_experts(moe: Any, placement: ExpertPlacement) -> None:
+    """Experts in another form (kernels.expert_forms: transposed, biased, ...): whole experts
+    per rank, every tensor (biases included) cut along the expert dim. Expert slicing would add
+    the down-projection bias once per slice: refused."""
+    _refuse_form_slicing(moe, placement)
+    local = placement.local_experts()
+    names = ["gate_up_proj", "down_proj"] + (
+        ["gate_up_proj_bias", "down_proj_bias"] if moe.spec.expert_bias else [])
+    for name in names:
+        full = getattr(moe.experts, name).data
+        setattr(moe.experts, name, nn.Parameter(full[local.start:local.stop].contiguous(),
+                                                requires_grad=False))
+
+
+def _refuse_form_slicing(moe: Any, placement: ExpertPlacement) -> None:
+    if placement.slices > 1 and not moe.spec.canonical:
+        raise ExpertParallelError(
+            f"ep_size={placement.ep_size} slices each of the {placement.num_experts} experts, "
+            f"but these experts ({moe.spec.form.describe()}, biased={moe.spec.expert_bias}) are "
+            "only sharded whole. Fix: use an ep_size that divides the expert count.")
 
 
 class SyncedExpertGenerate:

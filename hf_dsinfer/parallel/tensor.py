@@ -283,6 +283,11 @@ def parallelize(model: nn.Module, report: Any) -> TPReport:
 def check_tensor_parallel(model: nn.Module, policy: Policy, tp_size: int) -> None:
     """Fail at init, on every rank alike, before anything is touched: no process group, a world
     too small, a plan that does not fit the model (e.g. more ranks than heads)."""
+    if policy.mla is not None:
+        raise TensorParallelError(
+            f"tp_size={tp_size}: {policy.family}'s multi-head latent attention has no "
+            "tensor-parallel plan here (its heads share one latent KV cache). Fix: use "
+            "tp_size=1; ep_size shards the experts.")
     tp = tensor_parallel_group(tp_size)
     if not hasattr(model, PLAN_ATTR):
         plan_model(model, policy, tp)

@@ -69,11 +69,11 @@ def test_unsupported_raises_naming_class_and_families():
 
 
 def test_unsupported_names_what_the_block_lacks():
-    model = make_model("gpt_oss")
+    model = make_model("qwen3_next")
     with pytest.raises(hf_dsinfer.UnsupportedModelError) as info:
         hf_dsinfer.init_inference(model)
     text = str(info.value)
-    assert "GptOssForCausalLM" in text and "attention sinks" in text
+    assert "Qwen3NextForCausalLM" in text and "Gated DeltaNet" in text
     assert "qwen3 (qwen3)" in text and "gemma2 (gemma2)" in text  # the 2026 families listed
     phi = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
                             make_model("phi")).value)

@@ -11,6 +11,9 @@ keep joining the all-to-alls. Cases:
     slicing      a 1-expert Mixtral: each rank holds 1/N of the expert's FFN (expert slicing)
     bf16         Mixtral 8 experts top-2 in bf16, against the fused ep=1 model (logits within
                  3%; greedy tokens reported, they may differ at bf16 routing near-ties)
+    gpt_oss      gpt-oss 8 experts top-4: router bias, transposed biased experts, clamped SwiGLU
+    deepseek_v3  DeepSeek-V3: MLA, a dense first layer, sigmoid group-limited routing, shared
+                 expert
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CASES = {  # name -> (model, dtype, extra DSInferConfig fields)
     "shared": ("qwen2_moe", torch.float32, {}),
     "slicing": ("mixtral_1x1", torch.float32, {}),
     "bf16": ("mixtral_8x2", torch.bfloat16, {}),
+    "gpt_oss": ("gpt_oss", torch.float32, {}),
+    "deepseek_v3": ("deepseek_v3", torch.float32, {}),
 }
 
 

@@ -29,7 +29,8 @@ from hf_dsinfer.parallel.expert import (
 WORKER = Path(__file__).with_name("ep_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 BF16_LOGIT_RTOL = 3e-2
-CASES = {2: ["flat", "hier", "top1", "shared", "slicing", "bf16"], 4: ["flat", "hier", "slicing"]}
+CASES = {2: ["flat", "hier", "top1", "shared", "slicing", "bf16", "gpt_oss", "deepseek_v3"],
+         4: ["flat", "hier", "slicing"]}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES), ids=lambda w: f"ep{w}")

@@ -6,11 +6,13 @@ from typing import Any
 
 from hf_dsinfer.injection.policies import (
     bloom,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3,
     gpt2,
     gpt_neox,
+    gpt_oss,
     gptj,
     granite,
     llama,
@@ -30,17 +32,13 @@ POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
-    phi3.POLICY,
+    phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY,
 )
 
 
 # Families with no policy because their blocks compute what the fused block has no option for
 # (config.model_type -> what it lacks); the refusal names it (issue 27).
 LACKING: dict[str, str] = {
-    "gpt_oss": "per-head attention sinks, and a mixture of experts with router bias, expert "
-               "biases and a clamped SwiGLU",
-    "deepseek_v3": "multi-head latent attention (low-rank q and kv, decoupled RoPE, a compressed "
-                   "KV cache) and sigmoid group-limited routing with a correction bias",
     "qwen3_next": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
     "qwen3_5_text": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
 }

@@ -1,0 +1,68 @@
+"""Routing beyond softmax top-k: DeepSeek-V3's sigmoid, group-limited top-k with a correction
+bias (kernels/moe.py's topk_gating covers the softmax routers).
+
+sigmoid_group_topk(logits [T, E] fp32, correction_bias [E], top_k, n_group, topk_group,
+                   renormalize, scaling) -> (weights [T, k] fp32, ids [T, k] int64)
+    scores = sigmoid(logits); the *choice* uses scores + correction_bias (a load-balancing bias
+    that steers which experts are picked but not their weights): the experts are split into
+    n_group groups, each group scored by the sum of its two best choice scores, the topk_group
+    best groups kept, and the top_k experts chosen among them. Weights are the chosen experts'
+    plain sigmoid scores, divided by their sum (+1e-20) when `renormalize`, times `scaling`
+    (routed_scaling_factor). HF's DeepseekV3TopkRouter op for op, ids in torch.topk's unsorted
+    order as HF takes them.
+selection_margin(...) -> [T]
+    how far each token is from another choice: the smaller of the gap between the topk_group-th
+    and the next group score and the gap between the k-th and the next choice score inside the
+    kept groups. A tie there may legally flip under other rounding (the parity gate skips it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _group_scores(choice: torch.Tensor, n_group: int) -> torch.Tensor:
+    """[T, E] -> [T, n_group]: each group's two best choice scores, summed."""
+    t, e = choice.shape
+    return choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+
+
+def _masked_choice(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int
+                   ) -> torch.Tensor:
+    """Choice scores with the experts outside the topk_group best groups at -inf."""
+    t, e = choice.shape
+    n_group = group_scores.shape[1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, n_group]
+    score_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+
+def sigmoid_group_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                       n_group: int, topk_group: int, renormalize: bool, scaling: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + correction_bias
+    choice = _masked_choice(choice, _group_scores(choice, n_group), topk_group)
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def selection_margin(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                     n_group: int, topk_group: int) -> torch.Tensor:
+    choice = logits.float().sigmoid() + correction_bias
+    groups = _group_scores(choice, n_group)  # [T, n_group]
+    margins = []
+    if topk_group < n_group:
+        top = torch.topk(groups, topk_group + 1, dim=-1).values
+        margins.append(top[:, -2] - top[:, -1])
+    kept = _masked_choice(choice, groups, topk_group)
+    if top_k < torch.isfinite(kept).sum(dim=-1).min():
+        top = torch.topk(kept, top_k + 1, dim=-1).values
+        margins.append(top[:, -2] - top[:, -1])
+    if not margins:
+        return torch.ones(logits.shape[0], device=logits.device)
+    return torch.stack(margins).min(dim=0).values

@@ -1,0 +1,227 @@
+"""The issue-27 MoE families (gpt-oss) through the dense families' grid, plus what is theirs.
+
+The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (gpt-oss, DeepSeek-V3) (its test functions are
+imported, so they collect again with this module's `pair`): fp32 logits within 1e-4 of HF eager
+on a left-padded batch, identical tokens for greedy, padded batches, beams, seeded sampling, the
+static cache, no cache and inference_mode, fused calls counted. Prompts (5-9 tokens) and 24 new
+tokens run past gpt-oss's 4-token sliding window. tests/moe/test_moe_parity.py covers bf16 (the
+parity gate and logits) for every MoE model, these included.
+
+Here: each gpt-oss feature option provably bites (sinks, router and expert biases, the SwiGLU
+clamp), DeepSeek-V3's decode runs the absorbed MLA over HF's latent cache, int8 / int4 against HF
+on the dequantized weights, and the refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import MOE_2026, MOE_CONFIGS, make_model, prompts
+from transformers import AutoModelForCausalLM
+
+import hf_dsinfer
+from hf_dsinfer.errors import TensorParallelError
+from hf_dsinfer.injection.policies import find_policy
+from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
+from hf_dsinfer.parallel.expert import ExpertParallelError, ExpertPlacement, shard_experts
+from hf_dsinfer.parallel.plan import linear_styles
+from tests.injection.test_family_parity import (  # noqa: F401  (collected here again)
+    FP32_LOGIT_ATOL,
+    test_beam_search,
+    test_greedy_24_tokens,
+    test_inference_mode,
+    test_left_padded_batch,
+    test_logits_match_hf_eager,
+    test_seeded_sampling,
+    test_static_cache,
+    test_static_cache_logits,
+    test_without_cache,
+)
+from tests.moe.test_moe_parity import _hf_routing_ties
+
+BF16_LOGIT_RTOL = 3e-2
+QUANTS = {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
+
+
+@pytest.fixture(scope="module", params=MOE_2026)
+def pair(request):
+    ref = make_model(request.param)
+    return ref, hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+
+
+def _logits(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+def test_moe_and_blocks_counted(pair):
+    _, fused = pair
+    before = hf_dsinfer.fused_call_counts(fused)
+    _logits(fused, *prompts())
+    after = hf_dsinfer.fused_call_counts(fused)
+    assert any(p.endswith(".mlp") for p in after)  # the MoE modules, fused
+    assert all(after[p] == before[p] + 1 for p in before)
+
+
+def test_gpt_oss_features_bite():
+    """Dropping any one of the options (the sinks, the router bias, the expert biases, the
+    clamp) moves the logits far past the parity tolerance: the tiny model exercises each."""
+    ref = make_model("gpt_oss")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    ids, mask = prompts()
+    valid = mask.bool()
+    want = _logits(ref, ids, mask)
+    assert (want - _logits(fused, ids, mask))[valid].abs().max() <= FP32_LOGIT_ATOL
+    report = get_report(fused)
+    blocks, moes = list(report.blocks.values()), list(report.moe.values())
+    variants = {
+        "sinks": [(b, "spec", dataclasses.replace(b.spec, sinks=False)) for b in blocks],
+        "clamp": [(m, "spec", dataclasses.replace(m.spec, form=dataclasses.replace(
+            m.spec.form, swiglu_limit=1e4))) for m in moes],
+        "expert bias": [(m, "spec", dataclasses.replace(m.spec, expert_bias=False))
+                        for m in moes],
+    }
+    for name, patches in variants.items():
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, value in patches:
+            setattr(obj, attr, value)
+        try:
+            got = _logits(fused, ids, mask)
+        finally:
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
+        assert (want - got)[valid].abs().max() > 1e-2, name
+    router_bias = [m.router.bias for m in moes]
+    with torch.no_grad():
+        saved = [b.clone() for b in router_bias]
+        for b in router_bias:
+            b.zero_()
+        try:
+            got = _logits(fused, ids, mask)
+        finally:
+            for b, s in zip(router_bias, saved):
+                b.copy_(s)
+    assert (want - got)[valid].abs().max() > 1e-2, "router bias"
+
+
+def _dequantized_copy(ref: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.Module:
+    """`ref` with every weight the fused model quantized replaced by its dequantized value, the
+    experts back in their HF form (gpt-oss: transposed, [E, H, 2I] / [E, I, H])."""
+    out = copy.deepcopy(ref)
+    dtype = next(ref.parameters()).dtype
+    with torch.no_grad():
+        for path, module in fused.named_modules():
+            if isinstance(module, QuantizedLinear) and ".dsinfer_quantized." not in path:
+                out.get_submodule(path).weight.copy_(_dequantize(module, dtype))
+        for path, moe in get_report(fused).moe.items():
+            experts = out.get_submodule(path).experts
+            weights = [_dequantize(q, dtype) for q in moe.quantized]  # nn.Linear [out, in]
+            if moe.spec.form.transposed:
+                weights = [w.t() for w in weights]
+            experts.gate_up_proj.copy_(torch.stack(weights[0::2]))
+            experts.down_proj.copy_(torch.stack(weights[1::2]))
+    return out
+
+
+def _dequantize(q: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+    return (dequantize_int8 if q.bits == 8 else dequantize_int4)(q.quantized, dtype)
+
+
+def _quantized_pair(name: str, quant: str, dtype: torch.dtype):
+    ref = make_model(name, dtype=dtype)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), quant=QUANTS[quant], strict=True)
+    moe = next(iter(get_report(fused).moe.values()))
+    assert moe.quantized is not None and not hasattr(moe.experts, "gate_up_proj")
+    assert all(q.bits == QUANTS[quant]["bits"] for q in moe.quantized)
+    if moe.spec.expert_bias:  # the biases moved into the quantized linears, unquantized
+        assert all(q.bias is not None for q in moe.quantized)
+    return _dequantized_copy(ref, fused), fused
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("name", MOE_2026)
+def test_quantized_matches_hf_on_dequantized_weights(name, quant):
+    """fp32: every quantized linear (experts, shared experts, attention, dense MLPs) computes
+    what HF computes with the dequantized weights, to 1e-4; bf16: the same within bf16 rounding
+    on the tokens whose routing is no near-tie, and greedy decoding runs fused."""
+    ref, fused = _quantized_pair(name, quant, torch.float32)
+    ids, mask = prompts()
+    calls = sum(hf_dsinfer.fused_call_counts(fused).values())
+    a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
+    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls
+    assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
+    ref, fused = _quantized_pair(name, quant, torch.bfloat16)
+    a, b = _logits(ref, ids, mask).float(), _logits(fused, ids, mask).float()
+    valid = mask.bool() & ~_hf_routing_ties(ref, fused, ids, mask)  # bf16 may flip those
+    assert valid.sum() >= mask.sum() * 2 // 3, "too many near-ties to test anything"
+    err = (a[valid] - b[valid]).abs().max() / a[valid].abs().max()
+    assert err <= BF16_LOGIT_RTOL, err.item()
+    gen = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert fused.generate(ids, attention_mask=mask, **gen).shape[1] == ids.shape[1] + 6
+
+
+def test_biased_experts_are_not_sliced():
+    """Expert slicing would add the down-projection bias once per slice: refused."""
+    fused = hf_dsinfer.init_inference(make_model("gpt_oss"))
+    moe = next(iter(get_report(fused).moe.values()))
+    with pytest.raises(ExpertParallelError, match="only sharded whole"):
+        shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=16, rank=0))
+    shard_experts(moe, ExpertPlacement(num_experts=8, ep_size=2, rank=1))  # whole: experts 4-7
+    assert moe.experts.gate_up_proj.shape[0] == moe.experts.down_proj_bias.shape[0] == 4
+
+
+def test_deepseek_v3_decode_reads_the_latent_cache_absorbed():
+    """Decode steps run the absorbed MLA over the latent as HF caches it ([B, 1, S, r] latent,
+    [B, 1, S, dr] rotary key, HF's own shapes and values), and the tokens stay HF's."""
+    ref = make_model("deepseek_v3")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    blocks = list(get_report(fused).blocks.values())
+    ids, mask = prompts(batch=2)
+    gen = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+           "return_dict_in_generate": True}
+    before = [f.mla.absorbed_calls for f in blocks]  # the parity probe's step included
+    a, b = (m.generate(ids, attention_mask=mask, **gen) for m in (ref, fused))
+    assert torch.equal(a.sequences, b.sequences)
+    assert [f.mla.absorbed_calls - n for f, n in zip(blocks, before)] == [4] * len(blocks)
+    spec = blocks[0].mla.spec
+    valid = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1).bool()  # not padding
+    for la, lb in zip(a.past_key_values.layers, b.past_key_values.layers):
+        assert lb.keys.shape == (2, 1, ids.shape[1] + 4, spec.latent_dim)
+        assert lb.values.shape == (2, 1, ids.shape[1] + 4, spec.rope_dim)
+        assert (la.keys - lb.keys)[:, 0][valid].abs().max() <= 1e-5
+        assert (la.values - lb.values)[:, 0][valid].abs().max() <= 1e-5
+
+
+def test_deepseek_v3_tensor_parallel_is_refused():
+    model = make_model("deepseek_v3")
+    with pytest.raises(TensorParallelError, match="latent attention"):
+        hf_dsinfer.init_inference(model, tp_size=2)
+    assert get_report(model) is None
+
+
+def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
+    """DeepSeek-V2-Lite's variant: one q_proj (q_lora_rank None), rotary dims not interleaved."""
+    config = MOE_CONFIGS["deepseek_v3"]()
+    config.q_lora_rank, config.rope_interleave = None, False
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    assert not next(iter(get_report(fused).blocks.values())).mla.spec.low_rank_q
+    ids, mask = prompts()
+    assert (_logits(ref, ids, mask) - _logits(fused, ids, mask))[mask.bool()].abs().max() \
+        <= FP32_LOGIT_ATOL
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
+                       fused.generate(ids, attention_mask=mask, **gen))
+
+
+def test_gpt_oss_tensor_parallel_is_refused():
+    """HF has no base_model_tp_plan for gpt-oss, and a plan would have to slice the sinks."""
+    model = make_model("gpt_oss")
+    with pytest.raises(TensorParallelError, match="no tensor-parallel plan for gpt_oss"):
+        linear_styles(find_policy(model), model.config)
