@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from tests.tiny_models import save_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(?:<!-- doc-test: (?P<mark>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)```",
-                   re.DOTALL)
+BLOCK = re.compile(r"(?:<!-- doc-test: (?P<mark>[^>]*?) -->\n)?^(?P<indent>[ \t]*)```(?P<lang>\w*)\n"
+                   r"(?P<code>.*?)^(?P=indent)```", re.DOTALL | re.MULTILINE)
 
 
 def _blocks(lang: str) -> list:
@@ -29,7 +30,7 @@ def _blocks(lang: str) -> list:
         for m in BLOCK.finditer(text):
             if m.group("lang") == lang:
                 line = text.count("\n", 0, m.start()) + 1
-                found.append(pytest.param(m.group("code"), m.group("mark") or "",
+                found.append(pytest.param(textwrap.dedent(m.group("code")), m.group("mark") or "",
                                           id=f"{path.relative_to(REPO)}:{line}"))
     return found
 
