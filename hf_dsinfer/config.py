@@ -124,6 +124,19 @@ class DSInferConfig:
         ep_node_size: hierarchical all-to-all: ranks per node. Tokens first move inside the
             node, then between nodes among ranks with the same local index (fewer, larger
             messages across nodes). None (default): one flat all-to-all.
+        pp_size: pipeline-parallel degree (DeepSpeed-Inference's inference pipeline): the
+            decoder layers are split into pp_size stages balanced by bytes, each rank loads and
+            runs only its stage (the embedding on the first, the final norm and lm_head on the
+            last) and keeps the KV cache of its own layers. Combines with tp_size (world =
+            tp_size * pp_size; ranks [k*tp, (k+1)*tp) form stage k). Needs torch.distributed.
+        pp_micro_batches: micro-batches of the generation phase (None: pp_size, the paper's
+            choice); a micro-batch's next token goes back to the first stage as soon as the
+            last stage samples it (dynamic queue, no per-token barrier).
+        pp_prompt_micro_batches: micro-batches of the prompt phase (None: 2 * the generation
+            phase's, the hybrid schedule: prompts are long, so more micro-batches fill the
+            pipeline better); at least pp_micro_batches.
+        pp_timeout_s: how long a pipeline rank waits for a message from its neighbour before it
+            raises PipelineParallelError (a stage that raises tells the others at once).
         moe_capacity_factor: None (default) routes dropless, exactly as HF. A number c caps each
             expert at ceil(c * tokens * top_k / experts) routed tokens per forward; the rest
             of those tokens' slots are dropped (they keep only their other experts and the
@@ -142,6 +155,10 @@ class DSInferConfig:
     ep_size: int = 1
     ep_node_size: int | None = None
     moe_capacity_factor: float | None = None
+    pp_size: int = 1
+    pp_micro_batches: int | None = None
+    pp_prompt_micro_batches: int | None = None
+    pp_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -159,6 +176,7 @@ class DSInferConfig:
         object.__setattr__(self, "offload", OffloadPolicy.coerce(self.offload))
         _check_offload(self)
         _check_moe(self)
+        _check_pipeline(self)
 
     # -- construction from user input -----------------------------------------------------------
     @classmethod
@@ -281,6 +299,43 @@ def _check_moe(config: DSInferConfig) -> None:
         raise DSInferConfigError(
             f"DSInferConfig: ep_size={ep} cannot be combined with {clash} (the expert all-to-all "
             f"needs every rank in eager lockstep). Fix: drop {clash[0]} or use ep_size=1.")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_pipeline(config: DSInferConfig) -> None:
+    pp, mb, prompt = config.pp_size, config.pp_micro_batches, config.pp_prompt_micro_batches
+    if not _positive_int(pp):
+        raise DSInferConfigError(
+            f"DSInferConfig.pp_size: expected a positive int, got {pp!r}. Fix: pp_size=1 (no "
+            "pipeline) or the number of stages, e.g. pp_size=2 under `torchrun "
+            "--nproc-per-node 2` (tp_size * pp_size processes in all).")
+    for name, value in (("pp_micro_batches", mb), ("pp_prompt_micro_batches", prompt)):
+        if value is not None and not _positive_int(value):
+            raise DSInferConfigError(
+                f"DSInferConfig.{name}: expected None (automatic) or a positive int, got "
+                f"{value!r}. Fix: leave it None, or e.g. {name}=4.")
+    if mb is not None and prompt is not None and prompt < mb:
+        raise DSInferConfigError(
+            f"DSInferConfig: pp_prompt_micro_batches={prompt} is smaller than pp_micro_batches="
+            f"{mb}; each generation micro-batch is made of whole prompt micro-batches. Fix: "
+            f"pp_prompt_micro_batches >= {mb}, or leave it None.")
+    timeout = config.pp_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise DSInferConfigError(
+            f"DSInferConfig.pp_timeout_s: expected a positive number of seconds, got "
+            f"{timeout!r}. Fix: leave it at 300, or e.g. pp_timeout_s=60.")
+    clash = [name for name, on in (("compile", config.compile), ("cache='static'",
+                                   config.cache == "static"), ("ep_size", config.ep_size > 1),
+                                   ("offload", config.offload is not None)) if on]
+    if pp > 1 and clash:
+        raise DSInferConfigError(
+            f"DSInferConfig: pp_size={pp} cannot be combined with {clash} (each stage keeps a "
+            "growing per-micro-batch cache of its own layers and runs eagerly; expert "
+            f"parallelism inside a pipeline is not built). Fix: drop {clash[0]} or use "
+            "pp_size=1.")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:

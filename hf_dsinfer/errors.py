@@ -29,3 +29,8 @@ class DSInferConfigError(ValueError):
 class ContinuousBatchingError(DSInferError):
     """A request under transformers' continuous batching failed or ended short, or a model's
     forward cannot take continuous batching's packed rows and paged cache."""
+
+
+class PipelineParallelError(DSInferError):
+    """Pipeline parallelism cannot be set up as asked, or a pipeline stage failed or timed out
+    while the others were waiting for it (raised on every rank, never a hang)."""

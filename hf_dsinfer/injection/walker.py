@@ -65,6 +65,7 @@ class InjectionReport:
     moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> FusedMoE
     moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
+    pp: Any = None  # hf_dsinfer.parallel.pipeline.PPReport when pp_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
     step: Any = None  # decode_step.NativeDecodeStep, when installed
     serving: Any = None  # integration.continuous_batching.ContinuousBatching, when installed
@@ -99,7 +100,8 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
     backend = _model_backend(model, config)
     for path, index, block in _blocks(model, policy):
         if type(block).__name__ not in policy.block_classes:
-            report.skipped[path] = f"{type(block).__name__} is not a {policy.family} block class"
+            report.skipped[path] = getattr(block, "skip_reason", None) or \
+                f"{type(block).__name__} is not a {policy.family} block class"
             continue
         if config.offload is None and _offloaded_by_accelerate(block):
             report.skipped[path] = ACCELERATE_OFFLOADED
@@ -117,6 +119,10 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
     _attach_offload(model, config)  # before the parity probe: it streams the weights in
     if config.parity_check and report.blocks and not _sharded_at_load(model):
         _apply_parity(model, report)
+    if config.pp_size > 1:  # before tensor parallelism: its parity probe runs the pipeline
+        from hf_dsinfer.parallel.pipeline import pipeline_parallelize
+
+        report.pp = pipeline_parallelize(model, report)
     if config.tp_size > 1:
         from hf_dsinfer.parallel.tensor import parallelize
 
@@ -135,9 +141,10 @@ def _inject(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
             probe_private_ops(config.quant.bits, param.dtype)
     if report.blocks:
         report.head = install_head(model, config, backend)
-    if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
+    single = config.tp_size == config.ep_size == config.pp_size == 1
+    if report.blocks and single and config.offload is None:
         report.step = install_decode_step(model, report.blocks, _layers_path(model, policy))
-    if report.blocks:
+    if report.blocks and config.pp_size == 1:
         report.serving = continuous_batching.install(model, list(report.blocks.values()))
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
@@ -163,12 +170,13 @@ def revert(model: nn.Module) -> nn.Module:
     report = get_report(model)
     if report is None:
         return model
-    if report.tp is not None:
+    if report.tp is not None or report.pp is not None:
         from hf_dsinfer.parallel.groups import TensorParallelError
 
         raise TensorParallelError(
-            "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "
-            "ranks and the HF forwards cannot run on them. Fix: load the model again.")
+            "cannot revert or re-inject a tensor- or pipeline-parallel model: its weights are "
+            "sharded across ranks and the HF forwards cannot run on them. Fix: load the model "
+            "again.")
     uninstall_moe(report.moe)  # raises first if the experts are quantized or sharded
     _detach_offload(model)
     uninstall_head(model, report.head)
