@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import itertools
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
 from hf_dsinfer.errors import ParityError, PipelineParallelError
 from hf_dsinfer.parallel.groups import RankGroup, ensure_world, rank_group
@@ -178,10 +179,10 @@ def wait_recv(work: Any, ranks: PipelineRanks, src: int, what: str) -> None:
         work.wait(timeout=ranks.timeout)
     except RuntimeError as err:
         raise PipelineParallelError(
-            f"pipeline stage {ranks.stage} (rank {dist.get_rank()}) waited "
-            f"{ranks.timeout.total_seconds():.0f} s for {what} from rank {src} and got nothing: "
-            f"that rank failed, hung or exited ({err}). Fix: see that rank's error; raise "
-            "pp_timeout_s if its stage is just slow. The process group is unusable now.") from err
+            f"pipeline stage {ranks.stage} (rank {dist.get_rank()}) got no {what} from rank "
+            f"{src} within pp_timeout_s={ranks.timeout.total_seconds():g}: that rank failed, "
+            f"hung or exited (gloo: {err}). Fix: see that rank's error; raise pp_timeout_s if "
+            "its stage is just slow. The process group is unusable now.") from err
 
 
 def send_tensor(x: torch.Tensor, dst: int) -> list:
@@ -280,8 +281,8 @@ class RemoteHead:
 class StageRunner:
     """Runs this rank's stage of one forward: feeds the entry placeholder, catches the exit."""
 
-    def __init__(self, ranks: PipelineRanks, plan: StagePlan):
-        self.ranks, self.plan = ranks, plan
+    def __init__(self, ranks: PipelineRanks, plan: StagePlan, policy: Any):
+        self.ranks, self.plan, self.policy = ranks, plan, policy
         self.layers = plan.layers[ranks.stage]
         self.incoming: torch.Tensor | None = None
         self.looping = False  # inside the generate schedule: no lock-step messages
@@ -343,7 +344,8 @@ class _RedirectedLength:
 
 
 class PipelinedBaseForward:
-    """Installed as the base model's `forward`: one lock-step pass through every stage.
+    """Installed as the `forward` of the module that loops over the layers (the base model, or
+    OPT's decoder): one lock-step pass through every stage.
 
     Every rank calls the model with the same arguments; stage k waits for stage k-1's hidden
     state, runs its blocks and sends on; the last stage's final hidden state is broadcast so
@@ -356,10 +358,7 @@ class PipelinedBaseForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.runner.looping:
             return self.forward(*args, **kwargs)
-        if args:
-            raise PipelineParallelError(
-                "a pipelined base model takes keyword arguments only (input_ids=..., "
-                "attention_mask=...). Fix: pass them by name.")
+        kwargs = _by_name(self.forward, args, kwargs)  # GPT-2's head passes input_ids by position
         ranks = self.runner.ranks
         cache = kwargs.get("past_key_values")
         if isinstance(cache, Cache):
@@ -372,9 +371,36 @@ class PipelinedBaseForward:
             finish_sends(send_tensor(hidden, ranks.next))
         last = broadcast_from_last(None if out is None else _first(out), ranks, device)
         if out is None:
-            out = BaseModelOutputWithPast(last_hidden_state=last, past_key_values=cache)
+            out = StageOutput(last_hidden_state=last, past_key_values=cache)
             return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
         return out
+
+
+class StageOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """The base model's output on a stage before the last: the last stage's final hidden state.
+    Fields a family's own output class adds (MoE router logits, ...) read as None, as they do
+    when not asked for."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def _by_name(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not args:
+        return kwargs
+    bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise PipelineParallelError(
+                f"{type(forward.__self__).__name__}.forward got extra positional arguments "
+                "under pipeline parallelism. Fix: pass them by name.")
+        named.update(value) if kind is inspect.Parameter.VAR_KEYWORD else \
+            named.__setitem__(name, value)
+    return named
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -494,26 +520,19 @@ def _stage_blocks(report: Any, plan: StagePlan, stage: int) -> set[str]:
     return {p for p in report.blocks if int(p.rsplit(".", 1)[1]) in plan.layers[stage]}
 
 
-def _split_in_place(model: nn.Module, report: Any, ranks: PipelineRanks,
-                    runner: StageRunner) -> StagePlan:
+def _split_in_place(model: nn.Module, report: Any, runner: StageRunner) -> None:
     """A full model on every rank (init_inference): keep this stage, drop the rest."""
     from hf_dsinfer.injection.walker import _uninstall
 
-    if report.config.tp_size > 1:
-        raise PipelineParallelError(
-            "init_inference(model, pp_size=P, tp_size=T>1) on an already-loaded model is not "
-            "supported. Fix: load with from_pretrained(path, dsinfer={'pp_size': P, "
-            "'tp_size': T}), which reads only each rank's stage and slices.")
     _, layers = layer_list(model, report.policy)
-    plan = plan_stages(model, list(layers), ranks.size)
-    keep = _stage_blocks(report, plan, ranks.stage)
+    stage = runner.ranks.stage
+    keep = _stage_blocks(report, runner.plan, stage)
     for path in [p for p in report.blocks if p not in keep]:
         _uninstall(report.blocks[path].block, report.blocks.pop(path))
         for moe_path in [m for m in report.moe if m.startswith(f"{path}.")]:
             del report.moe[moe_path]
-    place_boundaries(layers, plan, ranks.stage, report.policy.returns_tuple, runner)
-    stub_parameters(model, unheld_parameters(model, plan, ranks.stage))
-    return plan
+    place_boundaries(layers, runner.plan, stage, report.policy.returns_tuple, runner)
+    stub_parameters(model, unheld_parameters(model, runner.plan, stage))
 
 
 def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
@@ -522,17 +541,21 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
     ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s)
     plan = model.__dict__.get(STAGES_ATTR)
     loaded_sharded = plan is not None
-    runner = StageRunner(ranks, plan) if plan is not None else None
-    if plan is None:
-        runner = StageRunner(ranks, StagePlan((range(0),), (0,), 0, 0, False))
-        plan = _split_in_place(model, report, ranks, runner)
-        runner.plan, runner.layers = plan, plan.layers[ranks.stage]
-    else:
-        _, layers = layer_list(model, report.policy)
+    _, layers = layer_list(model, report.policy)
+    if not loaded_sharded and cfg.tp_size > 1:
+        raise PipelineParallelError(
+            "init_inference(model, pp_size=P, tp_size=T>1) on an already-loaded model is not "
+            "supported. Fix: load with from_pretrained(path, dsinfer={'pp_size': P, "
+            "'tp_size': T}), which reads only each rank's stage and slices.")
+    runner = StageRunner(ranks, plan or plan_stages(model, list(layers), ranks.size),
+                         report.policy)
+    if loaded_sharded:
         for module in layers:
             if isinstance(module, StageBoundary):
                 module.__dict__["runner"] = runner
-    _wire(model, runner, plan)
+    else:
+        _split_in_place(model, report, runner)
+    _wire(model, runner)
     from hf_dsinfer.parallel.pipeline_generate import PipelinedGenerate, micro_batch_counts
 
     model.generate = PipelinedGenerate(model, runner, cfg)
@@ -541,13 +564,15 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
         _parity_gate(model, report)
     held = _bytes(p for p in model.parameters() if p.device.type != "meta")
     mb, prompt = micro_batch_counts(cfg)
-    return PPReport(ranks, plan, held, loaded_sharded, mb, prompt)
+    return PPReport(ranks, runner.plan, held, loaded_sharded, mb, prompt)
 
 
-def _wire(model: nn.Module, runner: StageRunner, plan: StagePlan) -> None:
+def _wire(model: nn.Module, runner: StageRunner) -> None:
     ranks = runner.ranks
-    base = getattr(model, "base_model", model)
-    base.forward = PipelinedBaseForward(base, runner)
+    # the module that loops over the layers (the base model; OPT's decoder inside it)
+    path, _ = layer_list(model, runner.policy)
+    stack = model.get_submodule(path.rpartition(".")[0])
+    stack.forward = PipelinedBaseForward(stack, runner)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if not ranks.is_first and embed.weight.numel() == 0:
         embed.forward = ZeroEmbedding(embed.embedding_dim, embed.weight.dtype)

@@ -27,6 +27,7 @@ waits longer than `pp_timeout_s` raises: no rank hangs.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from typing import Any
 
@@ -57,7 +58,7 @@ _REFUSED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "outp
 def micro_batch_counts(config: DSInferConfig) -> tuple[int, int]:
     """(generation, prompt) micro-batch counts before capping by the batch size."""
     mb = config.pp_micro_batches or config.pp_size
-    return mb, config.pp_prompt_micro_batches or max(2 * mb, mb)
+    return mb, config.pp_prompt_micro_batches or 2 * mb
 
 
 def sync_rng_world() -> None:
@@ -71,8 +72,9 @@ def sync_rng_world() -> None:
 class PipelinedGenerate:
     """Installed as `model.generate` on every pipeline rank.
 
-    Extra keyword: `pp_schedule="dynamic"` (default) or `"lockstep"` (the baseline: stage 0
-    waits for every micro-batch's token before any starts its next step). After each call,
+    Extra keywords: `pp_schedule="dynamic"` (default) or `"lockstep"` (the baseline: stage 0
+    waits for every micro-batch's token before any starts its next step); `pp_micro_batches`
+    and `pp_prompt_micro_batches` override the config's for one call. After each call,
     `.last_stats` holds this rank's busy and wall seconds (benchmarks/pipeline.py)."""
 
     def __init__(self, model: nn.Module, runner: StageRunner, config: DSInferConfig):
@@ -91,9 +93,12 @@ class PipelinedGenerate:
                 raise PipelineParallelError(
                     f"generate({name}=...) is not supported on a pipeline-parallel model (the "
                     f"pipelined loop replaces HF's decoding loop). Fix: drop {name}.")
+        counts = {k: kwargs.pop(k) for k in ("pp_micro_batches", "pp_prompt_micro_batches")
+                  if k in kwargs}
+        config = self.config.replace(**counts) if counts else self.config  # validated
         streamer = kwargs.pop("streamer", None)
         sync_rng_world()
-        loop = ScheduleLoop(self.runner, self.config, schedule,
+        loop = ScheduleLoop(self.runner, config, schedule,
                             streamer if self.runner.ranks.is_last else None)
         try:
             return self.hf_generate(*args, custom_generate=loop, **kwargs)
@@ -331,9 +336,15 @@ class ScheduleLoop:
         return self.ranks.first if self.ranks.is_last else self.ranks.next
 
     def _forward_error(self, origin: int) -> None:
+        """Pass the failure of rank `origin` on around the ring (best effort: a neighbour that
+        is gone already is not waited for longer than a few seconds)."""
         if self._next_hop() != origin:
             head = torch.tensor([ERROR, 0, 0, 0, origin, 0, 0, 0])
-            dist.isend(head, self._next_hop())  # best effort: never waited on
+            work = dist.isend(head, self._next_hop())
+            try:
+                work.wait(timeout=min(self.ranks.timeout, datetime.timedelta(seconds=5)))
+            except RuntimeError:
+                pass  # that rank is gone: it cannot hang on us
 
     def _report_error(self, err: BaseException) -> None:
         if isinstance(err, PipelineParallelError) or not dist.is_initialized():

@@ -77,7 +77,7 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     unheld = unheld_parameters(model, plan, ranks.stage)
     # the runner is attached when the stage is wired (pipeline_parallelize)
     place_boundaries(layers, plan, ranks.stage, policy.returns_tuple,
-                     StageRunner(ranks, plan))
+                     StageRunner(ranks, plan, policy))
     load_shards(model, reader, keys, tp, skip=frozenset(unheld))
     stub_parameters(model, unheld)
     _load_generation_config(model, folder)

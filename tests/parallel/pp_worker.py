@@ -1,0 +1,160 @@
+"""Launched by test_pipeline_parallel.py: `torchrun --nproc-per-node W pp_worker.py OUT DIR PP
+FAMILY...`: pipeline parallelism (tp = W / PP) on every family named, in one launch.
+
+Each family is built with 4 decoder layers (so 2 and 3 stages both split it), saved once to
+DIR, and loaded with `from_pretrained(dir, dsinfer={"pp_size": PP, "tp_size": TP})`; every rank
+also runs HF eager on the same model in-process and compares. Each rank writes its own JSON
+(`OUT.<rank>.json`); the pytest side asserts. The failure checks come last: after them the
+process group is not used again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+import torch.distributed as dist
+from launch import exit_skipping_teardown
+from tiny_models import CONFIGS, MOE_CONFIGS, prompts
+from transformers import AutoModelForCausalLM
+
+import hf_dsinfer
+from hf_dsinfer.errors import PipelineParallelError
+from hf_dsinfer.injection.walker import get_report
+
+LAYERS = 4
+NEW = 6
+GEN = {"max_new_tokens": NEW, "pad_token_id": 0}
+SAMPLE = {"do_sample": True, "top_k": 20, "temperature": 0.9}
+
+
+def deep_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny test model of `name` with LAYERS decoder layers (layer-type patterns repeated)."""
+    config = {**CONFIGS, **MOE_CONFIGS}[name]()
+    old = config.num_hidden_layers
+    for key, value in list(vars(config).items()):  # per-layer lists: layer_types, no_rope_layers
+        if isinstance(value, list) and len(value) == old:
+            setattr(config, key, [value[i % old] for i in range(LAYERS)])
+    config.num_hidden_layers = LAYERS
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = [1]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def _tokens(model, ids, mask, seed: int, **kwargs) -> list[list[int]]:
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, **GEN, **kwargs).tolist()
+
+
+def _bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+
+
+def check_family(name: str, folder: str, pp: int, tp: int, rank: int, extras: bool) -> dict:
+    ref = deep_model(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp, "tp_size": tp})
+    report = get_report(model)
+    ids, mask = prompts(batch=3)
+    with torch.no_grad():
+        hf_logits = ref(ids, attention_mask=mask).logits
+        before = sum(hf_dsinfer.fused_call_counts(model).values())
+        pp_logits = model(ids, attention_mask=mask).logits
+        fused_ran = sum(hf_dsinfer.fused_call_counts(model).values()) > before
+    greedy_hf = _tokens(ref, ids, mask, 0)
+    # An EOS that row 0 emits early: rows then finish at different steps and leave their
+    # micro-batches while the others go on.
+    eos = greedy_hf[0][ids.shape[1] + 1]
+    out = {
+        "logits_max_diff": (hf_logits - pp_logits)[mask.bool()].abs().max().item(),
+        "fused_ran": fused_ran,
+        "own_blocks": sorted(report.blocks),
+        "parity": {k: [r.max_rel_err, r.passed] for k, r in report.parity.items()},
+        "stage": report.pp.ranks.stage,
+        "held_bytes": _bytes(model),
+        "planned_bytes": report.pp.plan.stage_bytes[report.pp.ranks.stage],
+        "full_bytes": _bytes(ref),
+        "tokens": {
+            "greedy": [greedy_hf, _tokens(model, ids, mask, 0)],
+            "eos": [_tokens(ref, ids, mask, 0, eos_token_id=eos),
+                    _tokens(model, ids, mask, 0, eos_token_id=eos)],
+            "sample": [_tokens(ref, ids, mask, 1234, **SAMPLE),
+                       _tokens(model, ids, mask, 1234 + 17 * rank, **SAMPLE)]},
+    }
+    if extras:  # schedule variants, once per launch
+        five, five_mask = prompts(batch=5, lengths=(9, 5, 7, 3, 8))
+        out["tokens"].update({
+            "one_row": [_tokens(ref, ids[:1], mask[:1], 0), _tokens(model, ids[:1], mask[:1], 0)],
+            "sample_eos_five_rows": [
+                _tokens(ref, five, five_mask, 99, eos_token_id=eos, **SAMPLE),
+                _tokens(model, five, five_mask, 99 + rank, eos_token_id=eos, **SAMPLE)],
+            "lockstep": [greedy_hf, _tokens(model, ids, mask, 0, pp_schedule="lockstep")],
+            "one_micro_batch": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=1,
+                                                   pp_prompt_micro_batches=1)],
+            "row_micro_batches": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=3)]})
+        out["explain"] = hf_dsinfer.explain(model)
+    return out
+
+
+def check_failures(folder: str, pp: int, tp: int, rank: int) -> dict:
+    """A stage that raises makes every rank raise quickly; a silent one, after pp_timeout_s."""
+    out = {}
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dsinfer={"pp_size": pp, "tp_size": tp, "pp_timeout_s": 3})
+    ids, mask = prompts(batch=3)
+    fused = next(iter(get_report(model).blocks.values()))
+    if rank // tp == 1:  # stage 1 fails at its third forward
+        calls = {"n": 0}
+        inner = fused.block.forward
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected failure on stage 1")
+            return inner(*args, **kwargs)
+
+        fused.block.forward = failing
+    start = time.perf_counter()
+    try:
+        model.generate(ids, attention_mask=mask, **GEN)
+        out["raised"] = None
+    except (PipelineParallelError, RuntimeError) as err:
+        out["raised"] = f"{type(err).__name__}: {err}"
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def main() -> None:
+    out_path, root, pp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    families = sys.argv[4:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = world // pp
+    if rank == 0:
+        for name in families:
+            deep_model(name).save_pretrained(os.path.join(root, name))
+    dist.barrier()
+    result: dict = {"world": world, "pp": pp, "tp": tp, "families": {}}
+    try:
+        for name in families:
+            result["families"][name] = check_family(name, os.path.join(root, name), pp, tp, rank,
+                                                    extras=name == families[0])
+        result["failure"] = check_failures(os.path.join(root, families[0]), pp, tp, rank)
+    except Exception:  # noqa: BLE001  (into the JSON: the pytest side shows the traceback)
+        result["crash"] = traceback.format_exc()
+    with open(f"{out_path}.{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
+    exit_skipping_teardown()
