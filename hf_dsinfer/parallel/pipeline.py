@@ -28,10 +28,12 @@ of parallel/pipeline_generate.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import inspect
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -173,16 +175,24 @@ def _empty(head: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty([int(d) for d in head[2:2 + ndim]], dtype=_DTYPES[code], device=device)
 
 
-def wait_recv(work: Any, ranks: PipelineRanks, src: int, what: str) -> None:
-    """Wait for a posted receive; a silent neighbour becomes PipelineParallelError."""
+@contextlib.contextmanager
+def peer_errors(ranks: PipelineRanks, peer: int, what: str) -> Iterator[None]:
+    """Turn gloo's errors talking to `peer` (a timeout, a closed connection) into
+    PipelineParallelError: that rank failed, hung or exited."""
     try:
-        work.wait(timeout=ranks.timeout)
+        yield
     except RuntimeError as err:
         raise PipelineParallelError(
-            f"pipeline stage {ranks.stage} (rank {dist.get_rank()}) got no {what} from rank "
-            f"{src} within pp_timeout_s={ranks.timeout.total_seconds():g}: that rank failed, "
-            f"hung or exited (gloo: {err}). Fix: see that rank's error; raise pp_timeout_s if "
-            "its stage is just slow. The process group is unusable now.") from err
+            f"pipeline stage {ranks.stage} (rank {dist.get_rank()}): {what} rank {peer} failed "
+            f"within pp_timeout_s={ranks.timeout.total_seconds():g}: that rank failed, hung or "
+            f"exited (gloo: {err}). Fix: see that rank's error; raise pp_timeout_s if its stage "
+            "is just slow. The process group is unusable now.") from err
+
+
+def wait_recv(work: Any, ranks: PipelineRanks, src: int, what: str) -> None:
+    """Wait for a posted receive; a silent neighbour becomes PipelineParallelError."""
+    with peer_errors(ranks, src, f"receiving {what} from"):
+        work.wait(timeout=ranks.timeout)
 
 
 def send_tensor(x: torch.Tensor, dst: int) -> list:
@@ -211,9 +221,11 @@ def broadcast_from_last(x: torch.Tensor | None, ranks: PipelineRanks,
     return out
 
 
-def finish_sends(pending: list) -> None:
-    for work, _ in pending:
-        work.wait()
+def finish_sends(pending: list, ranks: PipelineRanks, dst: int) -> None:
+    """Wait (at most pp_timeout_s each) until posted sends to `dst` have been received."""
+    with peer_errors(ranks, dst, "sending to"):
+        for work, _ in pending:
+            work.wait(timeout=ranks.timeout)
     pending.clear()
 
 
@@ -368,7 +380,9 @@ class PipelinedBaseForward:
                                                            "a hidden state")
         out, hidden = self.runner.run(self.forward, kwargs, incoming)
         if hidden is not None:
-            finish_sends(send_tensor(hidden, ranks.next))
+            with peer_errors(ranks, ranks.next, "sending a hidden state to"):
+                sent = send_tensor(hidden, ranks.next)
+            finish_sends(sent, ranks, ranks.next)
         last = broadcast_from_last(None if out is None else _first(out), ranks, device)
         if out is None:
             out = StageOutput(last_hidden_state=last, past_key_values=cache)
@@ -498,6 +512,7 @@ class PPReport:
 
     ranks: PipelineRanks
     plan: StagePlan
+    layers_path: str
     loaded_bytes: int
     loaded_sharded: bool
     micro_batches: int
@@ -532,6 +547,13 @@ def _split_in_place(model: nn.Module, report: Any, runner: StageRunner) -> None:
         for moe_path in [m for m in report.moe if m.startswith(f"{path}.")]:
             del report.moe[moe_path]
     place_boundaries(layers, runner.plan, stage, report.policy.returns_tuple, runner)
+    if report.config.tp_size > 1:  # slice this stage's weights now, while the vocab is whole
+        from hf_dsinfer.parallel.groups import tensor_parallel_group
+        from hf_dsinfer.parallel.tensor import PLAN_ATTR, plan_model, shard_in_place
+
+        tp_plan = plan_model(model, report.policy, tensor_parallel_group(report.config.tp_size))
+        shard_in_place(model, tp_plan)
+        setattr(model, PLAN_ATTR, tp_plan)
     stub_parameters(model, unheld_parameters(model, runner.plan, stage))
 
 
@@ -541,12 +563,7 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
     ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s)
     plan = model.__dict__.get(STAGES_ATTR)
     loaded_sharded = plan is not None
-    _, layers = layer_list(model, report.policy)
-    if not loaded_sharded and cfg.tp_size > 1:
-        raise PipelineParallelError(
-            "init_inference(model, pp_size=P, tp_size=T>1) on an already-loaded model is not "
-            "supported. Fix: load with from_pretrained(path, dsinfer={'pp_size': P, "
-            "'tp_size': T}), which reads only each rank's stage and slices.")
+    layers_path, layers = layer_list(model, report.policy)
     runner = StageRunner(ranks, plan or plan_stages(model, list(layers), ranks.size),
                          report.policy)
     if loaded_sharded:
@@ -564,7 +581,7 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
         _parity_gate(model, report)
     held = _bytes(p for p in model.parameters() if p.device.type != "meta")
     mb, prompt = micro_batch_counts(cfg)
-    return PPReport(ranks, runner.plan, held, loaded_sharded, mb, prompt)
+    return PPReport(ranks, runner.plan, layers_path, held, loaded_sharded, mb, prompt)
 
 
 def _wire(model: nn.Module, runner: StageRunner) -> None:

@@ -44,6 +44,7 @@ from hf_dsinfer.parallel.pipeline import (
     StageRunner,
     bind_stage_cache,
     finish_sends,
+    peer_errors,
     recv_tensor,
     send_tensor,
     wait_recv,
@@ -214,7 +215,7 @@ class ScheduleLoop:
         self.runner.looping = True
         try:
             self._run_role()
-            finish_sends(self.pending)
+            finish_sends(self.pending, self.ranks, self._next_hop())
         except BaseException as err:
             self._report_error(err)
             raise
@@ -313,10 +314,11 @@ class ScheduleLoop:
     def _send(self, dst: int, kind: int, mb: int = 0, step: int = 0,
               tensors: tuple[torch.Tensor, ...] = ()) -> None:
         head = torch.tensor([kind, mb, step, len(tensors), dist.get_rank(), 0, 0, 0])
-        self.pending.append((dist.isend(head, dst), head))
-        for x in tensors:
-            self.pending.extend(send_tensor(x, dst))
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        with peer_errors(self.ranks, dst, f"sending {_KINDS[kind]} to"):
+            self.pending.append((dist.isend(head, dst), head))
+            for x in tensors:
+                self.pending.extend(send_tensor(x, dst))
+            self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
 
     def _recv(self, src: int, what: str) -> tuple[int, int, int, list[torch.Tensor]]:
         head = torch.empty(8, dtype=torch.int64)

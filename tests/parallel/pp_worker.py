@@ -1,5 +1,6 @@
 """Launched by test_pipeline_parallel.py: `torchrun --nproc-per-node W pp_worker.py OUT DIR PP
-FAMILY...`: pipeline parallelism (tp = W / PP) on every family named, in one launch.
+MODE FAMILY...`: pipeline parallelism (tp = W / PP) on every family named, in one launch, then
+a stage failing in MODE ("raise" or "silent").
 
 Each family is built with 4 decoder layers (so 2 and 3 stages both split it), saved once to
 DIR, and loaded with `from_pretrained(dir, dsinfer={"pp_size": PP, "tp_size": TP})`; every rank
@@ -18,7 +19,8 @@ import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [_TESTS, os.path.join(_TESTS, "..")]  # tiny_models, and this checkout's package
 
 import torch
 import torch.distributed as dist
@@ -59,7 +61,18 @@ def _bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
 
 
-def check_family(name: str, folder: str, pp: int, tp: int, rank: int, extras: bool) -> dict:
+def _shared_bytes(model, report) -> int:
+    """Weights outside the decoder layers, the embedding and lm_head (final norm, position
+    embeddings, OPT's projections): every stage holds them."""
+    layers = model.get_submodule(report.pp.layers_path)
+    skip = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings())
+            for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: bool) -> dict:
+    """Logits and greedy tokens of a left-padded batch; for the first family and the MoE ones
+    also early EOS and seeded sampling; for the first, the schedule variants too."""
     ref = deep_model(name)
     model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp, "tp_size": tp})
     report = get_report(model)
@@ -82,14 +95,16 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, extras: bo
         "held_bytes": _bytes(model),
         "planned_bytes": report.pp.plan.stage_bytes[report.pp.ranks.stage],
         "full_bytes": _bytes(ref),
-        "tokens": {
-            "greedy": [greedy_hf, _tokens(model, ids, mask, 0)],
+        "shared_bytes": _shared_bytes(ref, report),
+        "tokens": {"greedy": [greedy_hf, _tokens(model, ids, mask, 0)]},
+    }
+    if first or name in MOE_CONFIGS:
+        out["tokens"].update({
             "eos": [_tokens(ref, ids, mask, 0, eos_token_id=eos),
                     _tokens(model, ids, mask, 0, eos_token_id=eos)],
             "sample": [_tokens(ref, ids, mask, 1234, **SAMPLE),
-                       _tokens(model, ids, mask, 1234 + 17 * rank, **SAMPLE)]},
-    }
-    if extras:  # schedule variants, once per launch
+                       _tokens(model, ids, mask, 1234 + 17 * rank, **SAMPLE)]})
+    if first:  # schedule variants, once per launch
         five, five_mask = prompts(batch=5, lengths=(9, 5, 7, 3, 8))
         out["tokens"].update({
             "one_row": [_tokens(ref, ids[:1], mask[:1], 0), _tokens(model, ids[:1], mask[:1], 0)],
@@ -104,21 +119,27 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, extras: bo
     return out
 
 
-def check_failures(folder: str, pp: int, tp: int, rank: int) -> dict:
-    """A stage that raises makes every rank raise quickly; a silent one, after pp_timeout_s."""
+TIMEOUT_S = 1.0
+
+
+def check_failures(folder: str, pp: int, tp: int, rank: int, mode: str) -> dict:
+    """Stage 1 raises ("raise": every rank must raise at once) or goes silent for longer than
+    pp_timeout_s ("silent": the others must raise after about that long), at its 3rd forward."""
     out = {}
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dsinfer={"pp_size": pp, "tp_size": tp, "pp_timeout_s": 3})
+        folder, dsinfer={"pp_size": pp, "tp_size": tp, "pp_timeout_s": TIMEOUT_S})
     ids, mask = prompts(batch=3)
     fused = next(iter(get_report(model).blocks.values()))
-    if rank // tp == 1:  # stage 1 fails at its third forward
+    if rank // tp == 1:
         calls = {"n": 0}
         inner = fused.block.forward
 
         def failing(*args, **kwargs):
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] == 3 and mode == "raise":
                 raise RuntimeError("injected failure on stage 1")
+            if calls["n"] == 3:
+                time.sleep(2.5 * TIMEOUT_S)
             return inner(*args, **kwargs)
 
         fused.block.forward = failing
@@ -133,8 +154,8 @@ def check_failures(folder: str, pp: int, tp: int, rank: int) -> dict:
 
 
 def main() -> None:
-    out_path, root, pp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    families = sys.argv[4:]
+    out_path, root, pp, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    families = sys.argv[5:]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -147,8 +168,8 @@ def main() -> None:
     try:
         for name in families:
             result["families"][name] = check_family(name, os.path.join(root, name), pp, tp, rank,
-                                                    extras=name == families[0])
-        result["failure"] = check_failures(os.path.join(root, families[0]), pp, tp, rank)
+                                                    first=name == families[0])
+        result["failure"] = check_failures(os.path.join(root, families[0]), pp, tp, rank, mode)
     except Exception:  # noqa: BLE001  (into the JSON: the pytest side shows the traceback)
         result["crash"] = traceback.format_exc()
     with open(f"{out_path}.{rank}.json", "w") as f:
