@@ -201,7 +201,9 @@ class ScheduleLoop:
         self.runner, self.ranks = runner, runner.ranks
         self.config, self.schedule, self.streamer = config, schedule, streamer
         self.pending: list = []
-        self.stats: dict[str, Any] = {"busy_s": 0.0, "wall_s": 0.0, "forwards": 0}
+        self.stats: dict[str, Any] = {"busy_s": 0.0, "wall_s": 0.0, "prompt_busy_s": 0.0,
+                                      "prompt_forwards": 0, "decode_busy_s": 0.0,
+                                      "decode_forwards": 0}
 
     # -- HF's entry: the signature of GenerationMixin._sample -----------------------------------
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, logits_processor: Any,
@@ -303,8 +305,11 @@ class ScheduleLoop:
             inputs.pop("logits_to_keep", None)
         start = time.perf_counter()
         out, hidden = self.runner.run(forward, inputs, incoming)
-        self.stats["busy_s"] += time.perf_counter() - start
-        self.stats["forwards"] += 1
+        spent = time.perf_counter() - start
+        phase = "prompt" if first else "decode"
+        self.stats["busy_s"] += spent
+        self.stats[f"{phase}_busy_s"] += spent
+        self.stats[f"{phase}_forwards"] += 1
         mb.kwargs = self.model._update_model_kwargs_for_generation(
             CausalLMOutputWithPast(past_key_values=mb.cache), mb.kwargs)
         mb.steps += 1
