@@ -76,7 +76,8 @@ class PipelinedGenerate:
     Extra keywords: `pp_schedule="dynamic"` (default) or `"lockstep"` (the baseline: stage 0
     waits for every micro-batch's token before any starts its next step); `pp_micro_batches`
     and `pp_prompt_micro_batches` override the config's for one call. After each call,
-    `.last_stats` holds this rank's busy and wall seconds (benchmarks/pipeline.py)."""
+    `.last_stats` holds this rank's seconds serving prompt / decode items, waiting for
+    messages, inside the model's forwards, and in the loop (benchmarks/pipeline.py)."""
 
     def __init__(self, model: nn.Module, runner: StageRunner, config: DSInferConfig):
         self.hf_generate = model.generate
@@ -201,9 +202,13 @@ class ScheduleLoop:
         self.runner, self.ranks = runner, runner.ranks
         self.config, self.schedule, self.streamer = config, schedule, streamer
         self.pending: list = []
-        self.stats: dict[str, Any] = {"busy_s": 0.0, "wall_s": 0.0, "prompt_busy_s": 0.0,
-                                      "prompt_forwards": 0, "decode_busy_s": 0.0,
+        # seconds spent per phase (everything a stage does for its items: forwards, HF's input
+        # preparation, sampling, posting messages) and waiting for messages ("idle")
+        self.stats: dict[str, Any] = {"wall_s": 0.0, "compute_s": 0.0, "prompt_s": 0.0,
+                                      "decode_s": 0.0, "idle_s": 0.0, "prompt_forwards": 0,
                                       "decode_forwards": 0}
+        self._phase: str | None = None
+        self._since = 0.0
 
     # -- HF's entry: the signature of GenerationMixin._sample -----------------------------------
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, logits_processor: Any,
@@ -216,8 +221,11 @@ class ScheduleLoop:
         self._setup(input_ids, model_kwargs)
         self.runner.looping = True
         try:
+            self._mark("prompt")
             self._run_role()
+            self._mark("idle")
             finish_sends(self.pending, self.ranks, self._next_hop())
+            self._mark(None)
         except BaseException as err:
             self._report_error(err)
             raise
@@ -305,11 +313,8 @@ class ScheduleLoop:
             inputs.pop("logits_to_keep", None)
         start = time.perf_counter()
         out, hidden = self.runner.run(forward, inputs, incoming)
-        spent = time.perf_counter() - start
-        phase = "prompt" if first else "decode"
-        self.stats["busy_s"] += spent
-        self.stats[f"{phase}_busy_s"] += spent
-        self.stats[f"{phase}_forwards"] += 1
+        self.stats["compute_s"] += time.perf_counter() - start
+        self.stats["prompt_forwards" if first else "decode_forwards"] += 1
         mb.kwargs = self.model._update_model_kwargs_for_generation(
             CausalLMOutputWithPast(past_key_values=mb.cache), mb.kwargs)
         mb.steps += 1
@@ -325,7 +330,15 @@ class ScheduleLoop:
                 self.pending.extend(send_tensor(x, dst))
             self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
 
+    def _mark(self, phase: str | None) -> None:
+        """Close the running time segment (charged to the phase being served) and open one."""
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.stats[f"{self._phase}_s"] += now - self._since
+        self._phase, self._since = phase, now
+
     def _recv(self, src: int, what: str) -> tuple[int, int, int, list[torch.Tensor]]:
+        self._mark("idle")
         head = torch.empty(8, dtype=torch.int64)
         wait_recv(dist.irecv(head, src), self.ranks, src, what)
         kind, mb, step, count, origin = (int(v) for v in head[:5])
@@ -337,6 +350,7 @@ class ScheduleLoop:
                 "see that rank's error.")
         device = self.sequences.device if self.ranks.is_last else torch.device("cpu")
         tensors = [recv_tensor(src, self.ranks, device, what) for _ in range(count)]
+        self._mark("prompt" if kind == PROMPT or (kind == TOKENS and step == 0) else "decode")
         return kind, mb, step, tensors
 
     def _next_hop(self) -> int:
