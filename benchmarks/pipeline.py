@@ -6,7 +6,9 @@ lock-step baseline; transformers' own pp_size side by side.
 
 A random Llama-shaped model (built from a config, saved once, loaded per stage with
 `from_pretrained(dir, dsinfer={"pp_size": P})`) generates greedily from a left-padded batch.
-Before timing, every schedule's tokens are checked against HF eager in one process (rank 0).
+Every rank builds the same HF model; before timing, every schedule's tokens are checked
+against HF eager. HF eager runs in every process at once (one process per core, as the
+pipeline's stages do) and the runs are interleaved round by round.
 Per run, every rank reports the seconds it spent serving prompt and decode items (busy: the
 forwards, HF's input preparation, sampling, posting messages) and waiting for messages; the
 measured bubble is 1 - sum(busy) / (P * loop wall time). The simulator (hf_dsinfer.parallel.schedule_sim) gets
@@ -49,11 +51,12 @@ def build_config(args: argparse.Namespace) -> LlamaConfig:
                        bos_token_id=1, eos_token_id=2)
 
 
-def make_prompts(batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_prompts(batch: int, length: int, padded: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 4096, (batch, length), generator=gen)
     mask = torch.ones_like(ids)
-    for row in range(batch):  # left padding: rows of lengths length .. length / 2
+    for row in range(batch if padded else 0):  # left padding: lengths length .. length / 2
         pad = (row * length) // (2 * batch)
         ids[row, :pad], mask[row, :pad] = 0, 0
     return ids, mask
@@ -76,6 +79,7 @@ def p2p_latency(tensor: torch.Tensor, repeats: int = 20) -> float:
 
 
 def timed_generate(model, ids, mask, new: int, **kwargs) -> tuple[float, list, torch.Tensor]:
+    """Every rank runs `model.generate` (a plain HF model runs in each process alone)."""
     dist.barrier()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -86,13 +90,8 @@ def timed_generate(model, ids, mask, new: int, **kwargs) -> tuple[float, list, t
     return wall, stats, out
 
 
-def measure_schedule(model, ids, mask, args, schedule: str, want: torch.Tensor) -> dict:
-    runs = []
-    for _ in range(args.repeats):
-        wall, stats, out = timed_generate(model, ids, mask, args.new, pp_schedule=schedule)
-        if not torch.equal(out, want):
-            raise SystemExit(f"{schedule}: tokens differ from HF eager; refusing to time it")
-        runs.append((wall, stats))
+def summarize(runs: list[tuple[float, list]]) -> dict:
+    """The median run (by wall time) of one of our schedules, with its bubble."""
     wall, stats = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     loop = max(s["wall_s"] for s in stats)
     busy = [s["prompt_s"] + s["decode_s"] for s in stats]
@@ -113,22 +112,15 @@ def simulated(stats: list, args, link: float, lockstep: bool) -> tuple[float, fl
     return result.bubble_fraction, result.makespan, work
 
 
-def hf_pipeline(folder: str, ids, mask, args, pp: int, want) -> str:
-    """transformers' own DistributedConfig(pp_size=P): tokens vs HF eager and tokens/s."""
+def load_hf_pipeline(folder: str, pp: int) -> tuple[object | None, str]:
+    """transformers' own DistributedConfig(pp_size=P), or why it does not load."""
     from transformers.distributed import DistributedConfig
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, distributed_config=DistributedConfig(pp_size=pp), dtype=torch.float32)
-        walls = []
-        for _ in range(args.repeats):
-            wall, _, out = timed_generate(model, ids, mask, args.new)
-            walls.append(wall)
-        same = torch.equal(out, want)
-        return (f"{ids.shape[0] * args.new / statistics.median(walls):.1f} tok/s, tokens "
-                f"{'identical to' if same else 'DIFFERENT from'} HF eager (left-padded batch)")
+        return AutoModelForCausalLM.from_pretrained(
+            folder, distributed_config=DistributedConfig(pp_size=pp), dtype=torch.float32), ""
     except Exception as err:  # noqa: BLE001  (reported in the table: where it does not work)
-        return f"does not run: {type(err).__name__}: {str(err)[:160]}"
+        return None, f"does not load: {type(err).__name__}: {str(err)[:160]}"
 
 
 def extrapolate(per_layer: float, head: float, link: float, args) -> list[str]:
@@ -162,27 +154,38 @@ def main() -> None:
     folder = os.path.join(tempfile.gettempdir(), f"hf_dsinfer_pp_bench_{args.layers}_{args.hidden}")
     config = build_config(args)
     ids, mask = make_prompts(args.batch, args.prompt)
-    want = torch.empty(args.batch, args.prompt + args.new, dtype=torch.int64)
-    hf_wall = torch.zeros(1)
+    full_ids, full_mask = make_prompts(args.batch, args.prompt, padded=False)
+    torch.manual_seed(0)  # every rank builds the same reference model
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if rank == 0:
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         ref.save_pretrained(folder)
-        walls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            want = ref.generate(ids, attention_mask=mask, max_new_tokens=args.new,
-                                min_new_tokens=args.new, do_sample=False, pad_token_id=0)
-            walls.append(time.perf_counter() - start)
-        hf_wall[0] = statistics.median(walls)
-        del ref
-    dist.broadcast(want, 0)
-    dist.broadcast(hf_wall, 0)
+    dist.barrier()
+    gen = {"max_new_tokens": args.new, "min_new_tokens": args.new, "do_sample": False,
+           "pad_token_id": 0}
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    full_want = ref.generate(full_ids, attention_mask=full_mask, **gen)
     model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp})
+    hf_pp, hf_pp_why = load_hf_pipeline(folder, pp)
     timed_generate(model, ids, mask, 2)  # warm-up
     link = p2p_latency(torch.zeros(args.batch // 2, 1, args.hidden))
-    runs = {s: measure_schedule(model, ids, mask, args, s, want) for s in ("dynamic", "lockstep")}
-    hf_pp = hf_pipeline(folder, ids, mask, args, pp, want)
+    walls: dict[str, list] = {"hf": [], "dynamic": [], "lockstep": [], "hf_pp": []}
+    for _ in range(args.repeats):  # interleaved, so that a busy moment hits all alike
+        walls["hf"].append(timed_generate(ref, ids, mask, args.new)[0])
+        for schedule in ("dynamic", "lockstep"):
+            wall, stats, out = timed_generate(model, ids, mask, args.new, pp_schedule=schedule)
+            if not torch.equal(out, want):
+                raise SystemExit(f"{schedule}: tokens differ from HF eager; not timing it")
+            walls[schedule].append((wall, stats))
+        if hf_pp is not None:
+            wall, _, hf_pp_out = timed_generate(hf_pp, ids, mask, args.new)
+            walls["hf_pp"].append(wall)
+    runs = {s: summarize(walls[s]) for s in ("dynamic", "lockstep")}
+    if hf_pp is not None:
+        same = "identical to" if torch.equal(hf_pp_out, want) else "DIFFERENT from"
+        full = timed_generate(hf_pp, full_ids, full_mask, args.new)[2]
+        hf_pp_why = (f"tokens {same} HF eager on the left-padded batch, "
+                     f"{'identical' if torch.equal(full, full_want) else 'DIFFERENT'} "
+                     "without padding")
     if rank:
         return
     tokens = args.batch * args.new
@@ -192,15 +195,19 @@ def main() -> None:
     print("| schedule | tok/s | vs HF eager (1 process) | bubble measured | simulated | "
           "ideal | simulated wall / measured loop |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    hf_rate = tokens / float(hf_wall[0])
-    print(f"| HF eager, 1 process | {hf_rate:.1f} | 1.00x | - | - | - | - |")
+    hf_rate = tokens / statistics.median(walls["hf"])
+    print(f"| HF eager, 1 process per rank | {hf_rate:.1f} | 1.00x | - | - | - | - |")
     for name, run in runs.items():
         bubble, makespan, work = simulated(runs["dynamic"]["stats"], args, link,
                                            name == "lockstep")
         rate = tokens / run["wall"]
         print(f"| hf_dsinfer {name} | {rate:.1f} | {rate / hf_rate:.2f}x | {run['bubble']:.3f} "
               f"| {bubble:.3f} | {ideal_bubble(work):.3f} | {makespan / run['loop']:.2f} |")
-    print(f"| transformers pp_size={pp} | {hf_pp} | | | | | |")
+    if hf_pp is not None:
+        rate = tokens / statistics.median(walls["hf_pp"])
+        print(f"| transformers pp_size={pp} | {rate:.1f} | {rate / hf_rate:.2f}x | - | - | - "
+              "| - |")
+    print(f"\ntransformers pp_size={pp}: {hf_pp_why}")
     speed = runs["lockstep"]["wall"] / runs["dynamic"]["wall"]
     s0 = runs["dynamic"]["stats"][0]
     print(f"\nshare of the stages' busy time inside model forwards (the rest: HF's input "

@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import inspect
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -208,6 +209,43 @@ def recv_tensor(src: int, ranks: PipelineRanks, device: torch.device, what: str)
     wait_recv(dist.irecv(head, src), ranks, src, what)
     out = _empty(head, device)
     wait_recv(dist.irecv(out, src), ranks, src, what)
+    return out
+
+
+# One generate message = a fixed header + one byte payload holding up to three tensors: two
+# gloo messages per item (each message costs a rendezvous with the receiver).
+MESSAGE_HEADER = 32  # [kind, micro-batch, step, origin, count, nbytes, 3 x (dtype, ndim, 4 dims)]
+
+
+def pack(fields: tuple[int, int, int, int], tensors: tuple[torch.Tensor, ...]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a message: `fields` = (kind, micro-batch, step, origin rank)."""
+    head = torch.zeros(MESSAGE_HEADER, dtype=torch.int64)
+    head[:4] = torch.tensor(fields)
+    head[4] = len(tensors)
+    parts = []
+    for i, x in enumerate(tensors):
+        x = x.detach().contiguous().cpu()
+        if x.dim() > 4 or i > 2:
+            raise PipelineParallelError(f"cannot pack {len(tensors)} tensors / a {x.dim()}-d one")
+        at = 6 + 6 * i
+        head[at], head[at + 1] = _DTYPES.index(x.dtype), x.dim()
+        head[at + 2:at + 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        parts.append(x.reshape(-1).view(torch.uint8))
+    payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    head[5] = payload.numel()
+    return head, payload
+
+
+def unpack(head: torch.Tensor, payload: torch.Tensor) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for i in range(int(head[4])):
+        at = 6 + 6 * i
+        dtype, ndim = _DTYPES[int(head[at])], int(head[at + 1])
+        shape = [int(d) for d in head[at + 2:at + 2 + ndim]]
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append(payload[offset:offset + nbytes].view(dtype).view(shape).clone())
+        offset += nbytes
     return out
 
 

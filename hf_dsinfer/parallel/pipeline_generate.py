@@ -41,12 +41,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import PipelineParallelError
 from hf_dsinfer.parallel.pipeline import (
+    MESSAGE_HEADER,
     StageRunner,
     bind_stage_cache,
     finish_sends,
+    pack,
     peer_errors,
-    recv_tensor,
-    send_tensor,
+    unpack,
     wait_recv,
 )
 
@@ -202,6 +203,7 @@ class ScheduleLoop:
         self.runner, self.ranks = runner, runner.ranks
         self.config, self.schedule, self.streamer = config, schedule, streamer
         self.pending: list = []
+        self.posted: tuple[Any, torch.Tensor] | None = None
         # seconds spent per phase (everything a stage does for its items: forwards, HF's input
         # preparation, sampling, posting messages) and waiting for messages ("idle")
         self.stats: dict[str, Any] = {"wall_s": 0.0, "compute_s": 0.0, "prompt_s": 0.0,
@@ -323,11 +325,11 @@ class ScheduleLoop:
     # -- messages --------------------------------------------------------------------------------
     def _send(self, dst: int, kind: int, mb: int = 0, step: int = 0,
               tensors: tuple[torch.Tensor, ...] = ()) -> None:
-        head = torch.tensor([kind, mb, step, len(tensors), dist.get_rank(), 0, 0, 0])
+        head, payload = pack((kind, mb, step, dist.get_rank()), tensors)
         with peer_errors(self.ranks, dst, f"sending {_KINDS[kind]} to"):
             self.pending.append((dist.isend(head, dst), head))
-            for x in tensors:
-                self.pending.extend(send_tensor(x, dst))
+            if payload.numel():
+                self.pending.append((dist.isend(payload, dst), payload))
             self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
 
     def _mark(self, phase: str | None) -> None:
@@ -337,19 +339,29 @@ class ScheduleLoop:
             self.stats[f"{self._phase}_s"] += now - self._since
         self._phase, self._since = phase, now
 
+    def _post(self, src: int) -> None:
+        """Post the receive of the next message's header now, so that its rendezvous with the
+        sender happens while this stage computes (only when another message will come)."""
+        head = torch.empty(MESSAGE_HEADER, dtype=torch.int64)
+        self.posted = (dist.irecv(head, src), head)
+
     def _recv(self, src: int, what: str) -> tuple[int, int, int, list[torch.Tensor]]:
         self._mark("idle")
-        head = torch.empty(8, dtype=torch.int64)
-        wait_recv(dist.irecv(head, src), self.ranks, src, what)
-        kind, mb, step, count, origin = (int(v) for v in head[:5])
+        if self.posted is None:
+            self._post(src)
+        (work, head), self.posted = self.posted, None
+        wait_recv(work, self.ranks, src, what)
+        kind, mb, step, origin = (int(v) for v in head[:4])
         if kind == ERROR:
             self._forward_error(origin)
             raise PipelineParallelError(
                 f"pipeline rank {origin} (stage {origin // self.config.tp_size}) failed during "
                 f"generate; stage {self.ranks.stage} (rank {dist.get_rank()}) stops too. Fix: "
                 "see that rank's error.")
-        device = self.sequences.device if self.ranks.is_last else torch.device("cpu")
-        tensors = [recv_tensor(src, self.ranks, device, what) for _ in range(count)]
+        payload = torch.empty(int(head[5]), dtype=torch.uint8)
+        if payload.numel():
+            wait_recv(dist.irecv(payload, src), self.ranks, src, what)
+        tensors = unpack(head, payload)
         self._mark("prompt" if kind == PROMPT or (kind == TOKENS and step == 0) else "decode")
         return kind, mb, step, tensors
 
@@ -360,7 +372,7 @@ class ScheduleLoop:
         """Pass the failure of rank `origin` on around the ring (best effort: a neighbour that
         is gone already is not waited for longer than a few seconds)."""
         if self._next_hop() != origin:
-            head = torch.tensor([ERROR, 0, 0, 0, origin, 0, 0, 0])
+            head, _ = pack((ERROR, 0, 0, origin), ())
             work = dist.isend(head, self._next_hop())
             try:
                 work.wait(timeout=min(self.ranks.timeout, datetime.timedelta(seconds=5)))
@@ -388,9 +400,14 @@ class ScheduleLoop:
         for p, mb in enumerate(self.prompts):
             self._send(self.ranks.next, PROMPT, p, 0, (self._forward(mb, None),))
         live = set(range(len(self.groups)))
+        talking = set(live)  # micro-batches that will send tokens again
         waiting: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         while live:
             _, g, step, (tokens, finished) = self._recv(self.ranks.last, "generated tokens")
+            if bool(finished.all()):
+                talking.discard(g)
+            if talking:
+                self._post(self.ranks.last)
             waiting.append((g, step, tokens, finished.bool()))
             if self.schedule == "lockstep" and len(waiting) < len(live):
                 continue  # the baseline: a barrier across the batch at every token
@@ -416,6 +433,7 @@ class ScheduleLoop:
             if kind == STOP:
                 self._send(self.ranks.next, STOP)
                 return
+            self._post(self.ranks.prev)
             if kind == PROMPT:
                 hidden = self._forward(self.prompts[i], tensors[0])
                 self._send(self.ranks.next, PROMPT, i, 0, (hidden,))
@@ -430,6 +448,7 @@ class ScheduleLoop:
             kind, i, step, tensors = self._recv(self.ranks.prev, "a hidden state")
             if kind == STOP:
                 return
+            self._post(self.ranks.prev)
             if kind == PROMPT:
                 self._last_prompt(i, tensors[0])
                 continue
