@@ -365,32 +365,39 @@ def bind_stage_cache(cache: Cache, layers: range) -> None:
     if getattr(cache, "_dsinfer_stage_layers", None) == layers:
         return
     cache._dsinfer_stage_layers = layers
-    cache.get_seq_length = _RedirectedLength(cache, layers, "get_seq_length")
-    cache.get_mask_sizes = _RedirectedLength(cache, layers, "get_mask_sizes")
+    cache.get_seq_length = _SeqLength(cache, layers)
+    cache.get_mask_sizes = _MaskSizes(cache, layers)
 
 
-class _RedirectedLength:
-    def __init__(self, cache: Cache, layers: range, name: str):
-        self.method = getattr(type(cache), name).__get__(cache)
-        self.cache, self.layers, self.name = cache, layers, name
+def _own_layer(cache: Cache, layers: range, layer_idx: int) -> int:
+    if layer_idx in layers or layer_idx >= len(cache.layers):
+        return layer_idx
+    sliding = getattr(cache.layers[layer_idx], "is_sliding", False)
+    same = [i for i in layers if i < len(cache.layers)
+            and getattr(cache.layers[i], "is_sliding", False) == sliding]
+    return same[0] if same else layers[0]
 
-    def _own(self, layer_idx: int) -> int:
-        if layer_idx in self.layers or layer_idx >= len(self.cache.layers):
-            return layer_idx
-        sliding = getattr(self.cache.layers[layer_idx], "is_sliding", False)
-        same = [i for i in self.layers if i < len(self.cache.layers)
-                and getattr(self.cache.layers[i], "is_sliding", False) == sliding]
-        return same[0] if same else self.layers[0]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.name == "get_seq_length":
-            layer_idx = args[0] if args else kwargs.pop("layer_idx", 0)
-            return self.method(self._own(layer_idx))
-        query_length, layer_idx = (args + (kwargs.get("layer_idx"),))[:2] if len(args) < 2 \
-            else args[:2]
-        if query_length is None:
-            query_length = kwargs["query_length"]
-        return self.method(query_length, self._own(layer_idx))
+class _SeqLength:
+    """Installed as a stage cache's `get_seq_length`."""
+
+    def __init__(self, cache: Cache, layers: range):
+        self.cache, self.layers = cache, layers
+
+    def __call__(self, layer_idx: int = 0) -> int:
+        own = _own_layer(self.cache, self.layers, layer_idx)
+        return type(self.cache).get_seq_length(self.cache, own)
+
+
+class _MaskSizes:
+    """Installed as a stage cache's `get_mask_sizes`."""
+
+    def __init__(self, cache: Cache, layers: range):
+        self.cache, self.layers = cache, layers
+
+    def __call__(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        own = _own_layer(self.cache, self.layers, layer_idx)
+        return type(self.cache).get_mask_sizes(self.cache, query_length, own)
 
 
 class PipelinedBaseForward:

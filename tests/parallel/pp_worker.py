@@ -27,6 +27,7 @@ import torch.distributed as dist
 from launch import exit_skipping_teardown
 from tiny_models import CONFIGS, MOE_CONFIGS, prompts
 from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 import hf_dsinfer
 from hf_dsinfer.errors import PipelineParallelError
@@ -50,6 +51,20 @@ def deep_model(name: str, seed: int = 0) -> torch.nn.Module:
         config.mlp_only_layers = [1]
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+class Recorder(BaseStreamer):
+    """A streamer that keeps what generate puts (the prompt, then each new token)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self) -> None:
+        self.ended = True
 
 
 def _tokens(model, ids, mask, seed: int, **kwargs) -> list[list[int]]:
@@ -77,7 +92,7 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: boo
     model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp, "tp_size": tp})
     report = get_report(model)
     ids, mask = prompts(batch=3)
-    with torch.no_grad():
+    with torch.inference_mode():
         hf_logits = ref(ids, attention_mask=mask).logits
         before = sum(hf_dsinfer.fused_call_counts(model).values())
         pp_logits = model(ids, attention_mask=mask).logits
@@ -105,9 +120,13 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: boo
             "sample": [_tokens(ref, ids, mask, 1234, **SAMPLE),
                        _tokens(model, ids, mask, 1234 + 17 * rank, **SAMPLE)]})
     if first:  # schedule variants, once per launch
+        streamer = Recorder()
+        with torch.inference_mode():
+            streamed = _tokens(model, ids[:1], mask[:1], 0, streamer=streamer)
+        out["streamed"] = [streamed[0], streamer.tokens]
         five, five_mask = prompts(batch=5, lengths=(9, 5, 7, 3, 8))
         out["tokens"].update({
-            "one_row": [_tokens(ref, ids[:1], mask[:1], 0), _tokens(model, ids[:1], mask[:1], 0)],
+            "one_row": [_tokens(ref, ids[:1], mask[:1], 0), streamed],
             "sample_eos_five_rows": [
                 _tokens(ref, five, five_mask, 99, eos_token_id=eos, **SAMPLE),
                 _tokens(model, five, five_mask, 99 + rank, eos_token_id=eos, **SAMPLE)],

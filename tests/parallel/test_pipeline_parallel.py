@@ -10,7 +10,9 @@ through the lock-step forward and greedy tokens of the left-padded batch (every 
 Llama and the MoE family also an EOS that makes rows finish at different steps (they leave
 their micro-batches) and seeded sampling with every rank seeded differently (the pipeline
 starts from rank 0's RNG state); for Llama one row, five rows with sampling and early EOS, the
-lock-step baseline schedule, one micro-batch, and one micro-batch per row. The in-process tests cover the stage partition,
+lock-step baseline schedule, one micro-batch, one micro-batch per row, and a streamer.
+Logits and the streamed call run under torch.inference_mode(), the rest under generate's
+no_grad. The in-process tests cover the stage partition,
 the cache redirection, the sampling order and the errors that need no second process.
 """
 
@@ -81,6 +83,16 @@ def test_tokens_identical_to_single_process(run):
 
 def _moe(run):
     return [name for name in _families(run) if name == MOE]
+
+
+@pytest.mark.multiprocess
+def test_streamer_runs_on_the_last_stage(run):
+    """The prompt, then every new token; other stages' streamers get nothing."""
+    for rank in run:
+        fam = rank["families"][_families(run)[0]]
+        generated, streamed = fam["streamed"]
+        last = fam["stage"] == rank["pp"] - 1
+        assert streamed == (generated if last else []), fam["stage"]
 
 
 @pytest.mark.multiprocess
