@@ -128,7 +128,8 @@ class DSInferConfig:
             decoder layers are split into pp_size stages balanced by bytes, each rank loads and
             runs only its stage (the embedding on the first, the final norm and lm_head on the
             last) and keeps the KV cache of its own layers. Combines with tp_size (world =
-            tp_size * pp_size; ranks [k*tp, (k+1)*tp) form stage k). Needs torch.distributed.
+            tp_size * pp_size; ranks [k*tp, (k+1)*tp) form stage k). Needs torch.distributed
+            with gloo (CPU); NCCL pipelines are not built yet.
         pp_micro_batches: micro-batches of the generation phase (None: pp_size, the paper's
             choice); a micro-batch's next token goes back to the first stage as soon as the
             last stage samples it (dynamic queue, no per-token barrier).

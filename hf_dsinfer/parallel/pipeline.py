@@ -149,6 +149,11 @@ def pipeline_ranks(pp: int, tp: int, timeout_s: float) -> PipelineRanks:
             f"pp_size={pp} with tp_size={tp} needs exactly {pp * tp} processes (tp_size * "
             f"pp_size), got a world of {world}. Fix: launch `torchrun --nproc-per-node "
             f"{pp * tp}`, or choose tp_size * pp_size = {world}.")
+    if dist.get_backend() != "gloo":
+        raise PipelineParallelError(
+            f"pp_size={pp}: the pipeline's messages are CPU tensors on a gloo process group; "
+            f"got the {dist.get_backend()!r} backend. Fix: init_process_group('gloo') (NCCL "
+            "pipelines are not built yet).")
     rank = dist.get_rank()
     stage, index = divmod(rank, tp)
     group = rank_group(pp, tp, f"pp_size={pp}")

@@ -3,7 +3,8 @@
 Three torchrun launches run pp_worker.py (each family at 4 layers, loaded with
 `from_pretrained(dir, dsinfer={"pp_size": P, "tp_size": T})`):
 - pp=2: every dense family and Mixtral; a stage that raises;
-- pp=3: Llama; a stage that goes silent;
+- pp=3: Llama and Mixtral (MoE checkpoints are loaded whole and split in place); a stage that
+  goes silent;
 - tp=2 x pp=2 (4 processes): Llama and Mixtral; a stage that raises.
 Each rank compares with HF on the same model in-process: fp32 logits of a left-padded batch
 through the lock-step forward and greedy tokens of the left-padded batch (every family); for
@@ -38,7 +39,7 @@ FP32_LOGIT_ATOL = 1e-4
 MOE = "mixtral_8x2"
 LAUNCHES = {  # name: (processes, pp, failure mode, families)
     "pp2": (2, 2, "raise", ["llama", *[f for f in FAMILIES if f != "llama"], MOE]),
-    "pp3": (3, 3, "silent", ["llama"]),
+    "pp3": (3, 3, "silent", ["llama", MOE]),
     "tp2xpp2": (4, 2, "raise", ["llama", MOE]),
 }
 TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
