@@ -35,7 +35,7 @@ import inspect
 import itertools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -486,18 +486,25 @@ def _broadcast_logits(runner: StageRunner) -> Any:
     return hook
 
 
-class RefusePipelineSave:
-    """Installed as `model.save_pretrained`: this rank holds one stage of the weights."""
+class RefusedUnderPipeline:
+    """Installed as a model method that cannot work on one pipeline stage (save_pretrained:
+    the rank holds one stage's weights; HF's continuous batching: each rank's scheduler
+    thread would pick its own batches, and the stages would wait on each other forever)."""
 
-    def __init__(self, stage: int):
-        self.stage = stage
+    FIXES: ClassVar[dict[str, str]] = {
+        "save_pretrained": "save from a pp_size=1 model; from_pretrained(..., dsinfer="
+                           "{'pp_size': N}) then reads each stage's weights from that checkpoint",
+        "generate_batch": "call model.generate(...) with the batch on every rank",
+        "init_continuous_batching": "call model.generate(...) with the batch on every rank",
+    }
+
+    def __init__(self, name: str, stage: int):
+        self.name, self.stage = name, stage
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineParallelError(
-            f"save_pretrained on a pipeline-parallel model: this rank holds only stage "
-            f"{self.stage}'s weights, so the files written would not match the config. Fix: "
-            "save from a pp_size=1 model; from_pretrained(..., dsinfer={'pp_size': N}) then "
-            "reads each stage's weights from that one checkpoint.")
+            f"{self.name} on a pipeline-parallel model (this rank is stage {self.stage}) is not "
+            f"supported. Fix: {self.FIXES[self.name]}.")
 
 
 # -- turning a model into one stage --------------------------------------------------------------
@@ -626,7 +633,8 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
     from hf_dsinfer.parallel.pipeline_generate import PipelinedGenerate, micro_batch_counts
 
     model.generate = PipelinedGenerate(model, runner, cfg)
-    model.save_pretrained = RefusePipelineSave(ranks.stage)
+    for name in RefusedUnderPipeline.FIXES:
+        setattr(model, name, RefusedUnderPipeline(name, ranks.stage))
     if cfg.tp_size == 1:  # with tp_size > 1 the tensor-parallel gate runs next, on this wiring
         _parity_gate(model, report)
     held = _bytes(p for p in model.parameters() if p.device.type != "meta")

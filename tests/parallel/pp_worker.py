@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dsinfer
-from hf_dsinfer.errors import PipelineParallelError
+from hf_dsinfer.errors import DSInferError, PipelineParallelError
 from hf_dsinfer.injection.walker import get_report
 
 LAYERS = 4
@@ -135,6 +135,13 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: boo
                                                    pp_prompt_micro_batches=1)],
             "row_micro_batches": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=3)]})
         out["explain"] = hf_dsinfer.explain(model)
+        out["refused"] = []
+        for call in (lambda: model.save_pretrained(folder + "-copy"),
+                     lambda: model.generate_batch(inputs=[[5, 6, 7]])):
+            try:
+                call()
+            except DSInferError as err:  # tensor parallelism's own refusal under tp > 1
+                out["refused"].append(str(err))
     return out
 
 

@@ -122,6 +122,8 @@ def test_explain_names_the_stages(run):
     text = run[0]["families"][_families(run)[0]]["explain"]
     assert "pipeline parallel: stage 0 of" in text and "stage 1: layers" in text
     assert "held by pipeline stage" in text
+    refused = run[0]["families"][_families(run)[0]]["refused"]
+    assert len(refused) == 2 and "save_pretrained" in refused[0]
 
 
 @pytest.mark.multiprocess
@@ -180,6 +182,14 @@ def test_no_process_group_raises(monkeypatch):
     model = make_model("llama")
     with pytest.raises(hf_dsinfer.errors.DSInferError, match="needs a torch.distributed"):
         hf_dsinfer.init_inference(model, pp_size=2)
+
+
+def test_refused_methods_say_why():
+    from hf_dsinfer.parallel.pipeline import RefusedUnderPipeline
+
+    for name in RefusedUnderPipeline.FIXES:
+        with pytest.raises(PipelineParallelError, match=f"{name} on a pipeline-parallel model"):
+            RefusedUnderPipeline(name, 1)()
 
 
 def test_stage_cache_reads_its_own_layers():
