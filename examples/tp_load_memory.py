@@ -3,6 +3,7 @@
     python examples/tp_load_memory.py make /tmp/llama-1g            # random ~1 GB Llama (fp32)
     python examples/tp_load_memory.py load /tmp/llama-1g            # single process, tp=1
     torchrun --nproc-per-node 2 examples/tp_load_memory.py load /tmp/llama-1g   # tp=2
+    torchrun --nproc-per-node 2 examples/tp_load_memory.py load /tmp/llama-1g --pp 2  # 2 stages
 
 `load` prints, per rank, the resident memory before loading (interpreter + torch +
 transformers), the peak (ru_maxrss) over loading and one forward pass (a single process's
@@ -47,7 +48,7 @@ def make(folder: str) -> None:
     print(f"saved {folder}: {size / 1e9:.2f} GB")
 
 
-def load(folder: str, parity_check: bool) -> None:
+def load(folder: str, parity_check: bool, pp: int) -> None:
     from transformers import AutoModelForCausalLM
 
     import hf_dsinfer  # noqa: F401  (registers dsinfer=)
@@ -55,15 +56,15 @@ def load(folder: str, parity_check: bool) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     before = rss_mb()
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dsinfer={"tp_size": world, "parity_check": parity_check})
+    model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={
+        "tp_size": world // pp, "pp_size": pp, "parity_check": parity_check})
     held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     # One forward: weights that the loader left as views of the mapped file (transformers does,
     # for a single process) only become resident when they are first read.
     with torch.no_grad():
         model(torch.arange(8).view(1, 8))
     peak = peak_mb()
-    print(f"| {world} | {parity_check} | {rank} | {before:.0f} | {peak:.0f} | "
+    print(f"| {world // pp} x {pp} | {parity_check} | {rank} | {before:.0f} | {peak:.0f} | "
           f"{peak - before:.0f} | {held:.0f} |", flush=True)
 
 
@@ -74,15 +75,16 @@ def main() -> None:
     parser.add_argument("folder")
     parser.add_argument("--no-parity", action="store_true",
                         help="skip the parity gate (under tp>1 it reads one full block per class)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (world = tp * pp)")
     args = parser.parse_args()
     if args.action == "make":
         make(args.folder)
     else:
         if os.environ.get("RANK", "0") == "0":
-            print("| tp | parity gate | rank | RSS before load (MiB) | peak RSS (MiB) | "
+            print("| tp x pp | parity gate | rank | RSS before load (MiB) | peak RSS (MiB) | "
                   "peak - before (MiB) | parameters held (MiB) |\n|---|---|---|---|---|---|---|",
                   flush=True)
-        load(args.folder, not args.no_parity)
+        load(args.folder, not args.no_parity, args.pp)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,20 @@ class DSInferConfig:
             a dict changing them for this model only, e.g. {"native": False} (torch paths),
             {"isa": "avx2", "amx": False}, {"kernels": "ref"}; applied around the model's
             forward, so every kernel call inside it sees them.
+        pp_size: pipeline-parallel degree (DeepSpeed-Inference's inference pipeline): the
+            decoder layers are split into pp_size stages balanced by bytes, each rank loads and
+            runs only its stage (the embedding on the first, the final norm and lm_head on the
+            last) and keeps the KV cache of its own layers. Combines with tp_size (world =
+            tp_size * pp_size; ranks [k*tp, (k+1)*tp) form stage k). Needs torch.distributed
+            with gloo (CPU); NCCL pipelines are not built yet.
+        pp_micro_batches: micro-batches of the generation phase (None: pp_size, the paper's
+            choice); a micro-batch's next token goes back to the first stage as soon as the
+            last stage samples it (dynamic queue, no per-token barrier).
+        pp_prompt_micro_batches: micro-batches of the prompt phase (None: 2 * the generation
+            phase's, the hybrid schedule: prompts are long, so more micro-batches fill the
+            pipeline better); at least pp_micro_batches.
+        pp_timeout_s: how long a pipeline rank waits for a message from its neighbour before it
+            raises PipelineParallelError (a stage that raises tells the others at once).
         moe_capacity_factor: None (default) routes dropless, exactly as HF. A number c caps each
             expert at ceil(c * tokens * top_k / experts) routed tokens per forward; the rest
             of those tokens' slots are dropped (they keep only their other experts and the
@@ -149,6 +163,10 @@ class DSInferConfig:
     ep_node_size: int | None = None
     moe_capacity_factor: float | None = None
     settings: dict[str, Any] | None = None
+    pp_size: int = 1
+    pp_micro_batches: int | None = None
+    pp_prompt_micro_batches: int | None = None
+    pp_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -166,6 +184,7 @@ class DSInferConfig:
         _check_tp_size(self.tp_size)
         object.__setattr__(self, "offload", OffloadPolicy.coerce(self.offload))
         _check_moe(self)
+        _check_pipeline(self)
         check_combinations(self)
 
     # -- construction from user input -----------------------------------------------------------
@@ -261,6 +280,34 @@ def _check_moe(config: DSInferConfig) -> None:
             "tokens beyond 1.25x an even share per expert.")
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_pipeline(config: DSInferConfig) -> None:
+    pp, mb, prompt = config.pp_size, config.pp_micro_batches, config.pp_prompt_micro_batches
+    if not _positive_int(pp):
+        raise DSInferConfigError(
+            f"DSInferConfig.pp_size: expected a positive int, got {pp!r}. Fix: pp_size=1 (no "
+            "pipeline) or the number of stages, e.g. pp_size=2 under `torchrun "
+            "--nproc-per-node 2` (tp_size * pp_size processes in all).")
+    for name, value in (("pp_micro_batches", mb), ("pp_prompt_micro_batches", prompt)):
+        if value is not None and not _positive_int(value):
+            raise DSInferConfigError(
+                f"DSInferConfig.{name}: expected None (automatic) or a positive int, got "
+                f"{value!r}. Fix: leave it None, or e.g. {name}=4.")
+    if mb is not None and prompt is not None and prompt < mb:
+        raise DSInferConfigError(
+            f"DSInferConfig: pp_prompt_micro_batches={prompt} is smaller than pp_micro_batches="
+            f"{mb}; each generation micro-batch is made of whole prompt micro-batches. Fix: "
+            f"pp_prompt_micro_batches >= {mb}, or leave it None.")
+    timeout = config.pp_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise DSInferConfigError(
+            f"DSInferConfig.pp_timeout_s: expected a positive number of seconds, got "
+            f"{timeout!r}. Fix: leave it at 300, or e.g. pp_timeout_s=60.")
+
+
 def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:
     if not isinstance(value, types):
         raise DSInferConfigError(
@@ -288,9 +335,12 @@ FEATURES: dict[str, Callable[[DSInferConfig], bool]] = {
     "tp_size > 1": lambda c: c.tp_size > 1,
     "ep_size > 1": lambda c: c.ep_size > 1,
     "offload": lambda c: c.offload is not None,
+    "pp_size > 1": lambda c: c.pp_size > 1,
 }
 _OFFLOAD_WHY = ("offloaded weights are streamed per layer and compressed by the offload engine "
                 "itself, and generate() gets the offload engine's own per-micro-batch cache")
+_PIPELINE_WHY = ("each pipeline stage keeps a growing per-micro-batch cache of its own layers and "
+                 "runs eagerly")
 CONFLICTS: tuple[Conflict, ...] = (
     Conflict("compile=True", "cache='dynamic'", "a compiled decode step has fixed shapes: it "
              "needs the preallocated static KV cache", "drop one of the two"),
@@ -305,6 +355,12 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict("cache='static'", "offload", _OFFLOAD_WHY, "drop cache='static'"),
     Conflict("ep_size > 1", "offload", "the expert all-to-all needs every rank in eager "
              "lockstep", "drop offload or use ep_size=1"),
+    Conflict("pp_size > 1", "compile=True", _PIPELINE_WHY, "drop compile=True or use pp_size=1"),
+    Conflict("pp_size > 1", "cache='static'", _PIPELINE_WHY,
+             "drop cache='static' or use pp_size=1"),
+    Conflict("pp_size > 1", "ep_size > 1", "expert parallelism inside a pipeline is not built",
+             "drop ep_size or use pp_size=1"),
+    Conflict("pp_size > 1", "offload", _PIPELINE_WHY, "drop offload or use pp_size=1"),
 )
 
 
@@ -314,5 +370,6 @@ def check_combinations(config: DSInferConfig) -> None:
         if FEATURES[conflict.first](config) and FEATURES[conflict.second](config):
             raise DSInferConfigError(
                 f"DSInferConfig: {conflict.first} cannot be combined with {conflict.second} "
-                f"(tp_size={config.tp_size}, ep_size={config.ep_size}): {conflict.why}. "
+                f"(tp_size={config.tp_size}, ep_size={config.ep_size}, pp_size={config.pp_size}):"
+                f" {conflict.why}. "
                 f"Fix: {conflict.fix}.")

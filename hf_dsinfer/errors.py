@@ -83,3 +83,15 @@ class ServeError(DSInferError):
         self.message = message
         self.param = param
         self.code = code
+class PipelineParallelError(DSInferError):
+    """Pipeline parallelism cannot be set up as asked, or a pipeline stage failed or timed out
+    while the others were waiting for it (raised on every rank, never a hang)."""
+
+
+class StageExit(Exception):
+    """Control flow of a pipeline stage (parallel/pipeline.py), not an error: raised by the exit
+    placeholder when the stage's part of the forward is done, carrying its hidden state."""
+
+    def __init__(self, hidden: object):
+        super().__init__("pipeline stage exit")
+        self.hidden = hidden

@@ -6,6 +6,7 @@
     install           fused blocks and MoE layers in place            injection.walker
     attach offload    weights streamed from the store                 offload.attach
     parity gate       fused vs HF on probe inputs                     injection.walker
+    pipeline stages   this rank's stage of the layers                 parallel.pipeline
     shard             tensor-parallel and expert-parallel slices      parallel.tensor / .expert
                       (loaded sharded: the parity gate now, against unsharded references)
     quantize          int8 / int4 weights                             injection.walker
@@ -56,6 +57,12 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
     walker.install(model, report)
     _attach_offload(model, config)  # before the parity probe: it streams the weights in
     walker.check_parity(model, report)
+    if config.pp_size > 1:  # before tensor parallelism: its parity probe runs the pipeline
+        from hf_dsinfer.parallel.pipeline import pipeline_parallelize
+        from hf_dsinfer.parallel.pipeline_generate import PipelinedGenerate
+
+        report.pp = pipeline_parallelize(model, report)
+        model.generate = PipelinedGenerate(model, report.pp.runner, config)
     if config.tp_size > 1:
         from hf_dsinfer.parallel.parity import REFERENCES_ATTR
         from hf_dsinfer.parallel.tensor import parallelize
@@ -91,10 +98,11 @@ def revert(model: nn.Module) -> nn.Module:
     report = get_report(model)
     if report is None:
         return model
-    if report.tp is not None:
+    if report.tp is not None or report.pp is not None:
         raise TensorParallelError(
-            "cannot revert or re-inject a tensor-parallel model: its weights are sharded across "
-            "ranks and the HF forwards cannot run on them. Fix: load the model again.")
+            "cannot revert or re-inject a tensor- or pipeline-parallel model: its weights are "
+            "sharded across ranks and the HF forwards cannot run on them. Fix: load the model "
+            "again.")
     walker.release_moe(report)  # raises first if the experts are quantized or sharded
     _detach_offload(model)
     walker.remove(model, report)

@@ -111,6 +111,8 @@ def _explain(model: nn.Module, report: InjectionReport) -> str:
         extras.append(model._dsinfer_offload.describe())
     if report.tp is not None:
         extras.append(report.tp.describe())
+    if getattr(report, "pp", None) is not None:
+        extras.append(report.pp.describe())
     if report.moe_quant is not None:
         before, after = report.moe_quant
         extras.append(f"experts quantized: int{cfg.quant.bits} per expert, "

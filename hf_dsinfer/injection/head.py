@@ -63,7 +63,7 @@ def _head_path(model: nn.Module, head: nn.Module) -> str | None:
 
 def install_head(model: nn.Module, config: DSInferConfig, backend: str) -> HeadReport | None:
     """Put the output projection on the kernel library (see the module docstring)."""
-    if config.tp_size > 1 or config.ep_size > 1 or config.offload is not None:
+    if config.tp_size > 1 or config.ep_size > 1 or config.pp_size > 1 or config.offload is not None:
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear or hasattr(head, "_hf_hook") or head.weight.device.type == "meta":

@@ -70,6 +70,7 @@ class InjectionReport:
     moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> FusedMoE
     moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
     ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
+    pp: Any = None  # hf_dsinfer.parallel.pipeline.PPReport when pp_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
     step: Any = None  # decode_step.NativeDecodeStep, when installed
     serving: Any = None  # hf.continuous_batching.ContinuousBatching, when installed
@@ -100,7 +101,8 @@ def prepare(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
     report.backend = _model_backend(model, config)
     for path, index, block in iter_layers(model, policy):
         if type(block).__name__ not in policy.block_classes:
-            report.skipped[path] = f"{type(block).__name__} is not a {policy.family} block class"
+            report.skipped[path] = getattr(block, "skip_reason", None) or \
+                f"{type(block).__name__} is not a {policy.family} block class"
             continue
         if config.offload is None and _offloaded_by_accelerate(block):
             report.skipped[path] = ACCELERATE_OFFLOADED
@@ -153,14 +155,25 @@ def finish(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> 
     continuous batching, compiled decode."""
     if report.blocks:
         report.head = install_head(model, config, report.backend)
-    if report.blocks and config.tp_size == 1 and config.ep_size == 1 and config.offload is None:
+    single = config.tp_size == config.ep_size == config.pp_size == 1
+    if report.blocks and single and config.offload is None:
         report.step = install_decode_step(model, report.blocks,
                                           layers_path(model, report.policy))
-    if report.blocks:
+    if report.blocks and config.pp_size == 1:
         report.serving = continuous_batching.install(model, list(report.blocks.values()))
     report.decode = resolve_decode_mode(config, next(model.parameters()).device)
     if report.decode.compile or report.decode.cache == "static":
         enable_compiled_decode(model, report.decode)
+
+
+def drop_blocks(report: InjectionReport, paths: list[str]) -> None:
+    """Give these blocks their HF forward back and forget them (and their MoE layers): a
+    pipeline stage keeps only its own layers."""
+    for path in paths:
+        fused = report.blocks.pop(path)
+        _uninstall(fused.block, fused)
+        for moe_path in [m for m in report.moe if m.startswith(f"{path}.")]:
+            del report.moe[moe_path]
 
 
 def release_moe(report: InjectionReport) -> None:

@@ -24,6 +24,10 @@ _MARK = "__dsinfer_shim__"
 
 def _load(original, cls, args, kwargs, dsinfer: Any):
     config = DSInferConfig.coerce(dsinfer)
+    if config.pp_size > 1:  # each rank reads only its stage (hf_dsinfer.parallel.pipeline_loading)
+        from hf_dsinfer.parallel.pipeline_loading import load_pipeline_parallel
+
+        return init_inference(load_pipeline_parallel(original, cls, args, kwargs, config), config)
     if config.tp_size > 1:  # each rank reads only its slices (hf_dsinfer.parallel.loading)
         from hf_dsinfer.parallel.loading import load_tensor_parallel
 

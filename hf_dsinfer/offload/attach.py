@@ -105,7 +105,15 @@ def attach_offload(model: nn.Module, policy: OffloadPolicy) -> OffloadEngine:
     remove_hook_from_module(model, recurse=True)  # accelerate's per-module loading hooks
     _swap_packed(blocks, slots, policy.group_size)
     bind = functools.partial(_bind, blocks)
-    store.build(source, folder, folder.name if folder else "", bind)
+    build = functools.partial(store.build, source, folder, folder.name if folder else "", bind)
+    if policy.parallel_fetch:  # ZeRO-Inference: each rank reads 1/N of every layer file
+        from hf_dsinfer.parallel.fetch import ParallelFetch
+
+        _check_parallel_fetch(policy, store)
+        store.fetch = ParallelFetch()
+        store.fetch.build_in_turn(build)
+    else:
+        build()
     del source  # holds every in-memory block parameter until here
     _move_others(model, prefix, device)
     engine = OffloadEngine(list(blocks), store, policy, device, shape)
@@ -113,6 +121,15 @@ def attach_offload(model: nn.Module, policy: OffloadPolicy) -> OffloadEngine:
     _return_freed_memory()
     model.hf_device_map = _device_map(model, prefix, blocks, slots, device)
     return engine
+
+
+def _check_parallel_fetch(policy: OffloadPolicy, store: WeightStore) -> None:
+    if not store.whole_file or not any(s.tier == "disk" for s in store.slots):
+        raise DSInferError(
+            f"hf_dsinfer offload: parallel_fetch=True splits the reads of the disk tier's layer "
+            f"files on a CPU compute device; got weights={policy.weights} on "
+            f"{store.device}. Fix: put weights on disk (weights=(0, x, 100 - x)) with a CPU "
+            "compute device, or drop parallel_fetch.")
 
 
 def detach_offload(model: nn.Module) -> nn.Module:

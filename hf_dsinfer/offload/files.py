@@ -193,6 +193,18 @@ class SafetensorsFile:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if got < size:
             raise self._fail(f"short: read {got} of {size} bytes")
+        return self.views(out)
+
+    def read_span(self, out: torch.Tensor, start: int) -> int:
+        """Bytes [start, start + len(out)) of the file into `out` (one buffered read)."""
+        got = os.preadv(self._fd, [out.numpy()], start)
+        os.posix_fadvise(self._fd, start, out.numel(), os.POSIX_FADV_DONTNEED)
+        if got != out.numel():
+            raise self._fail(f"short: read {got} of {out.numel()} bytes at {start}")
+        return got
+
+    def views(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every tensor of the file as a view of `out`, which holds the whole file's bytes."""
         views = {}
         for name, info in self.entries.items():
             lo, hi = info["data_offsets"]

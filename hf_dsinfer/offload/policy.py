@@ -112,6 +112,10 @@ class OffloadPolicy:
         memory: host-RAM budget of the offloaded model (bytes or '2.5GiB'), checked at load.
         device_memory: GPU-memory budget when the compute device is CUDA.
         device: compute device ('cpu', 'cuda', 'cuda:1'); None picks CUDA when available.
+        parallel_fetch: ZeRO-Inference's parallel fetch, under torch.distributed with N > 1
+            processes that all run the same generate calls: each rank reads 1/N of every
+            layer's disk file and the ranks all-gather the rest (hf_dsinfer.parallel.fetch), so
+            their read bandwidths add up. Disk tier, CPU compute device.
     """
 
     weights: tuple[float, float, float] = (0.0, 100.0, 0.0)
@@ -128,13 +132,15 @@ class OffloadPolicy:
     memory: int | None = None
     device_memory: int | None = None
     device: str | None = None
+    parallel_fetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("weights", "cache", "activations"):
             object.__setattr__(self, name, _percentages(getattr(self, name), name))
         for name in ("micro_batch_size", "num_micro_batches"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("overlap", "cpu_attention", "compress_weights", "compress_cache"):
+        for name in ("overlap", "cpu_attention", "compress_weights", "compress_cache",
+                     "parallel_fetch"):
             _check_flag(name, getattr(self, name))
         for name in ("memory", "device_memory"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name), name))

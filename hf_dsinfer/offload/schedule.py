@@ -161,9 +161,11 @@ class OffloadEngine:
                          "\noffload: decode attention over the 4-bit KV cache decoded to dense "
                          "K/V (attention over the codes needs a CPU compute device, the native "
                          "kernels and fused blocks without ALiBi)")
+        fetch = "" if self.store.fetch is None else f"\noffload: {self.store.fetch.describe()}"
         return (f"offload: {self.policy.describe()}\n"
                 f"offload: decoder-layer weights as stored: {tiers}; compute on {self.device}; "
-                f"{len(self.blocks)} layers run by OffloadedLayer (block schedule){attention}")
+                f"{len(self.blocks)} layers run by OffloadedLayer (block schedule){attention}"
+                f"{fetch}")
 
     def check_budget(self, batch: int, prompt_len: int, gen_len: int) -> None:
         """Before a generate() block starts: do its KV cache and activations fit the budget?"""

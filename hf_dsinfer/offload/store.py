@@ -19,6 +19,7 @@ decompresses 4-bit codes. It is what the prefetch thread runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -174,6 +175,7 @@ class WeightStore:
         self.whole_file = device.type == "cpu"
         self._offsets, self.dense_bytes = _buffer_layout(slots, self.whole_file)
         self.file_bytes = 0  # the largest layer file, page-rounded (set by build)
+        self.fetch = None  # hf_dsinfer.parallel.fetch.ParallelFetch: reads 1/N, all-gathers
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- building ---------------------------------------------------------------------------------
@@ -200,7 +202,8 @@ class WeightStore:
         for j in range(self.num_layers if disk_slots else 0):
             self.disk[j] = reuse[f"layer_{j:05d}.safetensors"]
         if self.whole_file and disk_slots:
-            self.file_bytes = max(files.aligned_size(f.size) for f in self.disk)
+            span = files.aligned_size if self.fetch is None else self.fetch.span
+            self.file_bytes = max(span(f.size) for f in self.disk)
 
     def _prepare_folder(self, folder: Path) -> None:
         need = self.num_layers * sum(s.stored_nbytes(self.policy.group_size)
@@ -255,7 +258,9 @@ class WeightStore:
         buffer = self.new_buffer() if buffer is None else buffer
         views = {}
         if self.whole_file and self.disk[j] is not None:
-            views = self.disk[j].read_all(buffer[self.dense_bytes:])
+            read = self.disk[j].read_all if self.fetch is None else \
+                functools.partial(self.fetch.read_all, self.disk[j])
+            views = read(buffer[self.dense_bytes:])
         out = {}
         for slot in self.slots:
             if slot.bound:

@@ -227,14 +227,17 @@ def _read_full(reader: CheckpointReader, keys: dict[str, str], name: str,
 
 
 def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str],
-                tp: RankGroup) -> None:
-    """Read every parameter's slice (or whole replicated tensor) onto this rank's device."""
+                tp: RankGroup, skip: frozenset[str] = frozenset()) -> None:
+    """Read every parameter's slice (or whole replicated tensor) onto this rank's device;
+    parameters named in `skip` (held by another pipeline stage) are not read."""
     plan = plan_model(model, find_policy(model), tp)
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
     missing = []
     for names in aliases.values():
+        if skip.intersection(names):
+            continue
         key = next((keys[n] for n in names if n in keys), None)
         if key is None:
             missing += names

@@ -89,6 +89,8 @@ def plan_model(model: nn.Module, policy: Policy, tp: RankGroup) -> ModelPlan:
     _, source = linear_styles(policy, model.config)
     blocks, params = {}, {}
     for path, index, block in iter_layers(model, policy):
+        if getattr(block, "is_pipeline_placeholder", False):  # held by another pipeline stage
+            continue
         shard = plan_block(block, policy, model.config, index, tp.size, tp.rank)
         blocks[path] = shard
         params.update({f"{path}.{name}": spec for name, spec in shard.params.items()})
@@ -259,9 +261,11 @@ def _wire_blocks(model: nn.Module, report: Any, plan: ModelPlan, tp: RankGroup) 
 def _wire_vocab(model: nn.Module, plan: ModelPlan, tp: RankGroup) -> None:
     start = sum(plan.vocab_sizes[: tp.rank])
     embed = model.get_input_embeddings()
-    embed.forward = VocabParallelEmbedding(embed, start, tp)
+    stub = "_dsinfer_pipeline_stub"  # held by another pipeline stage (parallel/pipeline.py)
+    if not getattr(embed, stub, False):
+        embed.forward = VocabParallelEmbedding(embed, start, tp)
     head = model.get_output_embeddings()
-    if head is not None:
+    if head is not None and not getattr(head, stub, False):
         head.forward = VocabParallelHead(head, plan.vocab_sizes, tp)
 
 

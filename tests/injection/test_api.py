@@ -184,7 +184,8 @@ def test_kernels_env_var_sets_what_auto_means(monkeypatch):
 
 _TURN_ON = {"compile=True": {"compile": True}, "cache='dynamic'": {"cache": "dynamic"},
             "cache='static'": {"cache": "static"}, "quant": {"quant": {"bits": 8}},
-            "tp_size > 1": {"tp_size": 2}, "ep_size > 1": {"ep_size": 2}, "offload": {"offload": {}}}
+            "tp_size > 1": {"tp_size": 2}, "ep_size > 1": {"ep_size": 2}, "offload": {"offload": {}},
+            "pp_size > 1": {"pp_size": 2}}
 
 
 def test_one_table_says_which_features_combine():

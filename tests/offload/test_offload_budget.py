@@ -5,11 +5,13 @@ baseline after imports (the peak is reset through /proc/self/clear_refs)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from launch import REPO
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_dsinfer.offload.policy import OffloadPolicy
@@ -33,8 +35,10 @@ def test_peak_rss_stays_within_budget(tmp_path):
     policy = OffloadPolicy(weights=(0, 0, 100), cache=(0, 100, 0), micro_batch_size=2,
                            num_micro_batches=2, memory=BUDGET, offload_dir=str(tmp_path / "o"))
     probe = Path(__file__).with_name("_rss_probe.py")
+    env = {**os.environ,  # the probe imports this checkout's hf_dsinfer, whatever is installed
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     run = subprocess.run([sys.executable, str(probe), path, json.dumps(policy.to_dict())],
-                         capture_output=True, text=True, timeout=300, check=False)
+                         capture_output=True, text=True, timeout=300, check=False, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["tokens"] == 36

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import REPO
 from tiny_models import save_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +35,8 @@ def _single_process_text(folder: str) -> str:
 @pytest.mark.multiprocess
 def test_accelerate_launch_two_processes_same_text(tmp_path_factory):
     folder = save_tiny(tmp_path_factory, "llama")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",

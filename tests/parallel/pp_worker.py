@@ -1,0 +1,207 @@
+"""Launched by test_pipeline_parallel.py: `torchrun --nproc-per-node W pp_worker.py OUT DIR PP
+MODE FAMILY...`: pipeline parallelism (tp = W / PP) on every family named, in one launch, then
+a stage failing in MODE ("raise" or "silent").
+
+Each family is built with 4 decoder layers (so 2 and 3 stages both split it), saved once to
+DIR, and loaded with `from_pretrained(dir, dsinfer={"pp_size": PP, "tp_size": TP})`; every rank
+also runs HF eager on the same model in-process and compares. Each rank writes its own JSON
+(`OUT.<rank>.json`); the pytest side asserts. The failure checks come last: after them the
+process group is not used again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [_TESTS, os.path.join(_TESTS, "..")]  # tiny_models, and this checkout's package
+
+import torch
+import torch.distributed as dist
+from launch import exit_skipping_teardown
+from tiny_models import CONFIGS, MOE_CONFIGS, prompts
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+import hf_dsinfer
+from hf_dsinfer.errors import DSInferError, PipelineParallelError
+from hf_dsinfer.injection.walker import get_report
+
+LAYERS = 4
+NEW = 6
+GEN = {"max_new_tokens": NEW, "pad_token_id": 0}
+SAMPLE = {"do_sample": True, "top_k": 20, "temperature": 0.9}
+
+
+def deep_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny test model of `name` with LAYERS decoder layers (layer-type patterns repeated)."""
+    config = {**CONFIGS, **MOE_CONFIGS}[name]()
+    old = config.num_hidden_layers
+    for key, value in list(vars(config).items()):  # per-layer lists: layer_types, no_rope_layers
+        if isinstance(value, list) and len(value) == old:
+            setattr(config, key, [value[i % old] for i in range(LAYERS)])
+    config.num_hidden_layers = LAYERS
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = [1]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+class Recorder(BaseStreamer):
+    """A streamer that keeps what generate puts (the prompt, then each new token)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def _tokens(model, ids, mask, seed: int, **kwargs) -> list[list[int]]:
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, **GEN, **kwargs).tolist()
+
+
+def _bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+
+
+def _shared_bytes(model, report) -> int:
+    """Weights outside the decoder layers, the embedding and lm_head (final norm, position
+    embeddings, OPT's projections): every stage holds them."""
+    layers = model.get_submodule(report.pp.layers_path)
+    skip = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings())
+            for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: bool) -> dict:
+    """Logits and greedy tokens of a left-padded batch; for the first family and the MoE ones
+    also early EOS and seeded sampling; for the first, the schedule variants too."""
+    ref = deep_model(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp, "tp_size": tp})
+    report = get_report(model)
+    ids, mask = prompts(batch=3)
+    with torch.inference_mode():
+        hf_logits = ref(ids, attention_mask=mask).logits
+        before = sum(hf_dsinfer.fused_call_counts(model).values())
+        pp_logits = model(ids, attention_mask=mask).logits
+        fused_ran = sum(hf_dsinfer.fused_call_counts(model).values()) > before
+    greedy_hf = _tokens(ref, ids, mask, 0)
+    # An EOS that row 0 emits early: rows then finish at different steps and leave their
+    # micro-batches while the others go on.
+    eos = greedy_hf[0][ids.shape[1] + 1]
+    out = {
+        "logits_max_diff": (hf_logits - pp_logits)[mask.bool()].abs().max().item(),
+        "fused_ran": fused_ran,
+        "own_blocks": sorted(report.blocks),
+        "parity": {k: [r.max_rel_err, r.passed] for k, r in report.parity.items()},
+        "stage": report.pp.ranks.stage,
+        "held_bytes": _bytes(model),
+        "planned_bytes": report.pp.plan.stage_bytes[report.pp.ranks.stage],
+        "full_bytes": _bytes(ref),
+        "shared_bytes": _shared_bytes(ref, report),
+        "tokens": {"greedy": [greedy_hf, _tokens(model, ids, mask, 0)]},
+    }
+    if first or name in MOE_CONFIGS:
+        out["tokens"].update({
+            "eos": [_tokens(ref, ids, mask, 0, eos_token_id=eos),
+                    _tokens(model, ids, mask, 0, eos_token_id=eos)],
+            "sample": [_tokens(ref, ids, mask, 1234, **SAMPLE),
+                       _tokens(model, ids, mask, 1234 + 17 * rank, **SAMPLE)]})
+    if first:  # schedule variants, once per launch
+        streamer = Recorder()
+        with torch.inference_mode():
+            streamed = _tokens(model, ids[:1], mask[:1], 0, streamer=streamer)
+        out["streamed"] = [streamed[0], streamer.tokens]
+        five, five_mask = prompts(batch=5, lengths=(9, 5, 7, 3, 8))
+        out["tokens"].update({
+            "one_row": [_tokens(ref, ids[:1], mask[:1], 0), streamed],
+            "sample_eos_five_rows": [
+                _tokens(ref, five, five_mask, 99, eos_token_id=eos, **SAMPLE),
+                _tokens(model, five, five_mask, 99 + rank, eos_token_id=eos, **SAMPLE)],
+            "lockstep": [greedy_hf, _tokens(model, ids, mask, 0, pp_schedule="lockstep")],
+            "one_micro_batch": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=1,
+                                                   pp_prompt_micro_batches=1)],
+            "row_micro_batches": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=3)]})
+        out["explain"] = hf_dsinfer.explain(model)
+        out["refused"] = []
+        for call in (lambda: model.save_pretrained(folder + "-copy"),
+                     lambda: model.generate_batch(inputs=[[5, 6, 7]])):
+            try:
+                call()
+            except DSInferError as err:  # tensor parallelism's own refusal under tp > 1
+                out["refused"].append(str(err))
+    return out
+
+
+TIMEOUT_S = 1.0
+
+
+def check_failures(folder: str, pp: int, tp: int, rank: int, mode: str) -> dict:
+    """Stage 1 raises ("raise": every rank must raise at once) or goes silent for longer than
+    pp_timeout_s ("silent": the others must raise after about that long), at its 3rd forward."""
+    out = {}
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dsinfer={"pp_size": pp, "tp_size": tp, "pp_timeout_s": TIMEOUT_S})
+    ids, mask = prompts(batch=3)
+    fused = next(iter(get_report(model).blocks.values()))
+    if rank // tp == 1:
+        calls = {"n": 0}
+        inner = fused.block.forward
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3 and mode == "raise":
+                raise RuntimeError("injected failure on stage 1")
+            if calls["n"] == 3:
+                time.sleep(2.5 * TIMEOUT_S)
+            return inner(*args, **kwargs)
+
+        fused.block.forward = failing
+    start = time.perf_counter()
+    try:
+        model.generate(ids, attention_mask=mask, **GEN)
+        out["raised"] = None
+    except (PipelineParallelError, RuntimeError) as err:
+        out["raised"] = f"{type(err).__name__}: {err}"
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def main() -> None:
+    out_path, root, pp, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    families = sys.argv[5:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = world // pp
+    if rank == 0:
+        for name in families:
+            deep_model(name).save_pretrained(os.path.join(root, name))
+    dist.barrier()
+    result: dict = {"world": world, "pp": pp, "tp": tp, "families": {}}
+    try:
+        for name in families:
+            result["families"][name] = check_family(name, os.path.join(root, name), pp, tp, rank,
+                                                    first=name == families[0])
+        result["failure"] = check_failures(os.path.join(root, families[0]), pp, tp, rank, mode)
+    except Exception:  # noqa: BLE001  (into the JSON: the pytest side shows the traceback)
+        result["crash"] = traceback.format_exc()
+    with open(f"{out_path}.{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
+    exit_skipping_teardown()

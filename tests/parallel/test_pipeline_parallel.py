@@ -1,0 +1,223 @@
+"""Pipeline parallelism (issue 28) against HF eager in one process.
+
+Three torchrun launches run pp_worker.py (each family at 4 layers, loaded with
+`from_pretrained(dir, dsinfer={"pp_size": P, "tp_size": T})`):
+- pp=2: every dense family and Mixtral; a stage that raises;
+- pp=3: Llama and Mixtral (MoE checkpoints are loaded whole and split in place); a stage that
+  goes silent;
+- tp=2 x pp=2 (4 processes): Llama and Mixtral; a stage that raises.
+Each rank compares with HF on the same model in-process: fp32 logits of a left-padded batch
+through the lock-step forward and greedy tokens of the left-padded batch (every family); for
+Llama and the MoE family also an EOS that makes rows finish at different steps (they leave
+their micro-batches) and seeded sampling with every rank seeded differently (the pipeline
+starts from rank 0's RNG state); for Llama one row, five rows with sampling and early EOS, the
+lock-step baseline schedule, one micro-batch, one micro-batch per row, and a streamer.
+Logits and the streamed call run under torch.inference_mode(), the rest under generate's
+no_grad. The in-process tests cover the stage partition,
+the cache redirection, the sampling order and the errors that need no second process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import torchrun
+from tiny_models import FAMILIES, make_model
+from transformers import DynamicCache
+
+import hf_dsinfer
+from hf_dsinfer.errors import PipelineParallelError
+from hf_dsinfer.parallel.pipeline import bind_stage_cache, partition
+from hf_dsinfer.parallel.pipeline_generate import DrawLedger
+
+WORKER = Path(__file__).with_name("pp_worker.py")
+FP32_LOGIT_ATOL = 1e-4
+MOE = "mixtral_8x2"
+LAUNCHES = {  # name: (processes, pp, failure mode, families)
+    "pp2": (2, 2, "raise", ["llama", *[f for f in FAMILIES if f != "llama"], MOE]),
+    "pp3": (3, 3, "silent", ["llama", MOE]),
+    "tp2xpp2": (4, 2, "raise", ["llama", MOE]),
+}
+TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def run(request, tmp_path_factory):
+    procs, pp, mode, families = LAUNCHES[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    proc = torchrun(procs, str(WORKER), str(out / "result"), str(out), str(pp), mode, *families)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"result.{r}.json").read_text()) for r in range(procs)]
+    for rank in ranks:
+        assert "crash" not in rank, rank["crash"]
+    return ranks
+
+
+def _families(run):
+    return list(run[0]["families"])
+
+
+@pytest.mark.multiprocess
+def test_logits_match_single_process(run):
+    for name in _families(run):
+        for rank in run:
+            fam = rank["families"][name]
+            assert fam["fused_ran"], name  # this rank's own fused blocks computed
+            assert fam["logits_max_diff"] <= FP32_LOGIT_ATOL, (name, fam["logits_max_diff"])
+            assert fam["parity"] and all(ok for _, ok in fam["parity"].values()), fam["parity"]
+
+
+@pytest.mark.multiprocess
+def test_tokens_identical_to_single_process(run):
+    for name in _families(run):
+        for rank in run:
+            for case, (hf, pp) in rank["families"][name]["tokens"].items():
+                assert hf == pp, (name, case, rank["families"][name]["stage"])
+    assert "lockstep" in run[0]["families"][_families(run)[0]]["tokens"]
+    assert all("sample" in run[0]["families"][name]["tokens"] for name in (_families(run)[0],
+                                                                          *_moe(run)))
+
+
+def _moe(run):
+    return [name for name in _families(run) if name == MOE]
+
+
+@pytest.mark.multiprocess
+def test_streamer_runs_on_the_last_stage(run):
+    """The prompt, then every new token; other stages' streamers get nothing."""
+    for rank in run:
+        fam = rank["families"][_families(run)[0]]
+        generated, streamed = fam["streamed"]
+        last = fam["stage"] == rank["pp"] - 1
+        assert streamed == (generated if last else []), fam["stage"]
+
+
+@pytest.mark.multiprocess
+def test_stages_hold_their_layers_only(run):
+    pp, tp = run[0]["pp"], run[0]["tp"]
+    for name in _families(run):
+        fams = [rank["families"][name] for rank in run]
+        owned = sorted(b for f in fams[::tp] for b in f["own_blocks"])
+        assert len(owned) == 4 and len(set(owned)) == 4  # every layer on exactly one stage
+        full = fams[0]["full_bytes"]
+        for f in fams:
+            # a rank holds its planned layers (and embedding / lm_head), its tensor-parallel
+            # slice of them under tp > 1, and the small modules every stage runs (final norm,
+            # position embeddings, OPT's projections)
+            if tp == 1:
+                assert f["held_bytes"] == f["planned_bytes"] + f["shared_bytes"], name
+            else:
+                assert f["held_bytes"] < f["planned_bytes"] + f["shared_bytes"], name
+            if pp == 2 and tp == 1:  # 2 + 2 layers: half of the weights each, + shared ones
+                share = (f["held_bytes"] - f["shared_bytes"]) / (full - f["shared_bytes"])
+                assert abs(share - 0.5) < 0.05, (name, f["held_bytes"], full)
+
+
+@pytest.mark.multiprocess
+def test_explain_names_the_stages(run):
+    text = run[0]["families"][_families(run)[0]]["explain"]
+    assert "pipeline parallel: stage 0 of" in text and "stage 1: layers" in text
+    assert "held by pipeline stage" in text
+    refused = run[0]["families"][_families(run)[0]]["refused"]
+    assert len(refused) == 2 and "save_pretrained" in refused[0]
+
+
+@pytest.mark.multiprocess
+def test_failing_stage_makes_every_rank_raise(run):
+    tp, failure = run[0]["tp"], [rank["failure"] for rank in run]
+    for r, result in enumerate(failure):
+        assert result["raised"] is not None, r
+        if r // tp == 1 and "injected" in result["raised"]:
+            continue  # the failing stage raises its own error
+        assert result["raised"].startswith("PipelineParallelError"), result
+        assert result["seconds"] < 3 * TIMEOUT_S + 2, result
+
+
+# -- in-process ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("costs", "stages", "first", "last", "heaviest", "expected"), [
+    ([1, 1, 1, 1], 2, 0, 0, 2, [(0, 2), (2, 4)]),
+    ([1, 1, 1, 1], 3, 0, 0, 2, None),                   # 2+1+1, 1+2+1 or 1+1+2
+    ([1, 1, 1, 1], 2, 2, 0, 3, [(0, 1), (1, 4)]),       # the embedding weighs on stage 0
+    ([1, 1, 1, 1], 2, 0, 2, 3, [(0, 3), (3, 4)]),       # lm_head on the last
+    ([5, 1, 1, 1, 1, 1], 2, 0, 0, 5, [(0, 1), (1, 6)]),  # one heavy layer
+    ([3, 3, 3], 3, 0, 0, 3, [(0, 1), (1, 2), (2, 3)]),
+    # by hand: 1+2+7 | 1+1+4 | 2+3+1 (or 1+2 | 7+1+1 | 4+2+3+1): the heaviest stage is 10
+    ([2, 7, 1, 1, 4, 2, 3], 3, 1, 1, 10, None),
+])
+def test_partition_by_bytes(costs, stages, first, last, heaviest, expected):
+    got = partition(costs, stages, first, last)
+    assert got[0].start == 0 and got[-1].stop == len(costs) and all(len(r) for r in got)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(got))
+    loads = [sum(costs[i] for i in r) for r in got]
+    loads[0] += first
+    loads[-1] += last
+    assert max(loads) == heaviest
+    if expected is not None:
+        assert [(r.start, r.stop) for r in got] == expected
+
+
+def test_partition_needs_a_layer_per_stage():
+    with pytest.raises(PipelineParallelError, match="use pp_size <= 2"):
+        partition([1, 1], 3)
+
+
+@pytest.mark.parametrize("bad", [
+    {"pp_size": 0}, {"pp_size": True}, {"pp_size": 2, "compile": True},
+    {"pp_size": 2, "ep_size": 2}, {"pp_size": 2, "cache": "static"},
+    {"pp_micro_batches": 0}, {"pp_micro_batches": 3, "pp_prompt_micro_batches": 2},
+    {"pp_timeout_s": -1},
+])
+def test_config_validated(bad):
+    with pytest.raises(ValueError, match="pp_"):
+        hf_dsinfer.DSInferConfig(**bad)
+
+
+def test_no_process_group_raises(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    model = make_model("llama")
+    with pytest.raises(hf_dsinfer.errors.DSInferError, match="needs a torch.distributed"):
+        hf_dsinfer.init_inference(model, pp_size=2)
+
+
+def test_refused_methods_say_why():
+    from hf_dsinfer.parallel.pipeline import RefusedUnderPipeline
+
+    for name in RefusedUnderPipeline.FIXES:
+        with pytest.raises(PipelineParallelError, match=f"{name} on a pipeline-parallel model"):
+            RefusedUnderPipeline(name, 1)()
+
+
+def test_stage_cache_reads_its_own_layers():
+    """Layer 0 lives on another stage and stays empty; lengths come from the stage's layers."""
+    model = make_model("gemma3_text")  # sliding, full, sliding
+    cache = DynamicCache(config=model.config)
+    bind_stage_cache(cache, range(1, 3))
+    k = torch.zeros(2, 3, 7, 16)
+    cache.update(k, k, 1)
+    cache.update(k, k, 2)
+    assert cache.get_seq_length() == 7 and cache.layers[0].get_seq_length() == 0
+    assert cache.get_mask_sizes(1, 0) == cache.layers[2].get_mask_sizes(1)  # sliding -> 2
+    assert cache.get_mask_sizes(1, 1) == (8, 0)
+
+
+def test_draw_ledger_draws_in_single_process_order():
+    """Micro-batches drawing in order, with stand-ins for rows and micro-batches that left,
+    give the tokens of one multinomial over the whole batch per step."""
+    probs = torch.softmax(torch.randn(3, 5, 50), -1)  # [step, row, vocab]
+    torch.manual_seed(0)
+    want = [torch.multinomial(probs[t], 1).squeeze(1) for t in range(3)]
+    torch.manual_seed(0)
+    got = [torch.multinomial(probs[0], 1).squeeze(1)]  # the prompt step
+    ledger = DrawLedger([2, 3])  # rows 0-1 and 2-4
+    # step 1: both micro-batches; step 2: the first has left, the second lost its row 3
+    got.append(torch.cat([ledger.draw(1, 0, probs[1, :2], torch.arange(2)),
+                          ledger.draw(1, 1, probs[1, 2:], torch.arange(3))]))
+    kept = torch.tensor([0, 2])
+    got.append(ledger.draw(2, 1, probs[2, 2:][kept], kept))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2][2:][kept])
