@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from hf_dsinfer.default_model import chat_inputs, load
+from hf_dsinfer.default_model import chat_inputs, dsinfer_options, load
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    model, tokenizer = load(args.model, _dsinfer_options(args), _dtype(args.dtype))
+    model, tokenizer = load(args.model, dsinfer_options(args, "generate"), _dtype(args.dtype))
     inputs = chat_inputs(tokenizer, args.prompt)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
@@ -37,19 +37,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"\n[{mode}] {new} tokens in {seconds:.2f} s: {new / seconds:.1f} tok/s", flush=True)
     return 0
 
-
-def _dsinfer_options(args: argparse.Namespace) -> bool | dict:
-    if args.no_dsinfer:
-        if args.quant or args.compile:
-            raise SystemExit("hf-dsinfer generate: --quant/--compile need hf_dsinfer; "
-                             "drop --no-dsinfer.")
-        return False
-    options: dict = {}
-    if args.quant:
-        options["quant"] = {"bits": 8 if args.quant == "int8" else 4}
-    if args.compile:
-        options["compile"] = True
-    return options or True
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -81,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--no-dsinfer", action="store_true", help="run plain HF for comparison")
+    gen.add_argument("--dsinfer", default=None,
+                     help="DSInferConfig fields as a JSON object, e.g. '{\"quant\": {\"bits\": 8}}'")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     gen.add_argument("--quant", choices=["int8", "int4"], default=None,
                      help="weight-only quantization of the decoder blocks")

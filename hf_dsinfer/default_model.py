@@ -5,7 +5,9 @@ package, and `load`, which the CLI, the benchmarks and the server use to open it
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,3 +46,39 @@ def chat_inputs(tokenizer, prompt: str) -> dict:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True)
     return tokenizer(prompt, return_tensors="pt")
+
+
+def dsinfer_options(args: Any, command: str) -> bool | dict:
+    """What a command line asks for as `dsinfer=`: False (--no-dsinfer: plain HF), or a
+    DSInferConfig dict from --dsinfer JSON (where the command has it) plus --quant / --compile,
+    validated here so a bad field fails before the model loads (True: the defaults)."""
+    from hf_dsinfer.config import DSInferConfig
+
+    given, quant, compile_ = (getattr(args, "dsinfer", None), getattr(args, "quant", None),
+                              getattr(args, "compile", False))
+    if args.no_dsinfer:
+        if given or quant or compile_:
+            raise SystemExit(f"hf-dsinfer {command}: --dsinfer/--quant/--compile need "
+                             "hf_dsinfer; drop --no-dsinfer.")
+        return False
+    options: Any = {}
+    if given:
+        try:
+            options = json.loads(given)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"hf-dsinfer {command}: --dsinfer is not JSON ({exc}); expected an "
+                             "object such as '{\"quant\": {\"bits\": 8}}'.") from exc
+        if options is True:
+            options = {}
+        if not isinstance(options, dict):
+            raise SystemExit(f"hf-dsinfer {command}: --dsinfer: expected a JSON object of "
+                             f"DSInferConfig fields, got {given!r}.")
+    if quant:
+        options["quant"] = {"bits": 8 if quant == "int8" else 4}
+    if compile_:
+        options["compile"] = True
+    try:
+        DSInferConfig.coerce(options)  # fail here, with the field named, not after loading
+    except ValueError as exc:
+        raise SystemExit(f"hf-dsinfer {command}: --dsinfer: {exc}") from exc
+    return options or True

@@ -9,10 +9,11 @@ serve the OpenAI-compatible app with uvicorn until SIGINT / SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from hf_dsinfer import default_model
 
 SERVE_HELP = "OpenAI-compatible HTTP server with continuous batching (docs/serving.md)"
 
@@ -54,32 +55,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def dsinfer_options(args: argparse.Namespace) -> bool | dict:
     """False (plain HF) or a DSInferConfig dict from --dsinfer JSON plus the flags."""
-    from hf_dsinfer.config import DSInferConfig
-
-    if args.no_dsinfer:
-        if args.dsinfer or args.quant:
-            raise SystemExit("hf-dsinfer serve: --dsinfer/--quant need hf_dsinfer; drop "
-                             "--no-dsinfer.")
-        return False
-    options: Any = {}
-    if args.dsinfer:
-        try:
-            options = json.loads(args.dsinfer)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"hf-dsinfer serve: --dsinfer is not JSON ({exc}); expected an "
-                             "object such as '{\"quant\": {\"bits\": 8}}'.") from exc
-        if options is True:
-            options = {}
-        if not isinstance(options, dict):
-            raise SystemExit(f"hf-dsinfer serve: --dsinfer: expected a JSON object of "
-                             f"DSInferConfig fields, got {args.dsinfer!r}.")
-    if args.quant:
-        options["quant"] = {"bits": 8 if args.quant == "int8" else 4}
-    try:
-        DSInferConfig.coerce(options)  # fail here, with the field named, not after loading
-    except ValueError as exc:
-        raise SystemExit(f"hf-dsinfer serve: --dsinfer: {exc}") from exc
-    return options or True
+    return default_model.dsinfer_options(args, "serve")
 
 
 def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any, name: str):
