@@ -11,6 +11,7 @@
                       (loaded sharded: the parity gate now, against unsharded references)
     quantize          int8 / int4 weights                             injection.walker
     finish            output head, decode step, serving, compile      injection.walker
+    generate          the one model.generate (offload / pipeline schedule, TP / EP sync)
 
 Any error after `begin` takes off whatever was installed (`revert`) before it propagates, so a
 failed call leaves the model as it was. This module sits above injection, parallel and offload
@@ -18,6 +19,8 @@ failed call leaves the model as it was. This module sits above injection, parall
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
@@ -45,6 +48,7 @@ def inject(model: nn.Module, config: DSInferConfig) -> InjectionReport:
 def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
     if not walker.prepare(model, config, report):  # unsupported, running unmodified
         _attach_offload(model, config)
+        _own_generate(model, report)
         return
     if config.tp_size > 1:
         from hf_dsinfer.parallel.tensor import check_tensor_parallel
@@ -59,10 +63,7 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
     walker.check_parity(model, report)
     if config.pp_size > 1:  # before tensor parallelism: its parity probe runs the pipeline
         from hf_dsinfer.parallel.pipeline import pipeline_parallelize
-        from hf_dsinfer.parallel.pipeline_generate import PipelinedGenerate
-
         report.pp = pipeline_parallelize(model, report)
-        model.generate = PipelinedGenerate(model, report.pp.runner, config)
     if config.tp_size > 1:
         from hf_dsinfer.parallel.parity import REFERENCES_ATTR
         from hf_dsinfer.parallel.tensor import parallelize
@@ -77,6 +78,35 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
         report.ep = parallelize_experts(model, report)
     walker.quantize(model, config, report)
     walker.finish(model, config, report)
+    _own_generate(model, report)
+
+
+def _own_generate(model: nn.Module, report: InjectionReport) -> None:
+    """The one `model.generate` of an injected model: HF's own, or what a phase must run in
+    its place (offload's block schedule, the pipelined schedule), wrapped by the parallel
+    phases that need every rank in step (TP: one RNG state; EP: synced ranks). Installed here
+    only, as an instance attribute; `revert` takes it off."""
+    generate = None
+    if getattr(model, "_dsinfer_offload", None) is not None:
+        from hf_dsinfer.offload.schedule import offload_generate
+
+        generate = functools.partial(offload_generate, model)
+    if report.pp is not None:
+        from hf_dsinfer.parallel.pipeline_generate import PipelinedGenerate
+
+        generate = PipelinedGenerate(model, report.pp.runner, report.config)
+    if report.tp is not None:
+        from hf_dsinfer.parallel.groups import tensor_parallel_group
+        from hf_dsinfer.parallel.tensor import SyncedGenerate
+
+        generate = SyncedGenerate(generate or model.generate,
+                                  tensor_parallel_group(report.config.tp_size))
+    if report.ep is not None:
+        from hf_dsinfer.parallel.expert import SyncedExpertGenerate
+
+        generate = SyncedExpertGenerate(generate or model.generate)
+    if generate is not None:
+        model.generate = generate
 
 
 def _undo(model: nn.Module, report: InjectionReport, err: BaseException) -> None:
@@ -105,6 +135,7 @@ def revert(model: nn.Module) -> nn.Module:
             "again.")
     walker.release_moe(report)  # raises first if the experts are quantized or sharded
     _detach_offload(model)
+    model.__dict__.pop("generate", None)  # _own_generate's, if it installed one
     walker.remove(model, report)
     return model
 

@@ -136,3 +136,17 @@ def test_error_classes_live_in_errors():
                 assert not bases & {"Exception", "DSInferError", "ValueError", "RuntimeError"}, (
                     f"{path.relative_to(ROOT)}: {node.name} is an error class; define it in "
                     "hf_dsinfer/errors.py")
+
+
+def test_one_owner_of_model_generate():
+    """Only hf_dsinfer.phases sets `<model>.generate`; the phases that change what generate
+    does (offload, pipeline, TP, EP) give it a wrapper to install."""
+    setters = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and target.attr == "generate"
+                        and getattr(target.value, "id", None) != "self"):
+                    setters.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert setters == ["phases.py:" + setters[0].split(":")[1]] if setters else False, setters

@@ -29,7 +29,7 @@ from hf_dsinfer.offload import files
 from hf_dsinfer.offload.memory import ModelShape, check_budget, footprint
 from hf_dsinfer.offload.packed import swap_in_packed
 from hf_dsinfer.offload.policy import OffloadPolicy
-from hf_dsinfer.offload.schedule import OffloadedLayer, OffloadEngine, offload_generate
+from hf_dsinfer.offload.schedule import OffloadedLayer, OffloadEngine
 from hf_dsinfer.offload.store import WeightStore, fingerprint, place_layer
 
 ENGINE_ATTR = "_dsinfer_offload"
@@ -148,7 +148,6 @@ def detach_offload(model: nn.Module) -> nn.Module:
             else:
                 block.forward = layer.inner
     engine.close()
-    model.__dict__.pop("generate", None)
     delattr(model, ENGINE_ATTR)
     return model
 
@@ -277,8 +276,7 @@ def _install(model: nn.Module, blocks: nn.ModuleList, engine: OffloadEngine) -> 
         inner = block.__dict__.get("forward", block.forward)
         block.forward = OffloadedLayer(engine, j, block, inner)
         engine.release(j)  # per-use weights leave memory until their layer runs
-    setattr(model, ENGINE_ATTR, engine)
-    model.generate = functools.partial(offload_generate, model)
+    setattr(model, ENGINE_ATTR, engine)  # hf_dsinfer.phases installs offload_generate
 
 
 def _device_map(model: nn.Module, prefix: str, blocks: nn.ModuleList, slots,

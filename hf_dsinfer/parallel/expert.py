@@ -447,7 +447,8 @@ def _refuse_form_slicing(moe: Any, placement: ExpertPlacement) -> None:
 
 
 class SyncedExpertGenerate:
-    """Installed as `model.generate`: `synced_gpus=True` unless given, so ranks whose sequences
+    """Wraps `model.generate` (hf_dsinfer.phases installs it): `synced_gpus=True` unless given,
+    so ranks whose sequences
     finished keep joining every MoE all-to-all until all ranks are done."""
 
     def __init__(self, generate: Any):
@@ -473,7 +474,6 @@ def parallelize_experts(model: nn.Module, report: Any) -> EPReport:
                                    ep.rank, path)
         shard_experts(moe, placement)
         moe.parallel = ExpertParallel(placement, ep, nodes, tp)
-    model.generate = SyncedExpertGenerate(model.generate)
     return EPReport(ep.rank, ep.size, ep.ranks, placement, cfg.ep_node_size, report.moe,
                     tp.ranks)
 

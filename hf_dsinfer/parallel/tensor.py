@@ -202,7 +202,8 @@ class FullQKNorm:
 
 
 class SyncedGenerate:
-    """Installed as `model.generate`: start every rank from the group's first rank's RNG state."""
+    """Wraps `model.generate` (hf_dsinfer.phases installs it): every rank starts from the
+    group's first rank's RNG state."""
 
     def __init__(self, generate: Any, tp: RankGroup):
         self.generate, self.tp = generate, tp
@@ -279,7 +280,6 @@ def parallelize(model: nn.Module, report: Any) -> TPReport:
         shard_in_place(model, plan)
     _wire_blocks(model, report, plan, tp)
     _wire_vocab(model, plan, tp)
-    model.generate = SyncedGenerate(model.generate, tp)
     model.save_pretrained = RefuseShardedSave(tp)
     return TPReport(tp.rank, tp.size, tp.ranks, plan, loaded_sharded)
 
