@@ -151,7 +151,9 @@ def _timed_generate(model, batch: int, prompt: int, gen: int) -> dict:
     from transformers import LogitsProcessorList
 
     ids = torch.randint(4, 50000, (batch, prompt), generator=torch.Generator().manual_seed(1))
-    engine = getattr(model, "_dsinfer_offload", None)
+    from hf_dsinfer.offload import get_engine
+
+    engine = get_engine(model)
     if engine is not None:
         engine.reset_stats()
     clock = StepClock(engine.stats if engine is not None else None)

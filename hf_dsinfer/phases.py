@@ -24,6 +24,7 @@ import functools
 
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import DSInferError, TensorParallelError
 from hf_dsinfer.injection import walker
@@ -65,11 +66,10 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
         from hf_dsinfer.parallel.pipeline import pipeline_parallelize
         report.pp = pipeline_parallelize(model, report)
     if config.tp_size > 1:
-        from hf_dsinfer.parallel.parity import REFERENCES_ATTR
         from hf_dsinfer.parallel.tensor import parallelize
 
         report.tp = parallelize(model, report)
-        references = model.__dict__.pop(REFERENCES_ATTR, None)
+        references = state.pop(model, "references")
         if references is not None:  # loaded sharded: the gate against unsharded references
             walker.check_parity(model, report, references)
     if config.ep_size > 1:
@@ -87,7 +87,7 @@ def _own_generate(model: nn.Module, report: InjectionReport) -> None:
     phases that need every rank in step (TP: one RNG state; EP: synced ranks). Installed here
     only, as an instance attribute; `revert` takes it off."""
     generate = None
-    if getattr(model, "_dsinfer_offload", None) is not None:
+    if state.get(model, "engine") is not None:
         from hf_dsinfer.offload.schedule import offload_generate
 
         generate = functools.partial(offload_generate, model)
@@ -117,7 +117,7 @@ def _undo(model: nn.Module, report: InjectionReport, err: BaseException) -> None
     try:
         revert(model)
     except DSInferError as undo_err:
-        delattr(model, walker.REPORT_ATTR)
+        state.put(model, "report", None)
         err.add_note(f"hf_dsinfer could not restore the model after this error ({undo_err}). "
                      "Load it again before using it.")
 
@@ -148,7 +148,7 @@ def _attach_offload(model: nn.Module, config: DSInferConfig) -> None:
 
 
 def _detach_offload(model: nn.Module) -> None:
-    if getattr(model, "_dsinfer_offload", None) is not None:
+    if state.get(model, "engine") is not None:
         from hf_dsinfer.offload.attach import detach_offload
 
         detach_offload(model)

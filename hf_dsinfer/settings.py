@@ -26,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hf_dsinfer.errors import DSInferConfigError
 
 TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # lowest first (kernels/_native.py)
@@ -98,7 +100,11 @@ def defaults() -> Settings:
 
 
 def current() -> Settings:
-    """The settings in force here: those of the running model or `use` block, else defaults."""
+    """The settings in force here: those of the running model or `use` block, else defaults.
+    Inside a torch.compile trace (which cannot read a context variable) the defaults: traced
+    code runs no native kernel, and its backends were chosen at injection."""
+    if torch.compiler.is_compiling():
+        return defaults()
     active = _current.get()
     return defaults() if active is None else active
 

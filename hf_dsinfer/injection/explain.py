@@ -9,7 +9,7 @@ from itertools import groupby
 import torch
 from torch import nn
 
-from hf_dsinfer import settings
+from hf_dsinfer import settings, state
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS
 from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.walker import InjectionReport, get_report
@@ -107,8 +107,8 @@ def _explain(model: nn.Module, report: InjectionReport) -> str:
     batched = _batched_linear_line(report, model)
     if batched:
         extras.append(batched)
-    if getattr(model, "_dsinfer_offload", None) is not None:
-        extras.append(model._dsinfer_offload.describe())
+    if (engine := state.get(model, "engine")) is not None:
+        extras.append(engine.describe())
     if report.tp is not None:
         extras.append(report.tp.describe())
     if getattr(report, "pp", None) is not None:

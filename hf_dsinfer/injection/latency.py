@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import CompileConfig
 
-_SAVED_ATTR = "_dsinfer_saved_generation_fields"
+from hf_dsinfer import state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def enable_compiled_decode(model: nn.Module, mode: DecodeMode | None = None) -> 
     saved: dict[str, Any] = {"cache_implementation": gen.cache_implementation,
                              "compile_config": gen.compile_config,
                              "disable_compile": getattr(gen, "disable_compile", False)}
-    setattr(model, _SAVED_ATTR, saved)
+    state.put(model, "saved_generation", saved)
     if mode.cache == "static":
         gen.cache_implementation = "static"
     if mode.compile:
@@ -77,12 +77,12 @@ def enable_compiled_decode(model: nn.Module, mode: DecodeMode | None = None) -> 
 
 
 def disable_compiled_decode(model: nn.Module) -> None:
-    saved = getattr(model, _SAVED_ATTR, None)
+    saved = state.get(model, "saved_generation")
     if saved is None:
         return
     for name, value in saved.items():
         setattr(model.generation_config, name, value)
-    delattr(model, _SAVED_ATTR)
+    state.put(model, "saved_generation", None)
     for attr in ("_compiled_call", "_last_compile_config"):
         if hasattr(model, attr):
             delattr(model, attr)

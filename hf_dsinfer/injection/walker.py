@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_dsinfer import settings
+from hf_dsinfer import settings, state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import ParityError, UnsupportedModelError
 from hf_dsinfer.hf import continuous_batching
@@ -50,8 +50,6 @@ from hf_dsinfer.injection.scope import SettingsScope, install_settings, uninstal
 from hf_dsinfer.kernels._dispatch import resolve
 from hf_dsinfer.kernels.quant import probe_private_ops
 
-REPORT_ATTR = "_dsinfer_report"
-
 
 @dataclasses.dataclass
 class InjectionReport:
@@ -79,14 +77,14 @@ class InjectionReport:
 
 
 def get_report(model: nn.Module) -> InjectionReport | None:
-    return getattr(model, REPORT_ATTR, None)
+    return state.get(model, "report")
 
 
 def begin(model: nn.Module, config: DSInferConfig) -> InjectionReport:
     """A fresh report for `model`, stored on it (hf_dsinfer.phases runs the rest)."""
     report = InjectionReport(config=config, model_class=type(model).__name__,
                              policy=find_policy(model))
-    setattr(model, REPORT_ATTR, report)
+    state.put(model, "report", report)
     return report
 
 
@@ -191,7 +189,7 @@ def remove(model: nn.Module, report: InjectionReport) -> None:
     for fused in report.blocks.values():
         _uninstall(fused.block, fused)
     disable_compiled_decode(model)
-    delattr(model, REPORT_ATTR)
+    state.put(model, "report", None)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -237,13 +235,13 @@ def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: Injecti
         report.unmodified_reason = f"{why}; running unmodified"
         warnings.warn(report.unmodified_reason, stacklevel=4)
         return
-    delattr(model, REPORT_ATTR)
+    state.put(model, "report", None)
     raise UnsupportedModelError(message)
 
 
 def _sharded_at_load(model: nn.Module) -> bool:
     """Loaded with only this rank's slices (hf_dsinfer.parallel): no HF forward to compare."""
-    return hasattr(model, "_dsinfer_tp_plan")
+    return state.get(model, "tp_plan") is not None
 
 
 def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:

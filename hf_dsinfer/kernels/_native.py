@@ -258,7 +258,7 @@ def lib(use: str = "kernels") -> ctypes.CDLL | None:
     """The loaded library of the running tier for `use` (a MIN_TIER key), or None when the
     native kernels do not run here, or run slower than torch's path at this tier. None inside
     a torch.compile trace: a ctypes call cannot be traced."""
-    if not settings.current().native or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not settings.current().native:
         return None
     level, named = _running()
     return None if _below_min(level, named, use) else _load(level)

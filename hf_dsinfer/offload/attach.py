@@ -22,6 +22,7 @@ import torch
 from accelerate.hooks import remove_hook_from_module
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.injection.layers import decoder_layers
 from hf_dsinfer.kernels.quant import Int4Weight
@@ -31,8 +32,6 @@ from hf_dsinfer.offload.packed import swap_in_packed
 from hf_dsinfer.offload.policy import OffloadPolicy
 from hf_dsinfer.offload.schedule import OffloadedLayer, OffloadEngine
 from hf_dsinfer.offload.store import WeightStore, fingerprint, place_layer
-
-ENGINE_ATTR = "_dsinfer_offload"
 
 
 def compute_device(policy: OffloadPolicy) -> torch.device:
@@ -53,7 +52,7 @@ def compute_device(policy: OffloadPolicy) -> torch.device:
 
 
 def get_engine(model: nn.Module) -> OffloadEngine | None:
-    return getattr(model, ENGINE_ATTR, None)
+    return state.get(model, "engine")
 
 
 # -- placement for from_pretrained -----------------------------------------------------------------
@@ -148,7 +147,7 @@ def detach_offload(model: nn.Module) -> nn.Module:
             else:
                 block.forward = layer.inner
     engine.close()
-    delattr(model, ENGINE_ATTR)
+    state.put(model, "engine", None)
     return model
 
 
@@ -276,7 +275,7 @@ def _install(model: nn.Module, blocks: nn.ModuleList, engine: OffloadEngine) -> 
         inner = block.__dict__.get("forward", block.forward)
         block.forward = OffloadedLayer(engine, j, block, inner)
         engine.release(j)  # per-use weights leave memory until their layer runs
-    setattr(model, ENGINE_ATTR, engine)  # hf_dsinfer.phases installs offload_generate
+    state.put(model, "engine", engine)  # hf_dsinfer.phases installs offload_generate
 
 
 def _device_map(model: nn.Module, prefix: str, blocks: nn.ModuleList, slots,

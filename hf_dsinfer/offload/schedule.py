@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.errors import DSInferError
 from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels.quant import Int4Weight
@@ -319,7 +320,7 @@ def _merge(outs: list[Any]) -> Any:
 # -- generate() ------------------------------------------------------------------------------------
 def offload_generate(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`model.generate` of an offloaded model: one BlockCache per block of the batch."""
-    engine: OffloadEngine = model._dsinfer_offload
+    engine: OffloadEngine = state.get(model, "engine")
     generate = functools.partial(type(model).generate, model)
     if kwargs.get("past_key_values") is not None:
         return generate(*args, **kwargs)  # the caller's own cache: no micro-batching

@@ -27,15 +27,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.hf.checkpoint import renamed_keys
 from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policies import find_policy
 from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
-from hf_dsinfer.parallel.parity import REFERENCES_ATTR, build_references
+from hf_dsinfer.parallel.parity import build_references
 from hf_dsinfer.parallel.slicing import ShardSpec
-from hf_dsinfer.parallel.tensor import PLAN_ATTR, plan_model, set_parameter
+from hf_dsinfer.parallel.tensor import plan_model, set_parameter
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -161,7 +162,7 @@ def load_tensor_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str
         policy = find_policy(model)
         refs = build_references(model, policy, lambda name: _read_full(reader, keys, name, tp),
                                 [(path, block) for path, _, block in iter_layers(model, policy)])
-        setattr(model, REFERENCES_ATTR, refs)
+        state.put(model, "references", refs)
     load_shards(model, reader, keys, tp)
     _load_generation_config(model, folder)
     return model.eval()
@@ -255,7 +256,7 @@ def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str]
             f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}. "
             "Fix: use a checkpoint saved by save_pretrained for this architecture, or tp_size=1.")
     _load_buffers(model, reader, keys, tp.device)
-    setattr(model, PLAN_ATTR, plan)
+    state.put(model, "tp_plan", plan)
 
 
 def _load_buffers(model: nn.Module, reader: CheckpointReader, keys: dict[str, str],

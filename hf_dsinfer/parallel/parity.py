@@ -18,8 +18,6 @@ from torch import nn
 
 from hf_dsinfer.injection.policy import Policy
 
-REFERENCES_ATTR = "_dsinfer_tp_references"  # class name -> (block path, unsharded HF block)
-
 
 def build_references(model: nn.Module, policy: Policy, read_full: Any,
                      blocks: list[tuple[str, nn.Module]]) -> dict[str, tuple[str, nn.Module]]:

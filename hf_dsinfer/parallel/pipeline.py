@@ -43,14 +43,13 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+from hf_dsinfer import state
 from hf_dsinfer.errors import ParityError, PipelineParallelError, StageExit
 from hf_dsinfer.injection.layers import layers_path
 from hf_dsinfer.injection.parity import run_parity_gate
 from hf_dsinfer.injection.walker import drop_blocks
 from hf_dsinfer.parallel.groups import RankGroup, ensure_world, rank_group
-from hf_dsinfer.parallel.parity import REFERENCES_ATTR
 
-STAGES_ATTR = "_dsinfer_pp_stages"   # set by the pipeline loader: the model holds one stage
 STUB_ATTR = "_dsinfer_pipeline_stub"  # on embedding / head modules whose weights live elsewhere
 _COPIED_ATTRS = ("attention_type", "layer_type", "layer_idx", "is_sliding", "sliding_window")
 
@@ -602,11 +601,11 @@ def _split_in_place(model: nn.Module, report: Any, runner: StageRunner) -> None:
     place_boundaries(layers, runner.plan, stage, report.policy.returns_tuple, runner)
     if report.config.tp_size > 1:  # slice this stage's weights now, while the vocab is whole
         from hf_dsinfer.parallel.groups import tensor_parallel_group
-        from hf_dsinfer.parallel.tensor import PLAN_ATTR, plan_model, shard_in_place
+        from hf_dsinfer.parallel.tensor import plan_model, shard_in_place
 
         tp_plan = plan_model(model, report.policy, tensor_parallel_group(report.config.tp_size))
         shard_in_place(model, tp_plan)
-        setattr(model, PLAN_ATTR, tp_plan)
+        state.put(model, "tp_plan", tp_plan)
     stub_parameters(model, unheld_parameters(model, runner.plan, stage))
 
 
@@ -614,7 +613,7 @@ def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
     """Wire an injected model as this rank's pipeline stage (walker, when pp_size > 1)."""
     cfg = report.config
     ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s)
-    plan = model.__dict__.get(STAGES_ATTR)
+    plan = state.get(model, "pp_stages")  # the pipeline loader read only this stage
     loaded_sharded = plan is not None
     layers_path, layers = layer_list(model, report.policy)
     runner = StageRunner(ranks, plan or plan_stages(model, list(layers), ranks.size),
@@ -653,7 +652,7 @@ def _wire(model: nn.Module, runner: StageRunner) -> None:
 
 
 def _parity_gate(model: nn.Module, report: Any) -> None:
-    refs = model.__dict__.pop(REFERENCES_ATTR, None)
+    refs = state.pop(model, "references")
     if refs is None:
         return
     report.parity = run_parity_gate(model, report.blocks, refs)

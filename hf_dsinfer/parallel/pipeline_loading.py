@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.injection.layers import layers_path
 from hf_dsinfer.injection.policies import find_policy
@@ -29,9 +30,8 @@ from hf_dsinfer.parallel.loading import (
     load_shards,
     safetensors_folder,
 )
-from hf_dsinfer.parallel.parity import REFERENCES_ATTR, build_references
+from hf_dsinfer.parallel.parity import build_references
 from hf_dsinfer.parallel.pipeline import (
-    STAGES_ATTR,
     StagePlan,
     StageRunner,
     layer_list,
@@ -73,7 +73,7 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
         blocks = [(f"{_}", layers[i]) for _, i in _paths(model, policy, own)]
         refs = build_references(model, policy, lambda name: _read_full(reader, keys, name, tp),
                                 blocks)
-        setattr(model, REFERENCES_ATTR, refs)
+        state.put(model, "references", refs)
     unheld = unheld_parameters(model, plan, ranks.stage)
     # the runner is attached when the stage is wired (pipeline_parallelize)
     place_boundaries(layers, plan, ranks.stage, policy.returns_tuple,
@@ -81,7 +81,7 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     load_shards(model, reader, keys, tp, skip=frozenset(unheld))
     stub_parameters(model, unheld)
     _load_generation_config(model, folder)
-    model.__dict__[STAGES_ATTR] = plan
+    state.put(model, "pp_stages", plan)
     return model.eval()
 
 

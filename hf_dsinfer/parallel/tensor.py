@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_dsinfer import state
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
 from hf_dsinfer.injection.layers import iter_layers
@@ -35,8 +36,6 @@ from hf_dsinfer.parallel.plan import (
     vocab_spec,
 )
 from hf_dsinfer.parallel.slicing import ShardSpec, split_sizes
-
-PLAN_ATTR = "_dsinfer_tp_plan"  # set by the sharded loader: the weights are already local
 
 
 @dataclasses.dataclass
@@ -273,7 +272,7 @@ def _wire_vocab(model: nn.Module, plan: ModelPlan, tp: RankGroup) -> None:
 def parallelize(model: nn.Module, report: Any) -> TPReport:
     """Shard (unless loaded sharded) and wire an injected model for `report.config.tp_size`."""
     tp = tensor_parallel_group(report.config.tp_size)
-    plan = getattr(model, PLAN_ATTR, None)
+    plan = state.get(model, "tp_plan")  # loaded sharded: the weights are already local
     loaded_sharded = plan is not None
     if plan is None:
         plan = plan_model(model, report.policy, tp)
@@ -293,5 +292,5 @@ def check_tensor_parallel(model: nn.Module, policy: Policy, tp_size: int) -> Non
             "tensor-parallel plan here (its heads share one latent KV cache). Fix: use "
             "tp_size=1; ep_size shards the experts.")
     tp = tensor_parallel_group(tp_size)
-    if not hasattr(model, PLAN_ATTR):
+    if state.get(model, "tp_plan") is None:
         plan_model(model, policy, tp)

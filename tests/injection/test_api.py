@@ -16,6 +16,7 @@ from tiny_models import make_model, prompts
 import hf_dsinfer
 from hf_dsinfer.injection import walker
 from hf_dsinfer.injection.policies import find_policy
+from hf_dsinfer.injection.walker import get_report
 
 
 def _logits(model, ids, mask):
@@ -54,7 +55,7 @@ def test_bad_dsinfer_argument_and_overrides():
     with pytest.raises(ValueError, match="Did you mean 'kernels'"):
         hf_dsinfer.init_inference(model, kernel="ref")
     hf_dsinfer.init_inference(model, kernels="ref")
-    assert model._dsinfer_report.config.kernels == "ref"
+    assert get_report(model).config.kernels == "ref"
 
 
 # -- unsupported models ------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def test_parity_gate_passes_quietly_on_correct_policy():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hf_dsinfer.init_inference(model, strict=True)
-    report = model._dsinfer_report
+    report = get_report(model)
     assert report.parity["BloomBlock"].passed and report.parity["BloomBlock"].blocks_checked == 2
 
 
@@ -155,7 +156,7 @@ def test_two_models_with_different_configs_coexist():
     la, lb, lp = (_logits(m, ids, mask) for m in (a, b, plain))
     valid = mask.bool()
     assert (la - lp)[valid].abs().max() <= 1e-4 and (lb - lp)[valid].abs().max() <= 1e-4
-    assert a._dsinfer_report.config.kernels == "ref" and b._dsinfer_report.config.kernels == "auto"
+    assert get_report(a).config.kernels == "ref" and get_report(b).config.kernels == "auto"
     assert "forward" not in plain.model.layers[0].__dict__
     assert all(hf_dsinfer.fused_call_counts(a).values())
 

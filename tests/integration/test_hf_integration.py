@@ -9,6 +9,7 @@ from tiny_models import prompts, save_tiny, tiny_tokenizer
 from transformers import AutoModelForCausalLM, TextIteratorStreamer, pipeline
 
 import hf_dsinfer
+from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.integration import shim
 
 TEXTS = ["w5 w6 w7 w8 w9 w10 w11", "w20 w21", "w30 w31 w32 w33"]
@@ -49,7 +50,7 @@ def test_save_and_reload(llama_dir, tmp_path):
     assert torch.allclose(_logits(again, ids, mask)[mask.bool()], expected[mask.bool()], atol=1e-5)
     # an explicit dsinfer= wins over the saved one
     other = AutoModelForCausalLM.from_pretrained(tmp_path, dsinfer={"kernels": "cpu"})
-    assert other._dsinfer_report.config.kernels == "cpu"
+    assert get_report(other).config.kernels == "cpu"
 
 
 def _pipe_outputs(pipe, **kwargs):

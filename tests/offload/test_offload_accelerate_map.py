@@ -11,6 +11,7 @@ from tiny_models import prompts
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
+from hf_dsinfer.injection.walker import get_report
 
 
 def _device_map(num_layers: int) -> dict[str, str]:
@@ -38,7 +39,7 @@ def test_accelerate_disk_blocks_keep_hf_forward(llama_dir, tmp_path):
             dsinfer=True)
     assert torch.equal(_greedy(model), expected)
     counts = hf_dsinfer.fused_call_counts(model)
-    report = model._dsinfer_report
+    report = get_report(model)
     on_disk = [f"model.layers.{i}" for i in range(1, layers, 2)]
     assert sorted(report.skipped) == sorted(on_disk)
     assert all(counts.get(f"model.layers.{i}", 0) > 0 for i in range(0, layers, 2)), counts
