@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from hf_dsinfer.kernels.moe import (
     traced_expert_rows,
 )
 from hf_dsinfer.kernels.moe_routing import selection_margin, sigmoid_group_topk
+
+if TYPE_CHECKING:  # annotations only: parallel/ sits above injection
+    from hf_dsinfer.parallel.expert import ExpertParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,7 @@ class FusedMoE:
         self.router = module.get_submodule(layout.router)
         self.experts = module.get_submodule(layout.experts)
         self.quantized: nn.ModuleList | None = None  # [gate_up_0, down_0, gate_up_1, ...]
-        self.parallel: Any = None  # hf_dsinfer.parallel.expert.ExpertParallel when ep_size > 1
+        self.parallel: ExpertParallel | None = None  # when ep_size > 1
         # tp_size > 1: sums the tensor-sliced shared expert's partial output over the TP group
         self.reduce: Any = None
         self.margins: list[torch.Tensor] | None = None  # parity probe: routing margins

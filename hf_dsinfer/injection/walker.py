@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,7 +20,12 @@ from hf_dsinfer import settings, state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import ParityError, UnsupportedModelError
 from hf_dsinfer.hf import continuous_batching
-from hf_dsinfer.injection.decode_step import install_decode_step, uninstall_decode_step
+from hf_dsinfer.hf.continuous_batching import ContinuousBatching
+from hf_dsinfer.injection.decode_step import (
+    NativeDecodeStep,
+    install_decode_step,
+    uninstall_decode_step,
+)
 from hf_dsinfer.injection.fused import FusedBlock, resolve_spec
 from hf_dsinfer.injection.head import HeadReport, install_head, uninstall_head
 from hf_dsinfer.injection.latency import (
@@ -50,6 +55,11 @@ from hf_dsinfer.injection.scope import SettingsScope, install_settings, uninstal
 from hf_dsinfer.kernels._dispatch import resolve
 from hf_dsinfer.kernels.quant import probe_private_ops
 
+if TYPE_CHECKING:  # annotations only: parallel/ sits above injection
+    from hf_dsinfer.parallel.expert import EPReport
+    from hf_dsinfer.parallel.pipeline import PPReport
+    from hf_dsinfer.parallel.tensor import TPReport
+
 
 @dataclasses.dataclass
 class InjectionReport:
@@ -64,14 +74,14 @@ class InjectionReport:
     unmodified_reason: str | None = None
     quant: QuantSummary | None = None
     decode: DecodeMode | None = None
-    tp: Any = None  # hf_dsinfer.parallel.tensor.TPReport when tp_size > 1
+    tp: TPReport | None = None  # when tp_size > 1
     moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> FusedMoE
     moe_quant: tuple[int, int] | None = None  # expert weight bytes (before, after) quantization
-    ep: Any = None  # hf_dsinfer.parallel.expert.EPReport when ep_size > 1
-    pp: Any = None  # hf_dsinfer.parallel.pipeline.PPReport when pp_size > 1
+    ep: EPReport | None = None  # when ep_size > 1
+    pp: PPReport | None = None  # when pp_size > 1
     head: HeadReport | None = None  # the output projection on the kernel library, if it is
-    step: Any = None  # decode_step.NativeDecodeStep, when installed
-    serving: Any = None  # hf.continuous_batching.ContinuousBatching, when installed
+    step: NativeDecodeStep | None = None  # when installed
+    serving: ContinuousBatching | None = None  # when installed
     backend: str | None = None  # the kernel backend the fused blocks run ("torch", "cpu", ...)
     settings: SettingsScope | None = None  # config.settings around the model's forward
 

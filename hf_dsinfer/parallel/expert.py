@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_dsinfer.errors import ExpertParallelError
+from hf_dsinfer.injection.moe import FusedMoE
+from hf_dsinfer.injection.walker import InjectionReport
 from hf_dsinfer.kernels.moe import moe_align
 from hf_dsinfer.parallel.groups import (
     RankGroup,
@@ -341,7 +343,7 @@ class EPReport:
                 f"{held}; {a2a} all-to-all, {sent:.0f} bytes sent per token so far{coordinated}")
 
 
-def check_expert_parallel(report: Any, config: Any) -> None:
+def check_expert_parallel(report: InjectionReport, config: Any) -> None:
     """Fail at init, on every rank alike, before the model is touched."""
     if not report.moe:
         raise ExpertParallelError(
@@ -406,7 +408,7 @@ def _stride(ep: RankGroup) -> int:
     return ep.ranks[1] - ep.ranks[0] if ep.size > 1 else 1
 
 
-def shard_experts(moe: Any, placement: ExpertPlacement) -> None:
+def shard_experts(moe: FusedMoE, placement: ExpertPlacement) -> None:
     """Keep only this rank's experts (or expert slice) as the module's parameters."""
     experts = moe.experts
     local = placement.local_experts()
@@ -424,7 +426,7 @@ def shard_experts(moe: Any, placement: ExpertPlacement) -> None:
                                      requires_grad=False)  # [E_local, H, I/s]
 
 
-def _shard_form_experts(moe: Any, placement: ExpertPlacement) -> None:
+def _shard_form_experts(moe: FusedMoE, placement: ExpertPlacement) -> None:
     """Experts in another form (kernels.expert_forms: transposed, biased, ...): whole experts
     per rank, every tensor (biases included) cut along the expert dim. Expert slicing would add
     the down-projection bias once per slice: refused."""
@@ -438,7 +440,7 @@ def _shard_form_experts(moe: Any, placement: ExpertPlacement) -> None:
                                                 requires_grad=False))
 
 
-def _refuse_form_slicing(moe: Any, placement: ExpertPlacement) -> None:
+def _refuse_form_slicing(moe: FusedMoE, placement: ExpertPlacement) -> None:
     if placement.slices > 1 and not moe.spec.canonical:
         raise ExpertParallelError(
             f"ep_size={placement.ep_size} slices each of the {placement.num_experts} experts, "
@@ -459,7 +461,7 @@ class SyncedExpertGenerate:
         return self.generate(*args, **kwargs)
 
 
-def parallelize_experts(model: nn.Module, report: Any) -> EPReport:
+def parallelize_experts(model: nn.Module, report: InjectionReport) -> EPReport:
     """Shard every fused MoE's experts over the EP group and route its tokens by all-to-all."""
     cfg = report.config
     ep, nodes = expert_groups(cfg.ep_size, cfg.tp_size, cfg.ep_node_size)

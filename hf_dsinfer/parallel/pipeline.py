@@ -47,7 +47,8 @@ from hf_dsinfer import state
 from hf_dsinfer.errors import ParityError, PipelineParallelError, StageExit
 from hf_dsinfer.injection.layers import layers_path
 from hf_dsinfer.injection.parity import run_parity_gate
-from hf_dsinfer.injection.walker import drop_blocks
+from hf_dsinfer.injection.policy import Policy
+from hf_dsinfer.injection.walker import InjectionReport, drop_blocks
 from hf_dsinfer.parallel.groups import RankGroup, ensure_world, rank_group
 
 STUB_ATTR = "_dsinfer_pipeline_stub"  # on embedding / head modules whose weights live elsewhere
@@ -331,7 +332,7 @@ class RemoteHead:
 class StageRunner:
     """Runs this rank's stage of one forward: feeds the entry placeholder, catches the exit."""
 
-    def __init__(self, ranks: PipelineRanks, plan: StagePlan, policy: Any):
+    def __init__(self, ranks: PipelineRanks, plan: StagePlan, policy: Policy):
         self.ranks, self.plan, self.policy = ranks, plan, policy
         self.layers = plan.layers[ranks.stage]
         self.incoming: torch.Tensor | None = None
@@ -509,7 +510,7 @@ def micro_batch_counts(config: Any) -> tuple[int, int]:
     return mb, config.pp_prompt_micro_batches or 2 * mb
 
 
-def layer_list(model: nn.Module, policy: Any) -> tuple[str, nn.ModuleList]:
+def layer_list(model: nn.Module, policy: Policy) -> tuple[str, nn.ModuleList]:
     path = layers_path(model, policy)
     if path is None:
         raise PipelineParallelError(
@@ -588,11 +589,11 @@ class PPReport:
                 f"{self.micro_batches} generation micro-batches (dynamic queue)")
 
 
-def _stage_blocks(report: Any, plan: StagePlan, stage: int) -> set[str]:
+def _stage_blocks(report: InjectionReport, plan: StagePlan, stage: int) -> set[str]:
     return {p for p in report.blocks if int(p.rsplit(".", 1)[1]) in plan.layers[stage]}
 
 
-def _split_in_place(model: nn.Module, report: Any, runner: StageRunner) -> None:
+def _split_in_place(model: nn.Module, report: InjectionReport, runner: StageRunner) -> None:
     """A full model on every rank (init_inference): keep this stage, drop the rest."""
     _, layers = layer_list(model, report.policy)
     stage = runner.ranks.stage
@@ -609,7 +610,7 @@ def _split_in_place(model: nn.Module, report: Any, runner: StageRunner) -> None:
     stub_parameters(model, unheld_parameters(model, runner.plan, stage))
 
 
-def pipeline_parallelize(model: nn.Module, report: Any) -> PPReport:
+def pipeline_parallelize(model: nn.Module, report: InjectionReport) -> PPReport:
     """Wire an injected model as this rank's pipeline stage (walker, when pp_size > 1)."""
     cfg = report.config
     ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s)
@@ -651,7 +652,7 @@ def _wire(model: nn.Module, runner: StageRunner) -> None:
         head.register_forward_hook(_broadcast_logits(runner))
 
 
-def _parity_gate(model: nn.Module, report: Any) -> None:
+def _parity_gate(model: nn.Module, report: InjectionReport) -> None:
     refs = state.pop(model, "references")
     if refs is None:
         return

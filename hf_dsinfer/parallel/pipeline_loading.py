@@ -18,6 +18,7 @@ from hf_dsinfer import state
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.injection.layers import layers_path
 from hf_dsinfer.injection.policies import find_policy
+from hf_dsinfer.injection.policy import Policy
 from hf_dsinfer.parallel.groups import tensor_parallel_group
 from hf_dsinfer.parallel.loading import (
     _HUB_KEYS,
@@ -85,7 +86,7 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     return model.eval()
 
 
-def _paths(model: nn.Module, policy: Any, own: range) -> list[tuple[str, int]]:
+def _paths(model: nn.Module, policy: Policy, own: range) -> list[tuple[str, int]]:
     prefix = layers_path(model, policy)
     return [(f"{prefix}.{i}", i) for i in own]
 

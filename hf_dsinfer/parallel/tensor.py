@@ -23,9 +23,10 @@ from torch import nn
 
 from hf_dsinfer import state
 from hf_dsinfer.errors import TensorParallelError
-from hf_dsinfer.injection.fused import _norm_eps, resolve_spec
+from hf_dsinfer.injection.fused import FusedBlock, _norm_eps, resolve_spec
 from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
+from hf_dsinfer.injection.walker import InjectionReport
 from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
 from hf_dsinfer.parallel.plan import (
@@ -178,7 +179,7 @@ class FullQKNorm:
     heads (a KV head kept by several ranks counted once), one all-reduce adds q's and k's sums,
     and each rank scales its heads by its slice of the norm weights, in HF's fp32 numerics."""
 
-    def __init__(self, fused: Any, shard: BlockShard, tp: RankGroup):
+    def __init__(self, fused: FusedBlock, shard: BlockShard, tp: RankGroup):
         self.norms = (fused._q_norm, fused._k_norm)
         self.eps = tuple(_norm_eps(n) for n in self.norms)
         self.style = RMS_STYLES[fused.spec.norm]  # OLMoE: Llama's numerics; OLMo 2: fp32
@@ -237,7 +238,7 @@ def sync_rng(tp: RankGroup) -> None:
         torch.cuda.set_rng_state(cuda_state.cpu())
 
 
-def _wire_blocks(model: nn.Module, report: Any, plan: ModelPlan, tp: RankGroup) -> None:
+def _wire_blocks(model: nn.Module, report: InjectionReport, plan: ModelPlan, tp: RankGroup) -> None:
     for index, (path, fused) in enumerate(report.blocks.items()):
         fused.bind()
         fused.spec = resolve_spec(fused.block, fused.policy, model.config, index)
@@ -269,7 +270,7 @@ def _wire_vocab(model: nn.Module, plan: ModelPlan, tp: RankGroup) -> None:
         head.forward = VocabParallelHead(head, plan.vocab_sizes, tp)
 
 
-def parallelize(model: nn.Module, report: Any) -> TPReport:
+def parallelize(model: nn.Module, report: InjectionReport) -> TPReport:
     """Shard (unless loaded sharded) and wire an injected model for `report.config.tp_size`."""
     tp = tensor_parallel_group(report.config.tp_size)
     plan = state.get(model, "tp_plan")  # loaded sharded: the weights are already local
