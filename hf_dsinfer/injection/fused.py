@@ -286,7 +286,8 @@ class FusedBlock:
             if counting:
                 self.paths.took("hf", why)
             return self.hf_forward(*args, **kwargs)
-        self._path = "paged" if named.get(paged.PAGED_ARG) is not None else "torch"
+        if counting:  # the path the call takes; _decode_step refines it
+            self._path = "paged" if named.get(paged.PAGED_ARG) is not None else "torch"
         out = self._layouts[self.spec.layout](named["hidden_states"], named)
         if counting:
             self.calls += 1
@@ -304,9 +305,6 @@ class FusedBlock:
         if named.get("encoder_hidden_states") is not None:
             return "cross-attention"
         return None
-
-    def _can_fuse(self, named: dict[str, Any]) -> bool:
-        return self._hf_why(named) is None
 
     # -- residual wirings (policy.layout) ------------------------------------------------------
     def _sequential(self, x: torch.Tensor, named: dict, attn=None) -> torch.Tensor:
