@@ -37,9 +37,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.hf import outputs
-from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, append_kv, commit_kv, kv_rooms
+from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, commit_kv, kv_rooms
 from hf_dsinfer.kernels import _native
-from hf_dsinfer.kernels.decode import LayerChain, cache_kv_usable
+from hf_dsinfer.kernels.decode import LayerChain
 
 # inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
 # mask, norm (checked against transformers 5.x; Gemma-style embedding scaling is not)
@@ -257,16 +257,8 @@ class NativeDecodeStep:
             return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
                                            past_key_values=cache)
         for fused, layer in zip(self.blocks, layers):
-            q, k, v = layer.step_in(x, cos, sin)
-            k, v = append_kv(cache, k, v, fused.spec.layer_idx)
-            if k.shape[2] != sk:  # a static cache: its keys past this token are unused
-                k, v = k[:, :, :sk], v[:, :, :sk]
-            if not cache_kv_usable(k, v, d, rows):  # a cache layout the kernel does not read
-                x = fused.finish_decode(x, q, k, v, keep)
-                fused.paths.took("native_in")
-            else:
-                x = layer.step_out(x, q, k, v, keep)
-                fused.paths.took("step_loop")
+            x, path = fused.native_token(layer, x, cos, sin, cache, None, keep, sk)
+            fused.paths.took("native_in" if path == "native_in" else "step_loop")
             fused.calls += 1
         self.calls += 1
         return BaseModelOutputWithPast(last_hidden_state=self._finish(x), past_key_values=cache)

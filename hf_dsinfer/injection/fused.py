@@ -413,20 +413,12 @@ class FusedBlock:
             return None
         return self.decode_layer()
 
-    def finish_decode(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      keep: torch.Tensor | None) -> torch.Tensor:
-        """The layer after the cache update on the torch path (keys the kernel does not read):
-        q attends to every key of k / v where keep (uint8 [B or 1, sk] or None) allows."""
-        b = x.shape[0]
-        mask = None if keep is None else keep.bool().unsqueeze(1).unsqueeze(1)
-        named = {"attention_mask": mask}
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True))
-
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
-        """The whole layer in two native calls for one token of each sequence (None: this call
-        takes the torch path). One sequence runs the batch-1 layer (any weight kind); up to
-        DECODE_MAX_ROWS sequences the batched one (bf16 projections on AMX). The HF cache
-        update runs between the two calls, in Python."""
+        """This block's own call for one token of each sequence, when the native layer takes it
+        (None: this call takes the torch path). One sequence runs the batch-1 layer (any weight
+        kind); up to DECODE_MAX_ROWS sequences the batched one (bf16 projections on AMX). The
+        checks are per call here; NativeDecodeStep makes them once per step for every layer and
+        then calls `native_token` as this does."""
         b = x.shape[0]
         if (x.shape[1] != 1 or b > DECODE_MAX_ROWS or x.dtype != torch.bfloat16
                 or x.device.type != "cpu" or torch.is_grad_enabled()
@@ -448,19 +440,42 @@ class FusedBlock:
         layer = self.decode_layer()
         if layer is None or (b > 1 and layer.rows_why is not None):
             return None
-        x = x.contiguous()
+        out, self._path = self.native_token(layer, x.contiguous(), cos, sin, cache, named)
+        return out
+
+    def native_token(self, layer: native_decode.DecodeLayer, x: torch.Tensor,
+                     cos: torch.Tensor | None, sin: torch.Tensor | None, cache: Any,
+                     named: dict | None, keep: torch.Tensor | None = None,
+                     keys: int | None = None) -> tuple[torch.Tensor, str]:
+        """The one native one-token step of this block, for both callers (`_decode_step` and
+        NativeDecodeStep's loop): the attention's input half in C, then the cache's own
+        attention (`dsinfer_attend`) or its update, then the output half in C over the cached
+        keys; where the cache or the mask is not what the kernel reads, the torch path from the
+        attention on. Returns the output and the path: "native" / "native_rows" (both halves in
+        C) or "native_in" (the first only).
+
+        named: the block's call (its 4-D HF mask gives the keys to attend); or None with
+        `keep` (uint8 [rows or 1, keys] or None: every key) and `keys`, the number of keys after
+        this token (a static cache returns more, unused)."""
+        b, d = x.shape[0], self.spec.head_dim
         q, k, v = layer.step_in(x, cos, sin)
-        self._path = "native_in"
-        if (attn := self._attend_in_cache(cache, q, k, v, named, b, q_scaled=True)) is not None:
-            return self._sequential(x, named, attn=attn)
+        if getattr(cache, "dsinfer_attend", None) is not None:
+            named = named or _keep_call(keep)
+            if (attn := self._attend_in_cache(cache, q, k, v, named, b, q_scaled=True)) is not None:
+                return self._sequential(x, named, attn=attn), "native_in"
         k, v = append_kv(cache, k, v, self.spec.layer_idx)
-        if native_decode.cache_kv_usable(k, v, d, b):
+        if named is None:
+            usable = True
+            if k.shape[2] != keys:  # a static cache: its keys past this token are unused
+                k, v = k[:, :, :keys], v[:, :, :keys]
+        else:
             usable, keep = native_decode.keep_rows(named.get("attention_mask"), b, k.shape[2])
-            if usable:
-                self._path = "native" if b == 1 else "native_rows"
-                return layer.step_out(x, q, k, v, keep)
+        if usable and native_decode.cache_kv_usable(k, v, d, b):
+            return layer.step_out(x, q, k, v, keep), "native" if b == 1 else "native_rows"
         # a cache or mask the kernel does not read: the torch path from the attention on
-        return self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True))
+        named = named or _keep_call(keep)
+        return (self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True)),
+                "native_in")
 
     # -- pieces --------------------------------------------------------------------------------
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -637,6 +652,12 @@ class FusedBlock:
 # Spare tokens a growing cache layer keeps: at least this many, or a quarter of its length
 # (at most 25% more memory than HF's cache; one copy of the layer per n / 4 steps, not per step).
 KV_SPARE_MIN = 64
+
+
+def _keep_call(keep: torch.Tensor | None) -> dict[str, Any]:
+    """A block call's mask from NativeDecodeStep's keep rows (uint8 [rows or 1, keys] or None)."""
+    return {"attention_mask": None if keep is None
+            else keep.bool().reshape(-1, 1, 1, keep.shape[-1])}
 
 
 def append_kv(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
