@@ -29,12 +29,6 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch
 
-# triton.language, bound lazily by _kernels() so importing this file needs no Triton. Unlike
-# the other kernel files (kernels defined inside their `_kernels()` factory), both kernels here
-# call one jitted helper, `_act_fp32`, which Triton's interpreter (TRITON_INTERPRET=1) finds
-# only among the module's globals, not in a factory's closure.
-tl = None
-
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 
 # Hugging Face `hidden_act` / `activation_function` names -> ours.
@@ -124,72 +118,59 @@ def gated_act_ref(gate, up, act):
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-def _act_fp32(x, ACT: tl.constexpr):
-    """Activation of an fp32 block (inlined into both kernels by Triton)."""
-    if ACT == 0:  # erf GELU
-        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-    elif ACT == 1:  # tanh GELU: 0.5 * x * (1 + tanh(z)) == x * sigmoid(2z), no tanh needed
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = x * tl.sigmoid(2.0 * z)
-    elif ACT == 2:
-        y = tl.maximum(x, 0.0)
-    else:
-        y = x * tl.sigmoid(x)
-    return y
-
-
-def _bias_act_kernel(X, BIAS, OUT, numel, C, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    # X, OUT contiguous [N, C] seen as flat; the bias index of element i is i % C.
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < numel
-    x = tl.load(X + offs, mask=m, other=0.0)
-    if HAS_BIAS:
-        b = tl.load(BIAS + offs % C, mask=m, other=0.0)
-        x = (x.to(tl.float32) + b.to(tl.float32)).to(OUT.dtype.element_ty)
-    y = _act_fp32(x.to(tl.float32), ACT)
-    tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=m)
-
-
-def _gated_act_kernel(G, U, OUT, inter, stride_g, stride_u, ACT: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    # grid (rows, cdiv(inter, BLOCK)); G, U rows may be strided (halves of a packed gate_up).
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < inter
-    g = tl.load(G + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
-    a = _act_fp32(g, ACT).to(OUT.dtype.element_ty).to(tl.float32)  # eager rounds act(gate)
-    tl.store(OUT + row * inter + cols, (a * u).to(OUT.dtype.element_ty), mask=m)
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
-    """Import Triton and JIT the kernels above (once per process)."""
-    global tl, _act_fp32
+    """Import Triton and define its kernel (once per process)."""
     import triton
     import triton.language as tl
 
-    # The kernels call _act_fp32 through this module's globals, so it must be a JIT function.
-    _act_fp32 = triton.jit(_act_fp32)
-    return types.SimpleNamespace(
-        cdiv=triton.cdiv,
-        bias_act=triton.jit(_bias_act_kernel),
-        gated_act=triton.jit(_gated_act_kernel),
-    )
+    @triton.jit
+    def _act_kernel(X, BIAS, U, OUT, cols, stride_x, stride_u, HAS_BIAS: tl.constexpr,
+                    GATED: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (rows, cdiv(cols, BLOCK)); OUT contiguous [rows, cols]; X (the gate when GATED)
+        # and U rows may be strided (halves of a packed gate_up). One kernel for both ops, so
+        # the activation is written once.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < cols
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+        if HAS_BIAS:  # the add rounds to the output dtype, as eager's does
+            b = tl.load(BIAS + offs, mask=m, other=0.0)
+            x = (x.to(tl.float32) + b.to(tl.float32)).to(OUT.dtype.element_ty)
+        x = x.to(tl.float32)
+        if ACT == 0:  # erf GELU
+            y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        elif ACT == 1:  # tanh GELU: 0.5 * x * (1 + tanh(z)) == x * sigmoid(2z), no tanh needed
+            z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            y = x * tl.sigmoid(2.0 * z)
+        elif ACT == 2:
+            y = tl.maximum(x, 0.0)
+        else:
+            y = x * tl.sigmoid(x)
+        if GATED:  # eager rounds act(gate) before the product
+            u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+            y = y.to(OUT.dtype.element_ty).to(tl.float32) * u
+        tl.store(OUT + row * cols + offs, y.to(OUT.dtype.element_ty), mask=m)
+
+    return types.SimpleNamespace(cdiv=triton.cdiv, act=_act_kernel)
+
+
+def _block(cols: int) -> int:
+    return min(1024, max(16, 1 << (cols - 1).bit_length()))
 
 
 def bias_act_triton(x, bias, act, inplace=False):  # writes a new tensor: inplace is moot
     k = _kernels()
-    x2 = x.contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [N, C]
+    rows, cols = x2.shape
     out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    numel, block = x2.numel(), 1024
-    k.bias_act[(k.cdiv(numel, block),)](
-        x2, bias.contiguous() if bias is not None else x2, out, numel, x.shape[-1],
-        HAS_BIAS=bias is not None, ACT=_ACT_CODE[_check_act(act)], BLOCK=block,
+    block = _block(cols)
+    k.act[(rows, k.cdiv(cols, block))](
+        x2, bias.contiguous() if bias is not None else x2, x2, out, cols, cols, 0,
+        HAS_BIAS=bias is not None, GATED=False, ACT=_ACT_CODE[_check_act(act)], BLOCK=block,
     )
-    return out
+    return out.view(x.shape)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -205,10 +186,10 @@ def gated_act_triton(gate, up, act):
     rows, inter = g2.shape
     out = torch.empty((rows, inter), dtype=torch.promote_types(gate.dtype, up.dtype),
                       device=gate.device)
-    block = min(1024, max(16, 1 << (inter - 1).bit_length()))
-    k.gated_act[(rows, k.cdiv(inter, block))](
-        g2, u2, out, inter, g2.stride(0), u2.stride(0),
-        ACT=_ACT_CODE[_check_act(act)], BLOCK=block,
+    block = _block(inter)
+    k.act[(rows, k.cdiv(inter, block))](
+        g2, g2, u2, out, inter, g2.stride(0), u2.stride(0),
+        HAS_BIAS=False, GATED=True, ACT=_ACT_CODE[_check_act(act)], BLOCK=block,
     )
     return out.view(*gate.shape)
 

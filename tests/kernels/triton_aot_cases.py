@@ -84,26 +84,25 @@ def case(kernel: str, label: str, dtype: str, spec: str, **constexprs) -> AotCas
 
 
 # ----------------------------------------------------------------------------- activations
-# bias_act_triton: BLOCK 1024 always; HAS_BIAS from the bias; out dtype = x's (same-dtype bias).
-# gated_act_triton: BLOCK = min(1024, max(16, next_pow2(inter))): every real intermediate size
-# (>= 768: Qwen3-MoE experts) gives 1024; 16 is the floor (tiny test models).
+# One kernel for both ops. BLOCK = min(1024, max(16, next_pow2(columns))): every real hidden or
+# intermediate size (>= 768) gives 1024; 16 is the floor (tiny test models). bias_act: out
+# dtype = x's (same-dtype bias), U unused (x again), stride_u 0; gated_act: BIAS unused.
 
-_BIAS_ACT = "X:*T BIAS:*T OUT:*T numel C"
-_GATED_ACT = "G:*T U:*T OUT:*T inter stride_g stride_u"
+_ACT = "X:*T BIAS:*T U:*T OUT:*T cols stride_x stride_u"
 
 
 def _activation_cases() -> list[AotCase]:
     cases, codes = [], act_codes()
     for dt in DTYPES:
         for act, code in codes.items():
-            cases.append(case("activations._bias_act_kernel", f"{act}-bias", dt, _BIAS_ACT,
-                              HAS_BIAS=True, ACT=code, BLOCK=1024))
-            cases.append(case("activations._gated_act_kernel", f"{act}-B1024", dt, _GATED_ACT,
-                              ACT=code, BLOCK=1024))
-        cases.append(case("activations._bias_act_kernel", "silu-nobias", dt, _BIAS_ACT,
-                          HAS_BIAS=False, ACT=codes["silu"], BLOCK=1024))
-        cases.append(case("activations._gated_act_kernel", "silu-B16", dt, _GATED_ACT,
-                          ACT=codes["silu"], BLOCK=16))
+            cases.append(case("activations._act_kernel", f"{act}-bias", dt, _ACT,
+                              HAS_BIAS=True, GATED=False, ACT=code, BLOCK=1024))
+            cases.append(case("activations._act_kernel", f"{act}-gated-B1024", dt, _ACT,
+                              HAS_BIAS=False, GATED=True, ACT=code, BLOCK=1024))
+        cases.append(case("activations._act_kernel", "silu-nobias", dt, _ACT,
+                          HAS_BIAS=False, GATED=False, ACT=codes["silu"], BLOCK=1024))
+        cases.append(case("activations._act_kernel", "silu-gated-B16", dt, _ACT,
+                          HAS_BIAS=False, GATED=True, ACT=codes["silu"], BLOCK=16))
     return cases
 
 
@@ -374,7 +373,7 @@ def all_cases() -> list[AotCase]:
 ARCHS = (80, 90)  # GPUTarget("cuda", arch, 32): A100 (sm_80) and H100 (sm_90a)
 PACKAGE = Path(importlib.util.find_spec("hf_dsinfer").submodule_search_locations[0])
 # @triton.jit device functions that kernels call (compiled into them), never launched alone.
-JIT_HELPERS = {"activations._act_fp32"}
+JIT_HELPERS: set[str] = set()
 _JITTED = re.compile(r"@triton\.jit\b[^\n]*\n\s*def (\w+)|triton\.jit\((\w+)\)")
 
 
