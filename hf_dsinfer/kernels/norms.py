@@ -91,9 +91,13 @@ def _kernels() -> types.SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def _layer_norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
-                           HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+    def _norm_kernel(X, RES, XB, W, B, OUT, H, hidden, eps,
+                     HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     STORE_H: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr,
+                     FP32_WEIGHT: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        # One row: h = residual + (x + x_bias) (each add rounded to H's dtype, as eager's),
+        # stored when asked, then LayerNorm (LAYER) or RMSNorm of h. One kernel for both, so
+        # the residual prologue is written once.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < hidden
@@ -108,47 +112,28 @@ def _kernels() -> types.SimpleNamespace:
             tl.store(H + row * hidden + cols, h, mask=m)
         # Statistics in fp32: a bf16 sum over thousands of elements would lose the mean.
         hf = h.to(tl.float32)
-        mean = tl.sum(hf, axis=0) / hidden
-        d = tl.where(m, hf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)  # biased variance, as torch
-        y = d * rstd * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _rms_norm_kernel(X, RES, XB, W, OUT, H, hidden, eps,
-                         HAS_RES: tl.constexpr, HAS_XBIAS: tl.constexpr, STORE_H: tl.constexpr,
-                         BLOCK: tl.constexpr, FP32_WEIGHT: tl.constexpr = False,
-                         UNIT_OFFSET: tl.constexpr = False):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        m = cols < hidden
-        h = tl.load(X + row * hidden + cols, mask=m, other=0.0)
-        if HAS_XBIAS:
-            xb = tl.load(XB + cols, mask=m, other=0.0)
-            h = (h.to(tl.float32) + xb.to(tl.float32)).to(H.dtype.element_ty)
-        if HAS_RES:
-            r = tl.load(RES + row * hidden + cols, mask=m, other=0.0)
-            h = (r.to(tl.float32) + h.to(tl.float32)).to(H.dtype.element_ty)
-        if STORE_H:
-            tl.store(H + row * hidden + cols, h, mask=m)
-        hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-        if FP32_WEIGHT:  # OLMo 2 / Gemma: multiply in fp32 (by 1 + w for Gemma), round once
-            if UNIT_OFFSET:
-                w = w + 1.0
-            y = hf * rstd * w
-        else:  # Llama: HF rounds the normalized value to h's dtype before multiplying by the weight
-            y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
-            y = y * w
+        if LAYER:
+            mean = tl.sum(hf, axis=0) / hidden
+            d = tl.where(m, hf - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)  # biased, as torch
+            y = d * rstd * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        else:
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+            w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            if FP32_WEIGHT:  # OLMo 2 / Gemma: multiply in fp32 (by 1 + w for Gemma), round once
+                if UNIT_OFFSET:
+                    w = w + 1.0
+                y = hf * rstd * w
+            else:  # Llama: HF rounds the normalized value to h's dtype before the weight
+                y = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
+                y = y * w
         tl.store(OUT + row * hidden + cols, y.to(OUT.dtype.element_ty), mask=m)
 
     return types.SimpleNamespace(
         next_power_of_2=triton.next_power_of_2,
-        layer_norm=_layer_norm_kernel,
-        rms_norm=_rms_norm_kernel,
+        norm=_norm_kernel,
     )
 
 
@@ -175,11 +160,12 @@ def layer_norm_triton(x, weight, bias, eps, residual=None, x_bias=None):
     x2, res2, xb, h2, store_h = _launch_args(x, residual, x_bias)
     out = torch.empty(x2.shape, dtype=h2.dtype, device=x.device)  # [N, hidden]
     bias_arg = bias.contiguous() if bias is not None else weight
-    k.layer_norm[(x2.shape[0],)](
+    k.norm[(x2.shape[0],)](
         x2, res2 if res2 is not None else x2, xb if xb is not None else x2,
         weight.contiguous(), bias_arg, out, h2, hidden, eps,
         HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, HAS_BIAS=bias is not None,
-        STORE_H=store_h, BLOCK=k.next_power_of_2(hidden),
+        STORE_H=store_h, BLOCK=k.next_power_of_2(hidden), LAYER=True, FP32_WEIGHT=False,
+        UNIT_OFFSET=False,
     )
     shape = (*x.shape[:-1], hidden)
     return out.view(shape), (h2.view(shape) if store_h else x)
@@ -192,11 +178,12 @@ def rms_norm_triton(x, weight, eps, residual=None, x_bias=None, style="llama"):
     llama = _check_style(style) == "llama"
     out_dtype = torch.promote_types(weight.dtype, h2.dtype) if llama else h2.dtype
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)  # [N, hidden]
-    k.rms_norm[(x2.shape[0],)](
-        x2, res2 if res2 is not None else x2, xb if xb is not None else x2,
-        weight.contiguous(), out, h2, hidden, eps,
-        HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, STORE_H=store_h,
-        BLOCK=k.next_power_of_2(hidden), FP32_WEIGHT=not llama, UNIT_OFFSET=style == "gemma",
+    w = weight.contiguous()
+    k.norm[(x2.shape[0],)](
+        x2, res2 if res2 is not None else x2, xb if xb is not None else x2, w, w, out, h2,
+        hidden, eps, HAS_RES=res2 is not None, HAS_XBIAS=xb is not None, HAS_BIAS=False,
+        STORE_H=store_h, BLOCK=k.next_power_of_2(hidden), LAYER=False,
+        FP32_WEIGHT=not llama, UNIT_OFFSET=style == "gemma",
     )
     shape = (*x.shape[:-1], hidden)
     return out.view(shape), (h2.view(shape) if store_h else x)

@@ -50,7 +50,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class AotCase:
-    kernel: str  # "<module>.<kernel function>", e.g. "norms._rms_norm_kernel"
+    kernel: str  # "<module>.<kernel function>", e.g. "norms._norm_kernel"
     label: str  # the launch it stands for, e.g. "res-B4096" (hidden 4096, Llama-7B)
     dtype: str  # activations' dtype, Triton's name: "fp32", "bf16" or "fp16"
     args: dict[str, str] = field(hash=False)  # runtime argument -> Triton type
@@ -193,30 +193,28 @@ def _attention_cases() -> list[AotCase]:
 # activations' dtype). Hidden sizes: GPT-2 768 -> 1024, Llama-7B 4096, Llama-65B 8192,
 # BLOOM-176B 14336 / GPT-3 12288 -> 16384; rms_norm also runs per head (Qwen3 q/k norm, 128).
 
-_LAYER_NORM = "X:*T RES:*T XB:*T W:*T B:*T OUT:*T H:*T hidden eps:fp32"
-_RMS_NORM = "X:*T RES:*T XB:*T W:*T OUT:*T H:*T hidden eps:fp32"
+_NORM = "X:*T RES:*T XB:*T W:*T B:*T OUT:*T H:*T hidden eps:fp32"  # rms: B gets W
+_LAYER = {"LAYER": True, "FP32_WEIGHT": False, "UNIT_OFFSET": False}
+_RMS = {"LAYER": False, "HAS_BIAS": False, "FP32_WEIGHT": False, "UNIT_OFFSET": False}
 
 
 def _norm_cases() -> list[AotCase]:
     cases = []
     for dt in DTYPES:
         for block in (1024, 4096, 8192, 16384):
-            cases.append(case("norms._layer_norm_kernel", f"res-xbias-bias-B{block}", dt,
-                              _LAYER_NORM, HAS_RES=True, HAS_XBIAS=True, HAS_BIAS=True,
-                              STORE_H=True, BLOCK=block))
-            cases.append(case("norms._rms_norm_kernel", f"res-B{block}", dt, _RMS_NORM,
-                              HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=block,
-                              FP32_WEIGHT=False, UNIT_OFFSET=False))
-        cases.append(case("norms._layer_norm_kernel", "plain-B1024", dt, _LAYER_NORM,
-                          HAS_RES=False, HAS_XBIAS=False, HAS_BIAS=True, STORE_H=False,
-                          BLOCK=1024))
-        cases.append(case("norms._rms_norm_kernel", "qk-norm-B128", dt, _RMS_NORM,
-                          HAS_RES=False, HAS_XBIAS=False, STORE_H=False, BLOCK=128,
-                          FP32_WEIGHT=False, UNIT_OFFSET=False))
+            cases.append(case("norms._norm_kernel", f"layer-res-xbias-bias-B{block}", dt, _NORM,
+                              HAS_RES=True, HAS_XBIAS=True, HAS_BIAS=True, STORE_H=True,
+                              BLOCK=block, **_LAYER))
+            cases.append(case("norms._norm_kernel", f"rms-res-B{block}", dt, _NORM,
+                              HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=block, **_RMS))
+        cases.append(case("norms._norm_kernel", "layer-plain-B1024", dt, _NORM, HAS_RES=False,
+                          HAS_XBIAS=False, HAS_BIAS=True, STORE_H=False, BLOCK=1024, **_LAYER))
+        cases.append(case("norms._norm_kernel", "rms-qk-norm-B128", dt, _NORM, HAS_RES=False,
+                          HAS_XBIAS=False, STORE_H=False, BLOCK=128, **_RMS))
         # Gemma's (1 + w) in fp32 (OLMo 2's fp32 multiply is the same code without the offset)
-        cases.append(case("norms._rms_norm_kernel", "gemma-res-B4096", dt, _RMS_NORM,
+        cases.append(case("norms._norm_kernel", "rms-gemma-res-B4096", dt, _NORM,
                           HAS_RES=True, HAS_XBIAS=False, STORE_H=True, BLOCK=4096,
-                          FP32_WEIGHT=True, UNIT_OFFSET=True))
+                          **{**_RMS, "FP32_WEIGHT": True, "UNIT_OFFSET": True}))
     return cases
 
 
