@@ -108,8 +108,8 @@ class DSInferConfig:
         compile: capture the whole decode step: generate() uses a preallocated static KV cache
             and a torch.compile'd forward for every decode step (prefill stays eager; CUDA
             graphs on a GPU). None (default) = auto: on for CUDA models; on CPU only when asked
-            (True), because there a ~30 s first call buys 1.03-1.35x decode (measured by
-            `hf-dsinfer bench`); never with tp_size / ep_size / offload.
+            (True), because there a first call of tens of seconds buys little decode speed
+            (docs/performance.md); never with tp_size / ep_size / offload.
         cache: "static" (a preallocated KV cache, as the compiled decode step needs), "dynamic"
             (HF's growing DynamicCache), or None (default): static exactly when compiling.
         tp_size: tensor-parallel degree (Megatron-style slicing of every block, the embedding

@@ -2,9 +2,8 @@
 
 HF's `LlamaModel.forward` calls every decoder layer as a module, and each fused block then checks
 its call before the two native calls of kernels.decode. On a CPU the weight stream of each layer
-evicts that Python's data from the caches, so those checks cost ~4x what they cost warm:
-Llama-1.1B int4 spent ~2 ms of a ~36 ms step there (measured with the native calls stubbed out:
-1.1 ms per step warm, all Python included). `NativeDecodeStep`, installed as the inner model's
+evicts that Python's data from the caches, so those checks cost several times what they cost
+warm (measured: docs/performance.md, "Behind the code"). `NativeDecodeStep`, installed as the inner model's
 `forward`, takes the calls it can prove equal to HF's and runs them as:
 
     x = embed_tokens(input_ids); cos, sin = rotary_emb(x, position_ids)

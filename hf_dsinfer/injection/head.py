@@ -7,8 +7,8 @@ the Triton GEMV on CUDA), and with `quant` on, the head is quantized to int8 (pe
 channel, with the native CPU kernel; int8 also for bits=4, as llama.cpp's Q4 files keep their
 output matrix at 6-8 bits). A head tied to the input embedding is quantized too, into an int8
 copy: the table stays for the embedding lookup, so the model grows by the int8 head (SmolLM2:
-+28 MB) while every decode step reads half the bytes for its logits (SmolLM2's 49152 x 576 head
-was 2.6 ms of a 14 ms int4 step in bf16). llama.cpp's SmolLM2 Q4_1 file does the same with its
++28 MB) while every decode step reads half the bytes for its logits (a large share of a small
+model's int4 step: docs/performance.md, "Behind the code"). llama.cpp's SmolLM2 Q4_1 file does the same with its
 table (Q8_0).
 
 Installed as the instance attribute `lm_head.forward` (or replaced by a QuantizedLinear), like

@@ -34,8 +34,8 @@ class DecodeMode:
 
 def resolve_decode_mode(config: Any, device: torch.device) -> DecodeMode:
     """compile None = auto: on for CUDA (CUDA graphs remove the per-kernel launch cost that
-    dominates small-batch decode there); off on CPU, where `hf-dsinfer bench` measured 1.03x
-    (1.1B bf16) to 1.35x (SmolLM2 int4) for a ~30 s first call with a warm inductor cache.
+    dominates small-batch decode there); off on CPU, where the gain measured by `hf-dsinfer
+    bench` is small for a first call of tens of seconds (docs/performance.md, "Behind the code").
     Never with tensor/expert
     parallelism or offload, whose collectives / block schedule run eagerly."""
     distributed = config.tp_size > 1 or config.ep_size > 1 or config.offload is not None

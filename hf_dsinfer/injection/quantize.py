@@ -52,7 +52,7 @@ class QuantizedLinear(nn.Module):
     @property
     def quantized(self) -> Int8Weight | Int4Weight:
         """The weight as the kernels take it, built once per set of buffers (a decode step calls
-        every linear; rebuilding the tuple each time cost ~4 us per call)."""
+        every linear; rebuilding the tuple each time cost microseconds per call)."""
         buffers = self._buffers  # not getattr: nn.Module's __getattr__ is slow per buffer
         tensors = tuple(buffers[f] for f in self._fields)
         cached = self._cached
@@ -98,8 +98,8 @@ def check_quant_supported(quant: QuantConfig, device: torch.device, dtype: torch
 
 def resolve_group_size(quant: QuantConfig, in_features: list[int]) -> int | None:
     """The int4 group size: the configured one (validated), or else the smallest that divides
-    every layer. Smallest, because accuracy comes first: SmolLM2 from its Q4_1 GGUF (blocks of
-    32) measured +0.6% perplexity with group 32 and +42% with group 64."""
+    every layer. Smallest, because accuracy comes first: on SmolLM2 from its Q4_1 GGUF (blocks
+    of 32) group 64 cost far more perplexity than group 32 (docs/performance.md, "Behind the code")."""
     if quant.bits == 8:
         return None
     fits = [g for g in INT4_GROUP_SIZES if all(n % g == 0 for n in in_features)]

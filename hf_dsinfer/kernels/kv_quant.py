@@ -13,7 +13,7 @@ Shapes: x [..., D] (a cache tensor [B, heads, S, D]); KVInt8.q [..., D] int8, .s
 in x.dtype; KVInt4.packed [..., D // 2] uint8, .scales / .mins [..., D // group_size] fp16.
 On the CPU the references are a handful of vectorized torch ops; `dequantize_kv_int4_tokens`
 decodes a token-major cache (the offload engine's) with the native kernel of csrc/cpu_quant.c,
-~20x those ops (8.6 against 0.37 GB/s of bf16 output on 2 cores here).
+an order of magnitude faster than those ops (measured: docs/performance.md, "Behind the code").
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def quantize_kv_int4(x: torch.Tensor, group_size: int = 64, *,
 
 def quantize_kv_int4_cpu(x: torch.Tensor, group_size: int = 64) -> KVInt4:
     """The reference's codes from the native kernel (csrc/cpu_quant.c, the same fp32
-    operations: 170 -> 6.6 ms for a [8192, 32, 80] bf16 prefill cache here), where it takes x;
+    operations, much faster on a prefill's cache: docs/performance.md, "Behind the code"), where it takes x;
     else the reference."""
     _check_group(x.shape[-1], group_size)
     takes = (x.dtype in _native.DTYPE_CODES and group_size % 16 == 0 and x.is_contiguous()

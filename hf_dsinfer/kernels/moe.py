@@ -41,8 +41,8 @@ other activations, no AMX past ~1 row per expert) two grouped GEMMs with the exp
 the *left* operand,
 F.grouped_mm(W [E, N, K], X^T [K, R], offs) -> [N, R], one call per projection and no Python
 loop over experts: each expert's weight is read as stored (contiguous rows), empty experts cost
-nothing, and small row counts avoid oneDNN's slow skinny x @ W^T shapes (measured here: at 1-16
-rows per expert `W @ X^T` beat `F.linear(X, W)` by 1.3-3x in bf16).
+nothing, and small row counts avoid oneDNN's slow skinny x @ W^T shapes (measured:
+docs/performance.md, "Behind the code").
 """
 
 from __future__ import annotations
@@ -376,8 +376,7 @@ def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act
                        fuse: bool = False):
     """One GEMM pair per expert that has rows (idle experts cost nothing): the fallback without
     F.grouped_mm, and the faster path once experts get many rows each (oneDNN's GEMMs beat
-    torch's CPU grouped GEMM from ~32 rows per expert: 64 ms vs 132 ms at 2048 tokens, 8 experts
-    top-2, hidden 1024)."""
+    torch's CPU grouped GEMM from ~32 rows per expert: docs/performance.md, "Behind the code")."""
     y = torch.empty_like(x_sorted)  # [R, H]
     y[bounds[-1]:] = 0  # dropped rows (capacity factor) are never computed
     for e in range(len(bounds) - 1):

@@ -245,7 +245,7 @@ def _swap_packed(blocks: nn.ModuleList, slots, group_size: int) -> None:
 def _return_freed_memory() -> None:
     """Give the heap pages freed while building the store back to the OS. Building reads and
     converts every tensor once; glibc keeps freed chunks below its (dynamic, up to 32 MB) mmap
-    threshold in the heap, which measured ~1.2 GB of RSS above the budget on a 5 GB model."""
+    threshold in the heap, which held RSS far above the budget (docs/performance.md, "Behind the code")."""
     import ctypes
     import ctypes.util
 

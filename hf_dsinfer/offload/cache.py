@@ -14,9 +14,8 @@ With `compress_cache`, K and V are stored as 4-bit min-max codes in groups along
 compute device with the native kernels, a fused block's decode step attends straight over the
 stored codes (`BlockCache.dsinfer_attend`, kernels/kv_quant.py's `attend_kv_int4`: FlexGen's
 attention where the cache lives): the read ahead fetches codes, nothing is decoded and no dense
-copy is made. On OPT-2.7B's shape (32 sequences x 32 heads x 544 tokens) that is 15 ms against
-33 ms for decoding the cache and running attention over the copy; benchmarks/offload.py's 4-bit
-decode went from 53-61 s to 27 s at block 16. Elsewhere (CUDA, HF's own layers, ALiBi, no
+copy is made, about twice as fast as decoding the cache and attending over the copy
+(docs/performance.md, "Behind the code"). Elsewhere (CUDA, HF's own layers, ALiBi, no
 native kernels) the codes are decoded when read: a read decodes (or copies) into the
 [rows, heads, tokens, D] layout attention takes, with room for the step's new token, so a
 decode step makes one dense pass over the cache before attention reads it. The first update of
@@ -55,10 +54,9 @@ Component = tuple[str, int, torch.dtype]  # name, width (last dim), dtype
 _STATS_LOCK = threading.Lock()
 # Threads reading KV caches ahead. A whole-block decode step reads one cache file per
 # micro-batch (5 MB each for OPT-2.7B's 16 micro-batches of one sequence at prompt 512) and
-# copies it into the block's [rows, heads, tokens, D] tensor. Traced with one thread
-# (benchmarks/offload.py, dense block 16): each read took 3.4 ms (1.6 GB/s) and the copy and
-# bookkeeping after it 1.4 ms, during which the disk sat idle whenever the weight reader was
-# between layers: 21.6 s of a 148 s decode. With several threads one copies while another reads.
+# copies it into the block's [rows, heads, tokens, D] tensor. Traced with one thread, the disk
+# sat idle during each copy whenever the weight reader was between layers (docs/performance.md, "Behind the code").
+# With several threads one copies while another reads.
 # Each micro-batch's read fills its own rows, so they need no ordering.
 KV_READ_THREADS = 4
 
@@ -79,8 +77,8 @@ def row_split(rows: int, percent: tuple[float, float, float]) -> list[tuple[str,
 class BufferPool:
     """Buffers for what a decode step reads (raw file bytes, dense K/V), kept for the whole
     generate() call. Each step reads the whole cache again, and a fresh 50-200 MB tensor pays
-    its page faults every time: here decoding a 4-bit cache into fresh memory took 28 ms against
-    11 ms into a reused buffer. A buffer is handed out again only once nothing holds a view of
+    its page faults every time: decoding into fresh memory took over twice as long as into a
+    reused buffer (docs/performance.md, "Behind the code"). A buffer is handed out again only once nothing holds a view of
     it any more (its storage's use count is back to the pool's own), so a tensor a caller kept
     is never overwritten; buffers are sized for the call's longest sequence."""
 
@@ -185,8 +183,8 @@ class FileStorage:
     def read(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Tokens [start, stop) of every component, as views of one buffer filled by one read:
         O_DIRECT where the file system allows it (no page cache, which the memory budget counts,
-        and no copy out of it: the buffered read ran at ~0.8 GB/s effective here), else a
-        buffered read."""
+        and no copy out of it; buffered reads were slower: docs/performance.md, "Behind the
+        code"), else a buffered read."""
         n = stop - start
         first, end = start * self.record, stop * self.record
         raw = self._read_direct(first, end) if n else None

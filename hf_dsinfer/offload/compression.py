@@ -42,8 +42,8 @@ def decompress(item: CompressedTensor, dtype: torch.dtype,
 
     Same numerics as `dequantize_kv_int4` (q * scale + min in fp32, one rounding to `dtype`),
     but each nibble plane is written straight into its strided half of the output, with no
-    stacked [.., 2] intermediate: about 2x faster on CPU, and the fp32 temporaries stay ~16 MB
-    (the memory budget counts them)."""
+    stacked [.., 2] intermediate: faster on CPU (docs/performance.md, "Behind the code"), and the fp32 temporaries
+    stay ~16 MB (the memory budget counts them)."""
     codes = item.codes
     groups, half = codes.packed.shape
     if out is None:

@@ -184,9 +184,8 @@ def measure_disk(folder: Path, mib: int, reps: int = 5,
     the page cache dropped.
 
     A file just written reads back faster than the engine's data: the VM host's cache holds it
-    (O_DIRECT bypasses only the guest's). Here: 1.97-2.33 GB/s read back at once, 1.78-1.83 GB/s
-    for a checkpoint written the day before (same minute), and ~1.0 GB/s seen by an offloaded
-    dense decode (stop 17). So given `old` windows (old_data_windows: data on the same disk
+    (O_DIRECT bypasses only the guest's), and an offloaded decode saw about half the rate of a
+    read-back (docs/performance.md, "Behind the code"). So given `old` windows (old_data_windows: data on the same disk
     this probe did not write, e.g. the checkpoint being planned for), each read reads one
     window, by two threads at once as the engine's weight and KV readers do. Without any it
     reads its own file back `reps` times: an upper bound, which hardware.json keys apart."""
@@ -291,7 +290,7 @@ def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
     shares the cores with the compute team). A decode step decodes a whole block's cache, far
     larger than the CPU's caches, so the probe rotates over three caches of 16 sequences x 512
     tokens (42 MB dense each): one cache of 8 sequences decoded again and again stayed in cache
-    and read 12.8 GB/s here, where a block's cache decodes at 7.4-8.6."""
+    and read much faster than a block's cache decodes (docs/performance.md, "Behind the code")."""
     sets = []
     for _ in range(3):
         kv = torch.randn(512, 16, 32, 80, device=device).to(dtype)  # [tokens, rows, heads, D]
@@ -305,8 +304,8 @@ def measure_kv_decompress(dtype: torch.dtype, device: torch.device) -> float:
 def measure_attn_decode(dtype: torch.dtype, device: torch.device) -> float:
     """K + V bytes/s of a decode step's attention (one query per sequence and head, 512 keys,
     16 sequences) through the kernel the fused blocks call, over three caches in turn so that
-    none is still in cache: on the CPU below the memory bandwidth (~19 against ~24 GB/s here),
-    so the model prices attention at this rate."""
+    none is still in cache: on the CPU below the memory bandwidth (docs/performance.md, "Behind the code"), so the
+    model prices attention at this rate."""
     from hf_dsinfer.kernels.attention import attention
 
     sets = [(torch.randn(16, 32, 1, 80, device=device).to(dtype),
@@ -409,8 +408,8 @@ def layer_coefficients(shape: ModelShape, hw: Hardware, work: Workload, batch: i
         # on the CPU a dense cache read from disk is first copied into attention's layout (one
         # more pass; a 4-bit cache is decoded straight into it, priced below). RAM gives views
         # only to a block of one micro-batch: the CPU decode step runs the whole block at once,
-        # so several micro-batches' RAM caches are copied into one block tensor (2-layer
-        # OPT-2.7B shape, 2 x 16 rows at 512 tokens: 25 ms of a 48 ms layer step)
+        # so several micro-batches' RAM caches are copied into one block tensor (about half
+        # of a layer step on OPT-2.7B's shape: docs/performance.md, "Behind the code")
         compute0 += batch * ctx * kv_dense / min(hw.attn_decode, hw.memory_bw)
         if not cuda and not compress_c:
             compute[5] += batch * ctx * kv_dense / hw.memory_bw

@@ -181,8 +181,8 @@ class SafetensorsFile:
         """Every tensor of the file, as views of `out` (a uint8 buffer of at least
         `aligned_size(self.size)` bytes whose address is DIRECT_ALIGN-aligned), filled by one
         whole-file read: O_DIRECT where the file system allows it (DMA into the buffer, no page
-        cache, no copy on the CPU: ~2 GB/s here against 0.6-2.2 for buffered reads of the same
-        file while the CPU is busy), else one buffered read."""
+        cache, no copy on the CPU; steadier than buffered reads while the CPU is busy:
+        docs/performance.md, "Behind the code"), else one buffered read."""
         size = self.size
         span = aligned_size(size)
         assert out.numel() >= span and out.data_ptr() % DIRECT_ALIGN == 0, "unaligned buffer"
