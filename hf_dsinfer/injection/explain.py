@@ -175,6 +175,10 @@ def _continuous_batching_line(report: InjectionReport) -> str | None:
             deferred[why] = deferred.get(why, 0) + n
     line += f" ({'; '.join(static)})" if static else ""
     line += f"; {calls} fused calls so far"
+    if calls:
+        segmented = sum(f.paged.segmented for f in fused)
+        line += (f" ({segmented} attending per request over its own keys, the others over the "
+                 "whole packed row with its mask)")
     if deferred:
         line += "; calls sent to the HF forward: " + "; ".join(
             f"{why} ({n})" for why, n in sorted(deferred.items()))

@@ -34,6 +34,7 @@ from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
+from hf_dsinfer.kernels.attention import attention_segments
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary
@@ -545,7 +546,9 @@ class FusedBlock:
             idx = self.spec.layer_idx
             k, v = append_kv(cache, k, v, idx) if s == 1 else cache.update(k, v, idx)
         elif (paged_cache := named.get(paged.PAGED_ARG)) is not None:  # continuous batching
-            k, v = paged.update(self, paged_cache, k, v, named)
+            k, v, segments = paged.update(self, paged_cache, k, v, named)
+            if segments is not None:
+                return self._attend(q, k, v, named, b, s, segments=segments)
         return self._attend(q, k, v, named, b, s)
 
     @property
@@ -579,13 +582,23 @@ class FusedBlock:
         return self._project_out(out, b, 1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict, b: int,
-                s: int, q_scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                s: int, q_scaled: bool = False,
+                segments: list[tuple[int, int, int, int]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of rotated q over the (cache-updated) k, v, then the output projection.
-        q_scaled: q already carries OPT's query scaling (the native decode layer's q)."""
+        q_scaled: q already carries OPT's query scaling (the native decode layer's q).
+        segments: the packed requests of a continuous-batching row (paged.segments), each
+        attending over its own keys."""
         scale = self.spec.scale
         if self.spec.scale_query:  # OPT scales q before QK^T; keep its rounding in half precision
             q, scale = (q if q_scaled else q * scale), 1.0
         mask = named.get("attention_mask")
+        sinks = getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None
+        if segments is not None:  # no ALiBi here (paged.layout_why sends it to HF)
+            out = attention_segments(q, k, v, segments, scale=scale, mask=mask,
+                                     backend=self.backend, softcap=self.spec.attn_softcap,
+                                     sinks=sinks)
+            return self._project_out(out, b, s)
         bias = self._alibi(named, b)
         if mask is None and s > 1 and k.shape[2] > s:
             # HF passes no mask only when SDPA's *top-left* causal rule is right, e.g. a
@@ -594,8 +607,7 @@ class FusedBlock:
             bias = None if bias is None else bias[..., :s]
         out = attention_op(
             q, k, v, scale=scale, mask=mask, causal=mask is None and s > 1, bias=bias,
-            backend=self.backend, softcap=self.spec.attn_softcap,
-            sinks=getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None,
+            backend=self.backend, softcap=self.spec.attn_softcap, sinks=sinks,
         )  # [B, H, S, D]
         return self._project_out(out, b, s)
 

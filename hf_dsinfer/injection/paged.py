@@ -56,6 +56,7 @@ class PagedStats:
     """One block's continuous-batching calls: fused, and sent to the HF forward (per reason)."""
 
     calls: int = 0
+    segmented: int = 0  # of those, attended per request (`segments`)
     deferred: dict[str, int] = dataclasses.field(default_factory=dict)
     refused: int = 0  # calls of a forward with a paged cache that reached the block without it
     # set by hf.continuous_batching for the span of a forward that carries a paged
@@ -104,9 +105,11 @@ def defers(fused: FusedBlock, named: dict[str, Any]) -> bool:
 
 
 def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
-           named: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+           named: dict[str, Any]
+           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]] | None]:
     """Write the row's new k, v [1, Hkv, T, D] into the paged cache and return the keys and
-    values its queries may read, [1, Hkv, K, D] with K the mask's last dimension."""
+    values its queries may read, [1, Hkv, K, D] with K the mask's last dimension, and the
+    requests' segments of the row (see `segments`; None: attend over the whole row)."""
     kwargs = {name: named[name] for name in UPDATE_ARGS if name in named}  # update edits it
     keys, values = cache.update(k, v, fused.spec.layer_idx, kwargs)
     mask = named["attention_mask"]
@@ -116,9 +119,58 @@ def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
             f"{fused.spec.layer_idx} but its attention mask has {mask.shape[-1]} columns "
             f"(mask {tuple(mask.shape)}). The cache's read indices and the mask disagree, so "
             "attention would mix requests. Fix: report this with your transformers version.")
-    if not torch.compiler.is_compiling():  # as FusedBlock.calls
-        fused.paged.calls += 1
-    return keys, values
+    if torch.compiler.is_compiling():  # a traced call attends over the whole row
+        return keys, values, None
+    fused.paged.calls += 1  # as FusedBlock.calls, counted outside a trace only
+    cu_k = kwargs.get("cu_seq_lens_k")  # cache.update picked this layer type's offsets
+    found = segments(mask, named.get("cu_seq_lens_q"), cu_k)
+    if found is not None:
+        fused.paged.segmented += 1
+    return keys, values, found
+
+
+# the last (mask, query offsets, key offsets) checked, and its segments: every layer of one
+# type gets the same mask object in one forward, so the check runs once per forward and type.
+# The mask is held, so a later forward's mask cannot take its id.
+_last_checked: list[Any] = [None, None, None, None]
+
+
+def segments(mask: torch.Tensor, cu_q: Any, cu_k: Any
+             ) -> list[tuple[int, int, int, int]] | None:
+    """(q0, q1, k0, k1) per request of the packed row: its queries q0:q1 and the keys k0:k1
+    that the cache returned for it (transformers' `cu_seq_lens_q` / `cu_seq_lens_k`), when the
+    mask [1, 1, T, K] lets each request's queries read its own keys only; None when it does not
+    (or the offsets are missing or do not cover the row): then attention runs over the whole
+    row with the mask, as HF's does. Attending per segment computes the same softmax over the
+    same unmasked keys, and skips the T x K block products of other requests' keys."""
+    if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
+        return None
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    last = _last_checked
+    if last[0] is mask and last[1] == qs and last[2] == ks:
+        return last[3]
+    found = _block_diagonal(mask, qs, ks)
+    _last_checked[:] = [mask, qs, ks, found]
+    return found
+
+
+def _block_diagonal(mask: torch.Tensor, qs: list[int], ks: list[int]
+                    ) -> list[tuple[int, int, int, int]] | None:
+    t, k = mask.shape[-2], mask.shape[-1]
+    if (mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or len(qs) != len(ks)
+            or len(qs) < 2 or qs[0] != 0 or ks[0] != 0 or qs[-1] != t or ks[-1] != k
+            or qs != sorted(qs) or ks != sorted(ks)):
+        return None
+    found = [(q0, q1, k0, k1) for q0, q1, k0, k1 in zip(qs, qs[1:], ks, ks[1:]) if q1 > q0]
+    if len(found) < 2:
+        return None  # one request: the whole row already is its segment
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] > torch.finfo(mask.dtype).min
+    own = torch.zeros_like(allowed)
+    for q0, q1, k0, k1 in found:
+        own[q0:q1, k0:k1] = True
+    if bool((allowed & ~own).any()):  # a query may read another request's key
+        return None
+    return found
 
 
 def _not_passed_error(fused: FusedBlock) -> ContinuousBatchingError:

@@ -337,3 +337,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     fn = _dispatch.pick(backend, q.device, ref=attention_ref, triton_fn=attention_triton,
                         cpu_fn=attention_cpu)
     return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)
+
+
+def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       segments: list[tuple[int, int, int, int]], *, scale: float,
+                       mask: torch.Tensor, backend: str | None = None,
+                       softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention` of packed requests, each over its own keys: q [1, Hq, T, D] holds the queries
+    of several sequences one after another, k / v [1, Hkv, K, D] their keys, and `segments`
+    (q0, q1, k0, k1) says that queries q0:q1 read only keys k0:k1 (mask [1, 1, T, K] masks every
+    other key of those rows: the caller checked it). Each segment is one `attention` call with
+    its block of the mask, so the work is the sum of the segments' q x k instead of T x K.
+    Every query row must be in one segment."""
+    out = q.new_empty(q.shape)
+    for q0, q1, k0, k1 in segments:
+        out[:, :, q0:q1] = attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale=scale,
+            mask=mask[..., q0:q1, k0:k1], backend=backend, softcap=softcap, sinks=sinks)
+    return out

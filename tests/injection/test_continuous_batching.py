@@ -96,6 +96,8 @@ def test_generate_batch_equals_hf(family):
     assert all(f.paged.calls > 0 and not f.paged.deferred for f in fused)
     assert len({f.paged.calls for f in fused}) == 1
     assert all(f.calls >= f.paged.calls for f in fused)
+    # the packed requests attended each over its own keys (ALiBi and MLA families defer above)
+    assert all(0 < f.paged.segmented <= f.paged.calls for f in fused)
     moe = get_report(model).moe.values()
     assert all(m.calls > 0 for m in moe)
     assert "fused attention over the paged KV cache in" in hf_dsinfer.explain(model)
@@ -221,3 +223,47 @@ def test_bf16_native_step_and_compiled_decode_hand_over(extra):
     assert all(len(r.generated_tokens) == NEW_TOKENS for r in out.values())
     assert report.step.calls == 0 and report.step.last_reason == "arguments other than HF generate's"
     assert all(f.paged.calls > 0 for f in report.blocks.values())
+
+
+def _packed_mask(q_lens, k_lens, window=None, leak=False):
+    """The additive [1, 1, T, K] mask of requests packed one after another: each query reads its
+    own request's keys up to its position (the last q_len of its k_len keys are the new ones)."""
+    t, k = sum(q_lens), sum(k_lens)
+    allowed = torch.zeros(t, k, dtype=torch.bool)
+    q0 = k0 = 0
+    for ql, kl in zip(q_lens, k_lens):
+        for i in range(ql):
+            pos = kl - ql + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            allowed[q0 + i, k0 + lo:k0 + pos + 1] = True
+        q0, k0 = q0 + ql, k0 + kl
+    if leak:
+        allowed[0, k - 1] = True  # the first query may read the last request's key
+    mask = torch.zeros(t, k).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])  # noqa: E731
+    return mask[None, None], cu(q_lens), cu(k_lens)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_segments_attend_like_the_whole_row(window):
+    from hf_dsinfer.kernels.attention import attention, attention_segments
+
+    q_lens, k_lens = (1, 4, 1, 2), (9, 4, 3, 12)
+    mask, cu_q, cu_k = _packed_mask(q_lens, k_lens, window)
+    found = paged.segments(mask, cu_q, cu_k)
+    assert found == [(0, 1, 0, 9), (1, 5, 9, 13), (5, 6, 13, 16), (6, 8, 16, 28)]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 28, 16, generator=gen) for _ in range(2))
+    whole = attention(q, k, v, scale=0.25, mask=mask)
+    torch.testing.assert_close(attention_segments(q, k, v, found, scale=0.25, mask=mask), whole,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_segments_refused_where_a_query_reads_another_request():
+    mask, cu_q, cu_k = _packed_mask((1, 2), (5, 3), leak=True)
+    assert paged.segments(mask, cu_q, cu_k) is None
+    mask, cu_q, cu_k = _packed_mask((1, 2), (5, 3))
+    assert paged.segments(mask, cu_q, None) is None  # offsets missing
+    assert paged.segments(mask, cu_q, torch.tensor([0, 4, 8])) is None  # not covering K
+    assert paged.segments(mask, cu_q, cu_k) == [(0, 1, 0, 5), (1, 3, 5, 8)]
