@@ -21,16 +21,29 @@ request in `GenerationOutput.error`, as HF does; only `generate_batch` turns the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers.generation.continuous_batching import PagedAttentionCache
 
 from hf_dsinfer.errors import ContinuousBatchingError
 
 _WRAPPED = ("generate_batch", "init_continuous_batching")
+_ABSENT = object()
+
+
+def _kv_heads(config: Any) -> int:
+    """The model's KV heads, as transformers' paged cache counts them (its find_num_key_value_heads)."""
+    for name in ("num_key_value_heads", "num_attention_heads"):
+        if (value := getattr(config, name, None)) is not None:
+            return int(value)
+    raise ContinuousBatchingError("continuous batching: the config names no attention heads")
 
 
 class ContinuousBatching:
@@ -40,6 +53,7 @@ class ContinuousBatching:
         self.model = model
         self.blocks = blocks
         self.marked = False  # blocks' paged.expected, as last set
+        self._mesh: DeviceMesh | None = None  # a tensor-parallel model's TP group, as HF takes it
         self._managers: list | None = None  # during generate_batch: the managers it made
         self.hf_generate_batch = type(model).generate_batch.__get__(model)
         self.hf_init_continuous_batching = type(model).init_continuous_batching.__get__(model)
@@ -76,10 +90,58 @@ class ContinuousBatching:
 
     # -- the wrapped entry points --------------------------------------------------------------
     def init_continuous_batching(self, *args: Any, **kwargs: Any) -> Any:
-        manager = self.hf_init_continuous_batching(*args, **kwargs)
+        with self._tensor_parallel():
+            manager = self.hf_init_continuous_batching(*args, **kwargs)
         if self._managers is not None:  # inside generate_batch, which reads its error
             self._managers.append(manager)
         return manager
+
+    @contextlib.contextmanager
+    def _tensor_parallel(self) -> Iterator[None]:
+        """A tensor-parallel model's manager runs transformers' own TP mode: TP rank 0 is the
+        driver (it takes requests and broadcasts each step's schedule), the other ranks follow
+        it step by step, so every rank runs the same forwards and their collectives pair up.
+        transformers reads the TP group from `model._device_mesh` and sizes the paged cache by
+        `num_key_value_heads / tp` when its tp_plan splits k_proj / v_proj: both are set for
+        the manager's construction only, and the cache's heads checked against the blocks'."""
+        from hf_dsinfer import state
+
+        report = state.get(self.model, "report")
+        tp = None if report is None else report.tp
+        if tp is None:
+            yield
+            return
+        if tp.size != dist.get_world_size():
+            raise ContinuousBatchingError(
+                f"continuous batching on a tensor-parallel model: tp_size={tp.size} in a world of "
+                f"{dist.get_world_size()} processes. transformers' continuous batching drives one "
+                "TP group covering the world. Fix: launch exactly tp_size processes (no "
+                "pipeline or expert parallelism beside it), or call generate().")
+        full = _kv_heads(self.model.config)
+        local = {f.spec.num_kv_heads for f in self.blocks}
+        if local == {full // tp.size} and full % tp.size == 0:
+            plan = {"layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.v_proj": "colwise"}
+        elif local == {full}:
+            plan = {}  # every rank keeps every KV head: the cache holds them all
+        else:
+            raise ContinuousBatchingError(
+                f"continuous batching on a tensor-parallel model: the blocks hold {sorted(local)} "
+                f"KV heads per rank out of {full}, and transformers' paged cache holds either all "
+                f"of them or {full} / tp_size. Fix: a tp_size that divides the {full} KV heads, "
+                "or call generate().")
+        if self._mesh is None:
+            self._mesh = DeviceMesh(self.model.device.type, list(tp.ranks))
+        model = self.model
+        saved = model.__dict__.get("_device_mesh", _ABSENT), model._tp_plan
+        model._device_mesh, model._tp_plan = self._mesh, plan
+        try:
+            yield
+        finally:
+            if saved[0] is _ABSENT:
+                del model._device_mesh
+            else:
+                model._device_mesh = saved[0]
+            model._tp_plan = saved[1]
 
     def generate_batch(self, inputs: list[list[int]], *args: Any, **kwargs: Any) -> dict:
         """transformers' generate_batch; raises ContinuousBatchingError where it would return a

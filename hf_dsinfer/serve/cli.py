@@ -88,6 +88,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, model, tokenizer, Path(args.model or DEFAULT_GGUF).name.split(".")[0])
 
 
+def torch_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def serve(args: argparse.Namespace, model: Any, tokenizer: Any, name: str) -> int:
     """Serve a loaded model until SIGINT / SIGTERM; 1 if the generation thread had failed."""
     import uvicorn
@@ -96,6 +102,10 @@ def serve(args: argparse.Namespace, model: Any, tokenizer: Any, name: str) -> in
 
     engine = build_engine(args, model, tokenizer, name)
     engine.start()  # the paged cache is built before the port opens; failures raise here
+    if not engine.drives:  # tensor parallel: rank 0 answers, the other ranks follow it
+        print(f"hf-dsinfer serve: rank {torch_rank()} follows rank 0's schedule", flush=True)
+        error = engine.follow()
+        return 0 if error is None else 1
     print(f"hf-dsinfer serve: {engine.model_name} on http://{args.host}:{args.port} "
           f"({engine.kv_blocks_total} KV blocks of {args.page_size} tokens, "
           f"max {args.max_requests} requests in flight)", flush=True)

@@ -125,6 +125,32 @@ class Engine:
             ) from error
         self.sampling_keys = dict(self.manager.logit_processor.supported_keys)
 
+    @property
+    def drives(self) -> bool:
+        """False on a tensor-parallel rank other than 0: its manager follows rank 0's schedule
+        step by step (transformers' TP mode), takes no requests and answers none."""
+        return self.manager is None or bool(getattr(self.manager, "is_tp_driver", True))
+
+    def follow(self, poll_s: float = 0.1) -> BaseException | None:
+        """On a following rank: run until rank 0's manager stops (its stop reaches every rank
+        of the group at the next step). Returns the manager thread's fatal error, if any.
+
+        Ctrl-C (torchrun hands it to every rank) does not stop a follower: rank 0 drains its
+        requests and stops the group. Past limits.stop_timeout_s + 30 s after it, the follower
+        stops its manager itself."""
+        interrupted = None
+        while self.manager is not None and self.manager.is_running():
+            try:
+                time.sleep(poll_s)
+            except KeyboardInterrupt:
+                interrupted = interrupted or time.monotonic()
+            if interrupted and time.monotonic() - interrupted > self.limits.stop_timeout_s + 30:
+                logger.error("hf-dsinfer serve: rank 0 did not stop the group; stopping here")
+                self.manager.stop(block=True, timeout=10, hard_stop=True)
+                break
+        self.fatal_error = self._manager_error()
+        return self.fatal_error
+
     async def aclose(self) -> BaseException | None:
         """`stop` from the event loop: requests waiting for KV blocks get 503, and the loop keeps
         delivering the outputs of requests in flight while the manager drains."""

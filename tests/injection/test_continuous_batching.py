@@ -267,3 +267,25 @@ def test_segments_refused_where_a_query_reads_another_request():
     assert paged.segments(mask, cu_q, None) is None  # offsets missing
     assert paged.segments(mask, cu_q, torch.tensor([0, 4, 8])) is None  # not covering K
     assert paged.segments(mask, cu_q, cu_k) == [(0, 1, 0, 5), (1, 3, 5, 8)]
+
+
+def test_tensor_parallel_manager_refusals(monkeypatch):
+    """transformers' TP mode needs the TP group to be the world and the paged cache to hold all
+    KV heads or 1 / tp of them (tests/serve/test_serve_tp.py runs the cases that work)."""
+    from types import SimpleNamespace
+
+    from hf_dsinfer.hf import continuous_batching as cb_module
+
+    model = hf_dsinfer.init_inference(make_model("llama"))  # 3 KV heads
+    report = get_report(model)
+    monkeypatch.setattr(report, "tp", SimpleNamespace(size=2, ranks=(0, 1)))
+    config = ContinuousBatchingConfig(num_blocks=16, page_size=8)
+    monkeypatch.setattr(cb_module.dist, "get_world_size", lambda: 4)
+    with pytest.raises(ContinuousBatchingError, match="world of 4 processes"):
+        model.init_continuous_batching(continuous_batching_config=config)
+    monkeypatch.setattr(cb_module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(report.serving, "blocks",
+                        [SimpleNamespace(spec=SimpleNamespace(num_kv_heads=2))] * 2)
+    with pytest.raises(ContinuousBatchingError, match=r"\[2\] KV heads per rank out of 3"):
+        model.init_continuous_batching(continuous_batching_config=config)
+    assert "_device_mesh" not in model.__dict__
