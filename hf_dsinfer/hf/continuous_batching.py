@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.generation.continuous_batching import PagedAttentionCache
 
+from hf_dsinfer import state
 from hf_dsinfer.errors import ContinuousBatchingError
 
 _WRAPPED = ("generate_batch", "init_continuous_batching")
@@ -104,8 +105,6 @@ class ContinuousBatching:
         transformers reads the TP group from `model._device_mesh` and sizes the paged cache by
         `num_key_value_heads / tp` when its tp_plan splits k_proj / v_proj: both are set for
         the manager's construction only, and the cache's heads checked against the blocks'."""
-        from hf_dsinfer import state
-
         report = state.get(self.model, "report")
         tp = None if report is None else report.tp
         if tp is None:
