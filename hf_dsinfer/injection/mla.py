@@ -51,9 +51,15 @@ def resolve_mla_spec(attn: nn.Module, layout: P.MlaLayout, config: Any) -> MlaSp
     kv_a_norm = attn.get_submodule(layout.kv_a_norm)
     latent = int(kv_a_norm.weight.shape[0])
     rope = int(attn.get_submodule(layout.kv_a_proj).out_features) - latent
-    num_heads = int(getattr(attn, layout.num_heads_attr))
     v_dim = int(getattr(attn, layout.v_dim_attr))
-    nope = int(kv_b.out_features) // num_heads - v_dim
+    nope = int(getattr(attn, layout.nope_dim_attr))
+    # heads follow kv_b_proj's rows (per head [k_nope | v]): this rank's heads when tensor
+    # parallelism sliced it, where the module's num_heads attribute still counts all heads
+    num_heads = int(kv_b.weight.shape[0]) // (nope + v_dim)
+    if num_heads * (nope + v_dim) != kv_b.weight.shape[0] or \
+            num_heads > int(getattr(attn, layout.num_heads_attr)):
+        raise ValueError(f"{type(attn).__name__}.{layout.kv_b_proj}: expected whole heads of "
+                         f"{nope} + {v_dim} rows, got {kv_b.weight.shape[0]} rows")
     return MlaSpec(num_heads=num_heads, nope_dim=nope, rope_dim=rope, v_dim=v_dim,
                    latent_dim=latent, low_rank_q=getattr(attn, layout.q_a_proj, None) is not None,
                    rope_interleave=bool(P.resolve(layout.rope_interleave, config)))

@@ -255,7 +255,8 @@ class FusedMoE:
         if self.quantized is not None:
             return _quantized_rows(x_sorted, self.quantized, offsets, self.spec.form)
         if not self.spec.canonical:
-            return form_expert_rows(x_sorted, self.expert_tensors(), offsets, self.spec.form)
+            return form_expert_rows(x_sorted, self.expert_tensors(), offsets, self.spec.form,
+                                    self.backend)
         return grouped_expert_rows(x_sorted, self.experts.gate_up_proj, self.experts.down_proj,
                                    offsets, self.spec.activation, backend=self.backend)
 
@@ -270,7 +271,8 @@ class FusedMoE:
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         if (self.quantized is None and self.spec.capacity_factor is None
                 and not self.spec.canonical):
-            return form_expert_mlp(x, self.expert_tensors(), weights, ids, self.spec.form)
+            return form_expert_mlp(x, self.expert_tensors(), weights, ids, self.spec.form,
+                                   self.backend)
         if self.quantized is None and self.spec.capacity_factor is None:
             return grouped_expert_mlp(x, self.experts.gate_up_proj, self.experts.down_proj,
                                       weights, ids, self.spec.activation, backend=self.backend)

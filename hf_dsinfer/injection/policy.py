@@ -158,11 +158,12 @@ class MlaLayout:
     kv_b_proj: str = "kv_b_proj"          # latent -> per head [k_nope dn | v dv]
     num_heads_attr: str = "num_heads"     # attention attribute
     v_dim_attr: str = "v_head_dim"        # attention attribute
+    nope_dim_attr: str = "qk_nope_head_dim"  # attention attribute
     rope_interleave: Any = False          # rotary dims in interleaved pairs (FromConfig)
 
     def __post_init__(self) -> None:
         for field in ("q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm",
-                      "kv_b_proj", "num_heads_attr", "v_dim_attr"):
+                      "kv_b_proj", "num_heads_attr", "v_dim_attr", "nope_dim_attr"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise PolicyError(f"MlaLayout: {field} must be a module / attribute name, got "
                                   f"{getattr(self, field)!r}")

@@ -11,6 +11,10 @@ file's hfd_linear_bf16 runs dense bf16 linears of 2-256 rows (batched decode, sh
 on AMX straight from the row-major weight, which oneDNN reorders on every call. torch has no
 such path and no maintained library adds one to torch, so they are ours.
 
+cpu_experts.c, bf16 products of a few rows of x with a weight stored [in, out] (gpt-oss's
+experts) or [out, in] (nn.Linear's), reading the weight once at the memory's pace, where torch's
+bf16 kernels for one row read it at a fraction of it (docs/performance.md).
+
 cpu_decode.c, one Llama-family decoder layer for one token in two calls (kernels/decode.py):
 batch-1 decode is bound by the weight reads, and computed with torch ops each layer also pays
 ~60 dispatches around them. Its batched variant takes one token of each of up to 256
@@ -58,7 +62,8 @@ ENV_VAR = settings.ENV["native"]  # the switches are hf_dsinfer.settings; these 
 AMX_ENV_VAR = settings.ENV["amx"]  # 0: the kernels that can use AMX tiles keep AVX-512
 ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
+SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c",
+                                    "cpu_experts.c")]
 HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
@@ -170,6 +175,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_moe_bf16.restype = i32
     lib.hfd_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.hfd_linear_bf16.restype = i32
+    lib.hfd_matmul_kn_bf16.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
+    lib.hfd_matmul_kn_bf16.restype = i32
+    lib.hfd_gemv_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.hfd_gemv_bf16.restype = i32
     lib.hfd_amx_available.argtypes = []
     lib.hfd_amx_available.restype = i32
     lib.hfd_advise_hugepages.restype = i32
@@ -229,10 +238,12 @@ def _load(level: str) -> ctypes.CDLL | None:
 #   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
+#   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c) against torch's bf16 kernels:
+#       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize": "avx512",
-            "codes": "generic"}
+            "codes": "generic", "bf16_gemv": "avx512_bf16"}
 
 
 def _running() -> tuple[str, bool]:

@@ -32,6 +32,10 @@ class Crossovers:
     amx_bf16_max_rows: int | None = None
     amx_int8_min_rows: int | None = None
     amx_int8_max_rows: int | None = None
+    # native bf16 GEMV (csrc/cpu_experts.c, hfd_gemv_bf16) for 1..this many bf16 rows of a
+    # linear (kernels/linear.py). None: not measured on that tier's machine (the Xeon): torch.mv
+    # for one row and the AMX linear above keep their rows there
+    bf16_gemv_max_rows: int | None = None
 
 
 # The 2-core Xeon with AMX-BF16/INT8 (480 MB L3) of NOTES.md, 2 threads, weights cycled past
@@ -65,17 +69,22 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       2 rows, dequantize 33.8 / 35.1; _weight_int4pack_mm_for_cpu 24.5 / 46.5.
 # A value a tier does not use by default is inherited: the GEMV's below avx512 (MIN_TIER)
 # keeps avx512's bound, used only when HF_DSINFER_ISA names the tier.
+# bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
+# against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
+# 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16, int4_native_max_rows=16,
-                         int4_pack_max_rows=32)
+                         int4_pack_max_rows=32, bf16_gemv_max_rows=4)
 
 TABLE: dict[str, Crossovers] = {
-    "amx": XEON,  # every value measured on the Xeon; not re-measured on Zen 5 (no AMX)
+    "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
     "avx512_bf16": ZEN5_AVX512,
     "avx512": ZEN5_AVX512,
     "avx2": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
-                       int8_pack_max_rows=12, int4_native_max_rows=3, int4_pack_max_rows=32),
+                       int8_pack_max_rows=12, int4_native_max_rows=3, int4_pack_max_rows=32,
+                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows),  # inherited
     "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
-                          int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1),
+                          int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,
+                          bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows),  # inherited
 }
 assert set(TABLE) == set(_native.TIERS)
 

@@ -12,7 +12,9 @@ is an option, written once:
 
 Numerics are HF's GptOssExperts op by op: each GEMM, its bias add, the clamps, the sigmoid, the
 products are separate ops rounded to the activations' dtype; the expert output times its routing
-weight is rounded and index-added in ascending expert order, as HF's loop sums.
+weight is rounded and index-added in ascending expert order, as HF's loop sums. A transposed
+GEMM of a few bf16 rows (decode) runs on kernels.matmul_kn's native kernel: the same roundings,
+its fp32 sums in another order (a bf16 output may move by one unit in the last place).
 
 form_expert(x [n, H], tensors, e, form) -> [n, H]          one expert on its rows
 form_expert_rows(x_sorted [R, H], tensors, offsets [E+1], form) -> [R, H]
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dsinfer.kernels.activations import gated_act_ref, resolve_activation
+from hf_dsinfer.kernels.matmul_kn import matmul_kn
 from hf_dsinfer.kernels.moe import moe_align, traced_expert_rows
 
 
@@ -90,37 +93,41 @@ def expert_activation(h: torch.Tensor, form: ExpertForm) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             transposed: bool) -> torch.Tensor:
-    y = x @ weight if transposed else F.linear(x, weight)
+             transposed: bool, backend: str | None = None) -> torch.Tensor:
+    if transposed:  # `x @ W + b`: the native kernel for decode's bf16 rows (kernels.matmul_kn)
+        return matmul_kn(x, weight, bias, backend=backend)
+    y = F.linear(x, weight)
     return y if bias is None else y + bias
 
 
-def form_expert(x: torch.Tensor, tensors: ExpertTensors, e: int, form: ExpertForm
-                ) -> torch.Tensor:
+def form_expert(x: torch.Tensor, tensors: ExpertTensors, e: int, form: ExpertForm,
+                backend: str | None = None) -> torch.Tensor:
     """Expert e on its rows x [n, H] -> [n, H], unweighted."""
     gu_bias = None if tensors.gate_up_bias is None else tensors.gate_up_bias[e]
     dn_bias = None if tensors.down_bias is None else tensors.down_bias[e]
-    h = _project(x, tensors.gate_up[e], gu_bias, form.transposed)  # [n, 2I]
-    return _project(expert_activation(h, form), tensors.down[e], dn_bias, form.transposed)
+    h = _project(x, tensors.gate_up[e], gu_bias, form.transposed, backend)  # [n, 2I]
+    return _project(expert_activation(h, form), tensors.down[e], dn_bias, form.transposed,
+                    backend)
 
 
 def form_expert_rows(x_sorted: torch.Tensor, tensors: ExpertTensors, offsets: torch.Tensor,
-                     form: ExpertForm) -> torch.Tensor:
+                     form: ExpertForm, backend: str | None = None) -> torch.Tensor:
     """Unweighted outputs [R, H] of expert-sorted rows; rows past offsets[E] are 0."""
     if torch.compiler.is_compiling():  # no host read of the offsets (see kernels/moe.py)
         return traced_expert_rows(x_sorted, offsets,
-                                  lambda e, x: form_expert(x, tensors, e, form))
+                                  lambda e, x: form_expert(x, tensors, e, form, backend))
     y = torch.zeros_like(x_sorted)
     bounds = offsets.tolist()
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            y[lo:hi] = form_expert(x_sorted[lo:hi], tensors, e, form)
+            y[lo:hi] = form_expert(x_sorted[lo:hi], tensors, e, form, backend)
     return y
 
 
 def form_expert_mlp(hidden: torch.Tensor, tensors: ExpertTensors, weights: torch.Tensor,
-                    ids: torch.Tensor, form: ExpertForm) -> torch.Tensor:
+                    ids: torch.Tensor, form: ExpertForm, backend: str | None = None
+                    ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(hidden[t]) -> [T, H]: per active expert, its
     rows' output times their routing weights (promoted dtype, rounded to hidden's), index-added
     in ascending expert order (HF's accumulation order)."""
@@ -129,13 +136,13 @@ def form_expert_mlp(hidden: torch.Tensor, tensors: ExpertTensors, weights: torch
     w_sorted = weights.reshape(-1).index_select(0, align.flat_idx)  # [T*k]
     out = torch.zeros_like(hidden)
     if torch.compiler.is_compiling():
-        y = form_expert_rows(x, tensors, align.expert_offsets, form)
+        y = form_expert_rows(x, tensors, align.expert_offsets, form, backend)
         return out.index_add_(0, align.token_idx, (y * w_sorted[:, None]).to(hidden.dtype))
     bounds = align.expert_offsets.tolist()  # one host sync
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            y = form_expert(x[lo:hi], tensors, e, form) * w_sorted[lo:hi, None]
+            y = form_expert(x[lo:hi], tensors, e, form, backend) * w_sorted[lo:hi, None]
             out.index_add_(0, align.token_idx[lo:hi], y.to(hidden.dtype))
     return out
 

@@ -16,7 +16,12 @@ Numerics: products accumulate in fp32 in every path (F.linear / torch.mv do so f
 fp16 on CPU; the Triton kernels use an fp32 accumulator) and round once to x.dtype, as HF's
 nn.Linear does.
 
-CPU fast path: one-row bf16 calls with a row-contiguous weight use `torch.mv`, which streams a
+CPU fast path: on tiers whose crossover row has `bf16_gemv_max_rows` (Zen 5's AVX-512 BF16,
+kernels/crossovers.py), 1 to 4 bf16 rows run the native GEMV of csrc/cpu_experts.c
+(hfd_gemv_bf16: vdpbf16ps dot products streaming the row-major weight once; 1024 x 1024 at one
+row 86 us against F.linear's 570 and torch.mv's 653 on that machine, 1 thread, loaded; one
+rounding as F.linear's, its fp32 sums in another order). Elsewhere one-row bf16 calls with a
+row-contiguous weight use `torch.mv`, which streams a
 row-major [out, in] bf16 weight faster than `F.linear`; `torch.mv` loses for fp16 and for
 column-major weights, ties for fp32, and a loop of `torch.mv` over rows loses to F.linear from
 4 rows up (measured: docs/performance.md).
@@ -184,11 +189,45 @@ def _native_linear(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y.reshape(*x.shape[:-1], n)
 
 
+def _native_gemv_lib(rows: int, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None):
+    """The native library when its bf16 GEMV (csrc/cpu_experts.c) takes this call, else None:
+    1..bf16_gemv_max_rows bf16 rows (the running tier's crossover; None: never), a contiguous
+    bf16 weight, a bf16 bias or none, nothing that needs autograd, not under torch.compile."""
+    most = crossovers.rows().bf16_gemv_max_rows
+    fits = (most is not None and 1 <= rows <= most
+            and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and not torch.compiler.is_compiling())
+    return _native.lib("bf16_gemv") if fits else None
+
+
+def _native_gemv(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y = x @ weight.T + bias by csrc/cpu_experts.c's hfd_gemv_bf16 (one rounding, as
+    F.linear's; the fp32 sums in another order)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    code = lib.hfd_gemv_bf16(x2.data_ptr(), weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), y.data_ptr(),
+                             x2.shape[0], n, k, torch.get_num_threads())
+    if code:
+        _native.check(code, "hfd_gemv_bf16")
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """torch.mv for a single bf16 row on a row-major weight; the native AMX kernel for 2 to
-    CPU_AMX_MAX_ROWS bf16 rows; F.linear (addmm / oneDNN) else."""
+    """The native bf16 GEMV for up to bf16_gemv_max_rows bf16 rows where the tier's crossover
+    has one; else torch.mv for a single bf16 row on a row-major weight; the native AMX kernel
+    for 2 to CPU_AMX_MAX_ROWS bf16 rows; F.linear (addmm / oneDNN) else."""
     k = weight.shape[1]
     rows = x.numel() // k if k else 0
+    if x.device.type == "cpu" and rows >= 1:
+        lib = _native_gemv_lib(rows, x, weight, bias)
+        if lib is not None:
+            return _native_gemv(lib, x, weight, bias)
     if x.device.type == "cpu" and rows >= 2:
         lib = _native_amx_lib(rows, x, weight, bias)
         if lib is not None:

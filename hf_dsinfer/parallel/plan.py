@@ -14,6 +14,10 @@ experts stay whole (expert parallelism shards them, parallel/expert.py). Each bl
 from the linears it has: a sparse block has no dense MLP, a dense block no shared expert.
 OLMoE's q/k RMSNorm over the whole projection gets its weight sliced like q / k, and the rank's
 share of the sum of squares (`BlockShard.kv_owned` counts a replicated KV head once).
+gpt-oss's attention-sink logits (one per query head) are sliced with their heads. Multi-head
+latent attention (DeepSeek-V3) is split by heads too: the query's last projection and kv_b_proj
+by their per-head rows, o_proj by its per-head input columns; q_a_proj, kv_a_proj_with_mqa and
+their norms feed every head from one latent, so they (and the latent cache) stay whole.
 
 `plan_model` works on a model whose weights are real or on meta (shapes and module attributes
 only), so one plan serves in-place sharding and sharded loading alike.
@@ -29,6 +33,7 @@ from torch import nn
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.fused import resolve_spec
+from hf_dsinfer.injection.mla import resolve_mla_spec
 from hf_dsinfer.parallel.slicing import (
     HeadShard,
     Ranges,
@@ -59,12 +64,20 @@ def mlp_parents(policy: P.Policy) -> list[str | None]:
 def megatron_styles(policy: P.Policy) -> dict[str, str]:
     """The only layout we compute: block-relative linear path -> style (for MoE families the
     union over sparse and dense blocks; never the experts or the router)."""
-    styles = {_join(policy.attn, n): COLWISE for n in policy.qkv}
+    styles = {_join(policy.attn, n): COLWISE for n in (*policy.qkv, *mla_colwise(policy))}
     styles[_join(policy.attn, policy.out_proj)] = ROWWISE
     for parent in mlp_parents(policy):
         styles.update({_join(parent, n): COLWISE for n in policy.mlp_in})
         styles[_join(parent, policy.mlp_out)] = ROWWISE
     return styles
+
+
+def mla_colwise(policy: P.Policy) -> tuple[str, ...]:
+    """Multi-head latent attention's per-head projections (split by heads, as q / k / v are):
+    the query's last projection (q_b_proj of a low-rank query, else q_proj) and kv_b_proj. The
+    down-projections q_a_proj / kv_a_proj_with_mqa and their norms feed every head: replicated."""
+    lay = policy.mla
+    return () if lay is None else (lay.q_proj, lay.q_b_proj, lay.kv_b_proj)
 
 
 def hf_block_plan(config: Any) -> dict[str, str] | None:
@@ -140,6 +153,8 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
         qkv_ranges(policy.qkv_layout, heads, full.num_heads, d, full.num_kv_heads)))
     # out_proj reads the concatenated local heads' outputs: input features [q0 * d, q1 * d)
     ranges[_join(policy.attn, policy.out_proj)] = ((heads.q[0] * d, heads.q[1] * d),)
+    if policy.mla is not None:
+        ranges.update(_mla_ranges(block, policy, config, heads))
     ffn, ffn_size = (0, 0), 0
     for parent in mlp_parents(policy):
         if not _has(block, _join(parent, policy.mlp_in[0])):  # a sparse block's MLP
@@ -158,12 +173,28 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
         module = block.get_submodule(path)
         for pname, spec in _linear_specs(module, ranges[path], style, policy.conv1d).items():
             params[f"{path}.{pname}"] = spec
+    if policy.sinks_attr is not None:  # gpt-oss: one sink logit per query head, sliced with it
+        params[_join(policy.attn, policy.sinks_attr)] = ShardSpec(0, (heads.q,))
     owned: tuple[bool, ...] = ()
     if policy.qk_norm == P.QK_NORM_FULL:  # norm weights [heads * d] follow q / k's slices
         params[_join(policy.attn, "q_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 0)])
         params[_join(policy.attn, "k_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 1)])
         owned = kv_owned(full.num_heads, full.num_kv_heads, tp, rank)
     return BlockShard(heads, full.num_heads, full.num_kv_heads, ffn, ffn_size, params, owned)
+
+
+def _mla_ranges(block: nn.Module, policy: P.Policy, config: Any,
+                heads: HeadShard) -> dict[str, Ranges]:
+    """Output rows of the query and kv_b_proj, input columns of o_proj, for this rank's heads of
+    a multi-head latent attention (MHA: each rank's q heads are its KV heads). Per head, the query
+    is [nope | rope] wide, kv_b_proj's rows [k_nope | v], o_proj's input v_dim."""
+    lay, attn = policy.mla, policy.attn
+    spec = resolve_mla_spec(block.get_submodule(attn), lay, config)
+    q0, q1 = heads.q  # a contiguous run of heads: one range per projection
+    q_name = lay.q_b_proj if spec.low_rank_q else lay.q_proj
+    widths = {q_name: spec.nope_dim + spec.rope_dim, lay.kv_b_proj: spec.nope_dim + spec.v_dim,
+              policy.out_proj: spec.v_dim}
+    return {_join(attn, name): ((q0 * w, q1 * w),) for name, w in widths.items()}
 
 
 def _qk_path(policy: P.Policy, which: int) -> str:

@@ -242,7 +242,8 @@ def _wire_blocks(model: nn.Module, report: InjectionReport, plan: ModelPlan, tp:
     for index, (path, fused) in enumerate(report.blocks.items()):
         fused.bind()
         fused.spec = resolve_spec(fused.block, fused.policy, model.config, index)
-        if fused.policy.qkv_layout == PACKED_GQA:  # the config counts all heads: the shard's
+        if fused.policy.qkv_layout == PACKED_GQA or fused.mla is not None:
+            # the config (MLA: the module's num_heads) counts all heads: the shard's
             heads = plan.blocks[path].heads
             fused.spec = dataclasses.replace(fused.spec, num_heads=heads.num_q,
                                              num_kv_heads=len(heads.kv))
@@ -287,11 +288,6 @@ def parallelize(model: nn.Module, report: InjectionReport) -> TPReport:
 def check_tensor_parallel(model: nn.Module, policy: Policy, tp_size: int) -> None:
     """Fail at init, on every rank alike, before anything is touched: no process group, a world
     too small, a plan that does not fit the model (e.g. more ranks than heads)."""
-    if policy.mla is not None:
-        raise TensorParallelError(
-            f"tp_size={tp_size}: {policy.family}'s multi-head latent attention has no "
-            "tensor-parallel plan here (its heads share one latent KV cache). Fix: use "
-            "tp_size=1; ep_size shards the experts.")
     tp = tensor_parallel_group(tp_size)
     if state.get(model, "tp_plan") is None:
         plan_model(model, policy, tp)

@@ -9,6 +9,7 @@ import torch
 
 from hf_dsinfer.kernels import linear as lin
 from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, requires_triton
+from tests.switches import switch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (leading shape of x, in, out): 1 row (GEMV), 3 rows (GEMV), 7 and 2x5 rows (tiled GEMM).
@@ -46,8 +47,10 @@ def test_linear_cpu_matches_ref(dtype, lead, k, n, conv1d_layout, bias):
     assert_close_tol(out, lin.linear_ref(x, w, b), dtype, REDUCTION_TOL)
 
 
-def test_linear_cpu_uses_mv_only_where_it_wins():
-    """One bf16 row on a row-major weight goes to torch.mv; other cases go to F.linear."""
+def test_linear_cpu_uses_mv_only_where_it_wins(monkeypatch):
+    """Without the native bf16 GEMV (tests/kernels/test_bf16_gemv.py), one bf16 row on a
+    row-major weight goes to torch.mv; other cases go to F.linear."""
+    switch(monkeypatch, native=False)
     x, w, b = _inputs((1, 1), 80, 48, torch.bfloat16)
     with mock.patch.object(lin.torch, "addmv", wraps=torch.addmv) as addmv:
         lin.linear(x, w, b, backend="auto")

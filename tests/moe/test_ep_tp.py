@@ -3,7 +3,8 @@ against the single-process HF model, and the MoE tensor-parallel plan.
 
 One torchrun launch runs ep_tp_worker.py over every MoE family (Mixtral 8 experts top-2 and 4
 experts top-1, Qwen2-MoE with a shared expert and a dense layer, Qwen3-MoE's per-head q/k norm,
-OLMoE's whole-projection q/k norm), Mixtral with the hierarchical all-to-all, a tp-only
+OLMoE's whole-projection q/k norm, gpt-oss's sinks and biased experts, DeepSeek-V3's latent
+attention split by heads), Mixtral with the hierarchical all-to-all, a tp-only
 Qwen2-MoE and the size errors; each rank writes a JSON that the tests below assert on.
 """
 
@@ -24,9 +25,8 @@ from hf_dsinfer.parallel.slicing import split_sizes
 WORKER = Path(__file__).with_name("ep_tp_worker.py")
 WORLD, TP = 4, 2
 FP32_LOGIT_ATOL = 1e-4
-# gpt-oss and DeepSeek-V3 have no tensor-parallel plan (tests/moe/test_moe_families.py checks
-# the refusals; ep_worker.py their expert parallelism)
-TP_MOE_MODELS = [m for m in MOE_MODELS if m not in MOE_2026]
+# every MoE family (the plans of gpt-oss and DeepSeek-V3: tests/parallel/test_tp_plans_2026.py)
+TP_MOE_MODELS = MOE_MODELS
 EP_CASES = [*TP_MOE_MODELS, "hier"]
 MODELS = [*EP_CASES, "tp_only"]
 
@@ -89,10 +89,13 @@ def test_sizes_that_do_not_tile_the_world_are_refused(ranks):
 
 def _num_experts(model: str) -> int:
     config = MOE_CONFIGS[model]()
-    return getattr(config, "num_local_experts", None) or config.num_experts
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, attr, None):
+            return getattr(config, attr)
+    raise AttributeError(f"{model}: no expert count in its config")
 
 
-@pytest.mark.parametrize("model", TP_MOE_MODELS)
+@pytest.mark.parametrize("model", [m for m in MOE_MODELS if m not in MOE_2026])
 def test_moe_tp_plan_keeps_experts_whole(model):
     """Attention (and dense / shared-expert MLPs) are sliced; router and experts are not, even
     where HF's base_model_tp_plan slices the experts."""

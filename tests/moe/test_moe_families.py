@@ -23,13 +23,10 @@ from tiny_models import MOE_2026, MOE_CONFIGS, make_model, prompts
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
-from hf_dsinfer.errors import TensorParallelError
-from hf_dsinfer.injection.policies import find_policy
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels.quant import dequantize_int4, dequantize_int8
 from hf_dsinfer.parallel.expert import ExpertParallelError, ExpertPlacement, shard_experts
-from hf_dsinfer.parallel.plan import linear_styles
 from tests.injection.test_family_parity import (  # noqa: F401  (collected here again)
     FP32_LOGIT_ATOL,
     test_beam_search,
@@ -197,13 +194,6 @@ def test_deepseek_v3_decode_reads_the_latent_cache_absorbed():
         assert (la.values - lb.values)[:, 0][valid].abs().max() <= 1e-5
 
 
-def test_deepseek_v3_tensor_parallel_is_refused():
-    model = make_model("deepseek_v3")
-    with pytest.raises(TensorParallelError, match="latent attention"):
-        hf_dsinfer.init_inference(model, tp_size=2)
-    assert get_report(model) is None
-
-
 def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
     """DeepSeek-V2-Lite's variant: one q_proj (q_lora_rank None), rotary dims not interleaved."""
     config = MOE_CONFIGS["deepseek_v3"]()
@@ -218,10 +208,3 @@ def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
                        fused.generate(ids, attention_mask=mask, **gen))
-
-
-def test_gpt_oss_tensor_parallel_is_refused():
-    """HF has no base_model_tp_plan for gpt-oss, and a plan would have to slice the sinks."""
-    model = make_model("gpt_oss")
-    with pytest.raises(TensorParallelError, match="no tensor-parallel plan for gpt_oss"):
-        linear_styles(find_policy(model), model.config)

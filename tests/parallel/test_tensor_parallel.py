@@ -1,9 +1,11 @@
-"""Tensor parallelism: every dense family at tp=2 and tp=3 (gloo, CPU), against HF eager.
+"""Tensor parallelism: every dense family (the 2026 ones included), gpt-oss and DeepSeek-V3 at
+tp=2 and tp=3 (gloo, CPU), against HF eager.
 
 One torchrun launch per world size runs tp_worker.py, which checks all families and writes JSON;
 the tests below assert on it. tp=2 splits the 5-head models 3/2 (uneven), Llama's 6 heads / 3 KV
 heads into 3/3 with KV heads kept per query head, Mistral's single KV head replicated; tp=3 gives
-2/2/1 splits and splits Qwen2's GQA groups across ranks. The in-process tests cover the slicing
+2/2/1 splits and splits Qwen2's GQA groups across ranks; gpt-oss's 4 heads (2 KV) and
+DeepSeek-V3's 4 latent-attention heads go 2/2 and 2/1/1. The in-process tests cover the slicing
 arithmetic and the errors that need no second process.
 """
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 from launch import torchrun
 from safetensors.torch import save_file
-from tiny_models import FAMILIES, make_model
+from tiny_models import FAMILIES, MOE_2026, make_model
 
 import hf_dsinfer
 from hf_dsinfer.errors import TensorParallelError
@@ -44,7 +46,7 @@ def run(request, tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + MOE_2026)
 def test_logits_match_single_process(run, name):
     for rank in run:
         fam = rank["families"][name]
@@ -55,7 +57,7 @@ def test_logits_match_single_process(run, name):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + MOE_2026)
 def test_tokens_identical_on_every_rank(run, name):
     first = run[0]["families"][name]
     for rank in run:
@@ -74,6 +76,24 @@ def test_uneven_and_replicated_heads(run):
         assert q_runs[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(q_runs))
     mistral_kv = [rank["families"]["mistral"]["heads"][0][2] for rank in run]
     assert mistral_kv == [[0]] * len(run)  # one KV head, replicated on every rank
+
+
+@pytest.mark.multiprocess
+def test_sinks_and_latent_attention_are_sliced_by_heads(run):
+    """gpt-oss (4 query heads) and DeepSeek-V3 (4 MLA heads) compute on their local heads only:
+    the ranks' heads add up to the model's, gpt-oss's sink logits follow them, and DeepSeek-V3's
+    decode steps ran the absorbed attention over the (replicated) latent cache."""
+    world = len(run)
+    for name in MOE_2026:
+        local = [rank["families"][name]["local"] for rank in run]
+        assert sum(part["num_heads"][0] for part in local) == 4
+        assert all(part["num_heads"] == [split_sizes(4, world)[r]] * 2
+                   for r, part in enumerate(local))
+    for r, rank in enumerate(run):
+        oss, mla = rank["families"]["gpt_oss"]["local"], rank["families"]["deepseek_v3"]["local"]
+        assert oss["sinks"] == oss["num_heads"]
+        assert mla["mla_heads"] == mla["num_heads"] and mla["absorbed_calls"] >= 15 * 2
+        assert rank["families"]["gpt_oss"]["loaded_sharded"]  # read as this rank's slices
 
 
 @pytest.mark.multiprocess

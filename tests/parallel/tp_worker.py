@@ -1,6 +1,6 @@
 """Launched by test_tensor_parallel.py: `torchrun --nproc-per-node N tp_worker.py OUT.json DIR`.
 
-One launch per world size checks every dense family and writes what it measured as JSON (rank
+One launch per world size checks every dense family, gpt-oss and DeepSeek-V3, and writes what it measured as JSON (rank
 0 writes; every rank's tokens are gathered into it); the pytest side asserts. Each family is
 saved once to DIR and loaded with `from_pretrained(dir, dsinfer={"tp_size": N})` (sharded
 loading: meta model + this rank's safetensors slices + the tensor-parallel parity gate); the
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 import torch.distributed as dist
 from launch import exit_skipping_teardown
-from tiny_models import FAMILIES, make_model, prompts
+from tiny_models import FAMILIES, MOE_2026, make_model, prompts
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_dsinfer
@@ -46,6 +46,19 @@ def _calls(model) -> int:
 def _generate(model, ids, mask, seed: int, **kwargs) -> list[list[int]]:
     torch.manual_seed(seed)
     return model.generate(ids, attention_mask=mask, **GEN, **kwargs).tolist()
+
+
+def local_attention(report) -> dict:
+    """What each block computes with on this rank: its query heads (MLA: the latent attention's),
+    gpt-oss's sink logits, and the absorbed MLA decode steps so far."""
+    blocks = list(report.blocks.values())
+    out = {"num_heads": [f.spec.num_heads for f in blocks]}
+    if blocks[0].mla is not None:
+        out["mla_heads"] = [f.mla.spec.num_heads for f in blocks]
+        out["absorbed_calls"] = sum(f.mla.absorbed_calls for f in blocks)
+    if blocks[0].spec.sinks:
+        out["sinks"] = [f._attn.sinks.shape[0] for f in blocks]
+    return out
 
 
 def check_family(name: str, folder: str, tp: int, rank: int) -> dict:
@@ -73,6 +86,8 @@ def check_family(name: str, folder: str, tp: int, rank: int) -> dict:
                   for p in list(report.tp.plan.blocks)[:1]],
         "greedy_hf": _generate(ref, one, one_mask, 0, do_sample=False),
         "greedy_tp": _generate(loaded, one, one_mask, 0, do_sample=False),
+        "local": local_attention(report),  # after a prefill and 15 one-token steps
+        "loaded_sharded": report.tp.loaded_sharded,
         "batch_hf": _generate(ref, ids, mask, 0, do_sample=False),
         "batch_tp": _generate(loaded, ids, mask, 0, do_sample=False),
         "batch_in_place": _generate(in_place, ids, mask, 0, do_sample=False),
@@ -123,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    families = sys.argv[3:] or FAMILIES
+    families = sys.argv[3:] or FAMILIES + MOE_2026
     if rank == 0:
         for name in families:
             make_model(name).save_pretrained(os.path.join(root, name))

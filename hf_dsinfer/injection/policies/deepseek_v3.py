@@ -5,10 +5,14 @@ in interleaved pairs per config.rope_interleave; the HF cache holds the latent) 
 choice, top-k within the topk_group best of n_group expert groups, weights renormalized and
 times routed_scaling_factor (fp32 router GEMM, fp32 weights), plus ungated shared experts. The
 first layers are dense gated MLPs (Llama's names, also the shared experts'). Tensor parallelism
-of MLA is not planned (refused); ep_size shards the routed experts."""
+splits MLA by heads (the query's last projection and kv_b_proj by output rows, o_proj by input;
+the down-projections, their norms and so the latent cache replicated), the dense MLPs and the
+shared experts Megatron-style; the routed experts stay whole (HF's plan slices them): ep_size
+shards them."""
 
 import dataclasses
 
+from hf_dsinfer.injection.policies.llama import MLP_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import FromConfig, MlaLayout, MoeLayout
 
@@ -19,7 +23,10 @@ POLICY = dataclasses.replace(
     block_classes=("DeepseekV3DecoderLayer",),
     qkv=(),
     mla=MlaLayout(rope_interleave=FromConfig("rope_interleave", default=False)),
-    tp_plan={},
+    tp_plan={"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise",
+             "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise", **MLP_TP_PLAN,
+             "mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
+             "mlp.shared_experts.down_proj": "rowwise"},
     moe=MoeLayout(classes=("DeepseekV3MoE",), num_experts="n_routed_experts",
                   renormalize=FromConfig("norm_topk_prob"), fp32_weights=True,
                   shared_expert="shared_experts", scoring="sigmoid_group",

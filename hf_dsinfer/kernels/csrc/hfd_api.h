@@ -96,6 +96,13 @@ int hfd_int8_amx(const void *x, int x_dt, const float *in_scale, const int8_t *q
 int hfd_amx_available(void);
 int hfd_amx_int8_available(void);
 
+/* ---- cpu_experts.c: bf16 products of a few rows (decode), weights [K, N] or [N, K] ---- */
+
+int hfd_matmul_kn_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       float *acc, int64_t M, int64_t K, int64_t N, int nthreads);
+int hfd_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                  int64_t M, int64_t N, int64_t K, int nthreads);
+
 /* ---- cpu_quant.c: int8 GEMV, dequantization, 4-bit KV codes ---- */
 
 /* One span of a token-major 4-bit KV cache (see hfd_attend_kv_int4). */
