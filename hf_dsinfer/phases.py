@@ -74,8 +74,11 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
             walker.check_parity(model, report, references)
     if config.ep_size > 1:
         from hf_dsinfer.parallel.expert import parallelize_experts
+        from hf_dsinfer.parallel.pipeline import held_bytes
 
         report.ep = parallelize_experts(model, report)
+        if report.pp is not None:  # the stage's experts are sliced now
+            report.pp.loaded_bytes = held_bytes(model)
     walker.quantize(model, config, report)
     walker.finish(model, config, report)
     _own_generate(model, report)
@@ -101,7 +104,7 @@ def _own_generate(model: nn.Module, report: InjectionReport) -> None:
 
         generate = SyncedGenerate(generate or model.generate,
                                   tensor_parallel_group(report.config.tp_size))
-    if report.ep is not None:
+    if report.ep is not None and report.pp is None:  # a pipeline's stages step together
         from hf_dsinfer.parallel.expert import SyncedExpertGenerate
 
         generate = SyncedExpertGenerate(generate or model.generate)

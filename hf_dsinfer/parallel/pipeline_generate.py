@@ -350,7 +350,7 @@ class ScheduleLoop:
         if kind == ERROR:
             self._forward_error(origin)
             raise PipelineParallelError(
-                f"pipeline rank {origin} (stage {origin // self.config.tp_size}) failed during "
+                f"pipeline rank {origin} (stage {origin // self.ranks.width}) failed during "
                 f"generate; stage {self.ranks.stage} (rank {dist.get_rank()}) stops too. Fix: "
                 "see that rank's error.")
         payload = torch.empty(int(head[5]), dtype=torch.uint8)
@@ -488,7 +488,7 @@ class ScheduleLoop:
 
     def _broadcast_sequences(self) -> torch.Tensor:
         """The last stage's sequences on every rank (all ranks leave generate together)."""
-        source = (self.ranks.size - 1) * self.config.tp_size
+        source = (self.ranks.size - 1) * self.ranks.width
         length = torch.tensor([self.length if self.ranks.is_last else 0])
         dist.broadcast(length, src=source)
         if self.ranks.is_last:

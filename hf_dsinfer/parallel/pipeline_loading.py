@@ -49,7 +49,8 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     """The `from_pretrained` of a pipeline-parallel model (called by the dsinfer= shim, which
     then injects it): this rank's stage where the checkpoint allows, else the whole model."""
     tp = tensor_parallel_group(config.tp_size)  # fail before reading anything
-    ranks = pipeline_ranks(config.pp_size, config.tp_size, config.pp_timeout_s)
+    ranks = pipeline_ranks(config.pp_size, config.tp_size, config.pp_timeout_s,
+                           config.ep_size)
     path = args[0] if args else kwargs.pop("pretrained_model_name_or_path")
     folder = None if kwargs.get("gguf_file") else safetensors_folder(
         path, {k: kwargs[k] for k in _HUB_KEYS if k in kwargs})

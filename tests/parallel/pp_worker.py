@@ -1,6 +1,7 @@
 """Launched by test_pipeline_parallel.py: `torchrun --nproc-per-node W pp_worker.py OUT DIR PP
-MODE FAMILY...`: pipeline parallelism (tp = W / PP) on every family named, in one launch, then
-a stage failing in MODE ("raise" or "silent").
+MODE FAMILY...`: pipeline parallelism on every family named, in one launch, then a stage of the
+first family failing in MODE ("raise" or "silent"). A family named `name` runs with tp = W / PP,
+`name@ep` with ep = W / PP (each stage's experts sharded over the stage's ranks).
 
 Each family is built with 4 decoder layers (so 2 and 3 stages both split it), saved once to
 DIR, and loaded with `from_pretrained(dir, dsinfer={"pp_size": PP, "tp_size": TP})`; every rank
@@ -85,18 +86,34 @@ def _shared_bytes(model, report) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
-def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: bool) -> dict:
+def layout(spec: str, world: int, pp: int) -> tuple[str, int, int]:
+    """(family, tp, ep) of a family spec: "name" (tp = world / pp), "name@ep" (ep = world /
+    pp: each stage's experts sharded over its ranks) or "name@tp2ep" (tp = 2, ep = the rest)."""
+    name, _, how = spec.partition("@")
+    if how == "tp2ep":  # tp = 2 inside each stage, the rest expert-parallel
+        return name, 2, world // pp // 2
+    return (name, 1, world // pp) if how == "ep" else (name, world // pp, 1)
+
+
+def _a2a_calls(report) -> int:
+    return 0 if report.ep is None else sum(m.parallel.stats.calls for m in report.ep.moes.values())
+
+
+def check_family(spec: str, folder: str, pp: int, world: int, rank: int, first: bool) -> dict:
     """Logits and greedy tokens of a left-padded batch; for the first family and the MoE ones
     also early EOS and seeded sampling; for the first, the schedule variants too."""
+    name, tp, ep = layout(spec, world, pp)
     ref = deep_model(name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dsinfer={"pp_size": pp, "tp_size": tp})
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dsinfer={"pp_size": pp, "tp_size": tp, "ep_size": ep})
     report = get_report(model)
     ids, mask = prompts(batch=3)
     with torch.inference_mode():
         hf_logits = ref(ids, attention_mask=mask).logits
-        before = sum(hf_dsinfer.fused_call_counts(model).values())
+        before = sum(hf_dsinfer.fused_call_counts(model).values()), _a2a_calls(report)
         pp_logits = model(ids, attention_mask=mask).logits
-        fused_ran = sum(hf_dsinfer.fused_call_counts(model).values()) > before
+        fused_ran = sum(hf_dsinfer.fused_call_counts(model).values()) > before[0]
+        a2a_ran = _a2a_calls(report) > before[1]
     greedy_hf = _tokens(ref, ids, mask, 0)
     # An EOS that row 0 emits early: rows then finish at different steps and leave their
     # micro-batches while the others go on.
@@ -104,6 +121,14 @@ def check_family(name: str, folder: str, pp: int, tp: int, rank: int, first: boo
     out = {
         "logits_max_diff": (hf_logits - pp_logits)[mask.bool()].abs().max().item(),
         "fused_ran": fused_ran,
+        "tp": tp,
+        "ep": ep,
+        "a2a_ran": a2a_ran,  # the stage's MoE layers went through the expert all-to-all
+        "explain_ep": "\n".join(line for line in hf_dsinfer.explain(model).splitlines()
+                                if "expert parallel" in line),
+        "local_experts": None if report.ep is None else [
+            [m.experts.gate_up_proj.shape[0], m.spec.num_experts]
+            for m in report.ep.moes.values()],
         "own_blocks": sorted(report.blocks),
         "parity": {k: [r.max_rel_err, r.passed] for k, r in report.parity.items()},
         "stage": report.pp.ranks.stage,
@@ -185,17 +210,20 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = world // pp
+    names = sorted({layout(spec, world, pp)[0] for spec in families})
     if rank == 0:
-        for name in families:
+        for name in names:
             deep_model(name).save_pretrained(os.path.join(root, name))
     dist.barrier()
-    result: dict = {"world": world, "pp": pp, "tp": tp, "families": {}}
+    result: dict = {"world": world, "pp": pp, "families": {}}
     try:
-        for name in families:
-            result["families"][name] = check_family(name, os.path.join(root, name), pp, tp, rank,
-                                                    first=name == families[0])
-        result["failure"] = check_failures(os.path.join(root, families[0]), pp, tp, rank, mode)
+        for spec in families:
+            folder = os.path.join(root, layout(spec, world, pp)[0])
+            result["families"][spec] = check_family(spec, folder, pp, world, rank,
+                                                    first=spec == families[0])
+        first, result["tp"], _ = layout(families[0], world, pp)
+        result["failure"] = check_failures(os.path.join(root, first), pp, result["tp"], rank,
+                                           mode)
     except Exception:  # noqa: BLE001  (into the JSON: the pytest side shows the traceback)
         result["crash"] = traceback.format_exc()
     with open(f"{out_path}.{rank}.json", "w") as f:

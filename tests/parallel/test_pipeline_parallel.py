@@ -5,7 +5,8 @@ Three torchrun launches run pp_worker.py (each family at 4 layers, loaded with
 - pp=2: every dense family and Mixtral; a stage that raises;
 - pp=3: Llama and Mixtral (MoE checkpoints are loaded whole and split in place); a stage that
   goes silent;
-- tp=2 x pp=2 (4 processes): Llama and Mixtral; a stage that raises.
+- 4 processes: tp=2 x pp=2 on Llama and Mixtral, ep=2 x pp=2 on Mixtral and Qwen2-MoE (each
+  stage's experts sharded over its two ranks); a stage that raises.
 Each rank compares with HF on the same model in-process: fp32 logits of a left-padded batch
 through the lock-step forward and greedy tokens of the left-padded batch (every family); for
 Llama and the MoE family also an EOS that makes rows finish at different steps (they leave
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import torchrun
-from tiny_models import FAMILIES, make_model
+from tiny_models import FAMILIES, MOE_CONFIGS, make_model
 from transformers import DynamicCache
 
 import hf_dsinfer
@@ -37,10 +38,11 @@ from hf_dsinfer.parallel.pipeline_generate import DrawLedger
 WORKER = Path(__file__).with_name("pp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 MOE = "mixtral_8x2"
-LAUNCHES = {  # name: (processes, pp, failure mode, families)
+LAUNCHES = {  # name: (processes, pp, failure mode, families; "name@ep": ep = processes / pp)
     "pp2": (2, 2, "raise", ["llama", *[f for f in FAMILIES if f != "llama"], MOE]),
     "pp3": (3, 3, "silent", ["llama", MOE]),
-    "tp2xpp2": (4, 2, "raise", ["llama", MOE]),
+    # tp=2 x pp=2 and ep=2 x pp=2 in one launch (torchrun start-up is the expensive part)
+    "x2pp2": (4, 2, "raise", ["llama", MOE, f"{MOE}@ep", "qwen2_moe@ep"]),
 }
 TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
 
@@ -83,7 +85,7 @@ def test_tokens_identical_to_single_process(run):
 
 
 def _moe(run):
-    return [name for name in _families(run) if name == MOE]
+    return [name for name in _families(run) if name.partition("@")[0] in MOE_CONFIGS]
 
 
 @pytest.mark.multiprocess
@@ -98,23 +100,43 @@ def test_streamer_runs_on_the_last_stage(run):
 
 @pytest.mark.multiprocess
 def test_stages_hold_their_layers_only(run):
-    pp, tp = run[0]["pp"], run[0]["tp"]
+    pp = run[0]["pp"]
     for name in _families(run):
         fams = [rank["families"][name] for rank in run]
-        owned = sorted(b for f in fams[::tp] for b in f["own_blocks"])
+        tp, ep = fams[0]["tp"], fams[0]["ep"]
+        owned = sorted(b for f in fams[::tp * ep] for b in f["own_blocks"])
         assert len(owned) == 4 and len(set(owned)) == 4  # every layer on exactly one stage
         full = fams[0]["full_bytes"]
         for f in fams:
             # a rank holds its planned layers (and embedding / lm_head), its tensor-parallel
-            # slice of them under tp > 1, and the small modules every stage runs (final norm,
-            # position embeddings, OPT's projections)
-            if tp == 1:
+            # slice of them under tp > 1 (its experts under ep > 1), and the small modules
+            # every stage runs (final norm, position embeddings, OPT's projections)
+            if tp == ep == 1:
                 assert f["held_bytes"] == f["planned_bytes"] + f["shared_bytes"], name
             else:
                 assert f["held_bytes"] < f["planned_bytes"] + f["shared_bytes"], name
-            if pp == 2 and tp == 1:  # 2 + 2 layers: half of the weights each, + shared ones
+            if pp == 2 and tp == ep == 1:  # 2 + 2 layers: half of the weights each, + shared
                 share = (f["held_bytes"] - f["shared_bytes"]) / (full - f["shared_bytes"])
                 assert abs(share - 0.5) < 0.05, (name, f["held_bytes"], full)
+
+
+@pytest.mark.multiprocess
+def test_experts_sharded_over_each_stage(run):
+    """ep=2 x pp=2: every stage's MoE layers keep half of the experts on each of its ranks, the
+    two ranks of a stage hold different halves, and the lock-step forward ran the all-to-all."""
+    for name in [n for n in _families(run) if n.endswith("@ep")]:
+        fams = [rank["families"][name] for rank in run]
+        assert fams[0]["ep"] == 2 and fams[0]["tp"] == 1
+        for f in fams:
+            assert f["a2a_ran"], name
+            assert f["local_experts"] and all(2 * held == total
+                                              for held, total in f["local_experts"]), name
+        stages = {f["stage"] for f in fams}
+        assert stages == {0, 1} and fams[0]["stage"] == fams[1]["stage"] == 0
+        assert "expert parallel: rank 0/2" in fams[0]["explain_ep"]
+        assert "expert parallel: rank 1/2" in fams[1]["explain_ep"]
+    if run[0]["world"] == 4:
+        assert any(n.endswith("@ep") for n in _families(run))
 
 
 @pytest.mark.multiprocess
@@ -167,7 +189,7 @@ def test_partition_needs_a_layer_per_stage():
 
 @pytest.mark.parametrize("bad", [
     {"pp_size": 0}, {"pp_size": True}, {"pp_size": 2, "compile": True},
-    {"pp_size": 2, "ep_size": 2}, {"pp_size": 2, "cache": "static"},
+    {"pp_size": 2, "cache": "static"},
     {"pp_micro_batches": 0}, {"pp_micro_batches": 3, "pp_prompt_micro_batches": 2},
     {"pp_timeout_s": -1},
 ])
@@ -182,6 +204,26 @@ def test_no_process_group_raises(monkeypatch):
     model = make_model("llama")
     with pytest.raises(hf_dsinfer.errors.DSInferError, match="needs a torch.distributed"):
         hf_dsinfer.init_inference(model, pp_size=2)
+
+
+def test_pipeline_combines_with_ep_and_tp_in_the_config():
+    config = hf_dsinfer.DSInferConfig(pp_size=2, ep_size=2, tp_size=2)
+    assert (config.pp_size, config.ep_size, config.tp_size) == (2, 2, 2)
+
+
+def test_nccl_refusal_says_why_and_what_works(monkeypatch):
+    """No GPU here: NCCL pipelines stay refused, and the error says so and what runs instead."""
+    from hf_dsinfer.parallel import pipeline
+
+    monkeypatch.setattr(pipeline, "ensure_world", lambda what: 4)
+    monkeypatch.setattr(pipeline.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(PipelineParallelError) as err:
+        pipeline.pipeline_ranks(2, 1, 1.0, ep=2)
+    text = str(err.value)
+    assert "'nccl' backend" in text and "no GPU to verify it on" in text
+    assert "What works instead" in text and "init_process_group('gloo')" in text
+    with pytest.raises(PipelineParallelError, match=r"tp_size \* ep_size \* pp_size"):
+        pipeline.pipeline_ranks(2, 1, 1.0, ep=1)  # 2 stages of 1 rank: a world of 4 is wrong
 
 
 def test_refused_methods_say_why():
