@@ -4,6 +4,8 @@ The model is built on meta (loading.build_on_meta), the stages are planned on th
 (pipeline.plan_stages), the blocks of other stages are replaced by placeholders, and the
 sharded loader reads the rest: this stage's blocks (sliced too under tp_size > 1), the
 embedding on the first stage, lm_head on the last, and the small modules outside the layers.
+MoE checkpoints that store one tensor per expert are read through stacked_experts (the stage's
+layers' experts stacked as transformers stacks them; ep_size then keeps this rank's share).
 The parity gate gets unsharded references of this stage's first block of each class.
 """
 
@@ -42,6 +44,7 @@ from hf_dsinfer.parallel.pipeline import (
     stub_parameters,
     unheld_parameters,
 )
+from hf_dsinfer.parallel.stacked_experts import stacked_keys
 
 
 def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str, Any],
@@ -58,6 +61,10 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     model = None if whole else build_on_meta(cls, folder, kwargs, config)
     reader = None if whole else CheckpointReader(folder)
     keys = None if whole else checkpoint_keys(model, reader)
+    if keys is None and not whole:  # per-expert MoE tensors: read this stage's experts only
+        found = stacked_keys(model, reader)
+        if found is not None:
+            keys, reader = found
     if keys is None:
         if not whole:
             warnings.warn(

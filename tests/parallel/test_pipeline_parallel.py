@@ -1,10 +1,10 @@
 """Pipeline parallelism (issue 28) against HF eager in one process.
 
 Three torchrun launches run pp_worker.py (each family at 4 layers, loaded with
-`from_pretrained(dir, dsinfer={"pp_size": P, "tp_size": T})`):
+`from_pretrained(dir, dsinfer={"pp_size": P, "tp_size": T, "ep_size": E})`, each rank reading
+only its stage, per-expert MoE tensors included):
 - pp=2: every dense family and Mixtral; a stage that raises;
-- pp=3: Llama and Mixtral (MoE checkpoints are loaded whole and split in place); a stage that
-  goes silent;
+- pp=3: Llama and Mixtral; a stage that goes silent;
 - 4 processes: tp=2 x pp=2 on Llama and Mixtral, ep=2 x pp=2 on Mixtral and Qwen2-MoE (each
   stage's experts sharded over its two ranks); a stage that raises.
 Each rank compares with HF on the same model in-process: fp32 logits of a left-padded batch
@@ -69,6 +69,7 @@ def test_logits_match_single_process(run):
         for rank in run:
             fam = rank["families"][name]
             assert fam["fused_ran"], name  # this rank's own fused blocks computed
+            assert fam["loaded_sharded"], name  # it read only its stage from the checkpoint
             assert fam["logits_max_diff"] <= FP32_LOGIT_ATOL, (name, fam["logits_max_diff"])
             assert fam["parity"] and all(ok for _, ok in fam["parity"].values()), fam["parity"]
 
@@ -224,6 +225,26 @@ def test_nccl_refusal_says_why_and_what_works(monkeypatch):
     assert "What works instead" in text and "init_process_group('gloo')" in text
     with pytest.raises(PipelineParallelError, match=r"tp_size \* ep_size \* pp_size"):
         pipeline.pipeline_ranks(2, 1, 1.0, ep=1)  # 2 stages of 1 rank: a world of 4 is wrong
+
+
+@pytest.mark.parametrize("name", ["mixtral_8x2", "qwen2_moe", "deepseek_v3"])
+def test_stacked_expert_reads_equal_transformers_loading(name, tmp_path):
+    """Per-expert checkpoint tensors stacked by our reader are the parameters transformers'
+    own loader builds (so a pipeline stage can read only its own MoE layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.parallel.loading import CheckpointReader
+    from hf_dsinfer.parallel.stacked_experts import STACKED, stacked_keys
+
+    make_model(name).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    keys, reader = stacked_keys(loaded, CheckpointReader(tmp_path))
+    params = loaded.state_dict()
+    assert set(keys) == set(params)
+    stacked = [n for n, k in keys.items() if k.startswith(STACKED)]
+    assert stacked and all(params[n].dim() == 3 for n in stacked)
+    for n, key in keys.items():
+        assert torch.equal(reader.read(key, None).to(params[n].dtype), params[n]), n
 
 
 def test_refused_methods_say_why():
