@@ -1,5 +1,5 @@
 """Launched by test_pipeline_parallel.py: `torchrun --nproc-per-node W pp_worker.py OUT DIR PP
-MODE FAMILY...`: pipeline parallelism on every family named, in one launch, then a stage of the
+MODE FAMILY...` (or the same under `accelerate launch`): pipeline parallelism on every family named, in one launch, then a stage of the
 first family failing in MODE ("raise" or "silent"). A family named `name` runs with tp = W / PP,
 `name@ep` with ep = W / PP (each stage's experts sharded over the stage's ranks).
 
@@ -209,14 +209,21 @@ def main() -> None:
     out_path, root, pp, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     families = sys.argv[5:]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    launcher = "accelerate" if "ACCELERATE_MIXED_PRECISION" in os.environ else "torchrun"
+    if launcher == "accelerate":  # accelerate's own state sets the process group up
+        from accelerate import PartialState
+
+        PartialState(cpu=True)
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     names = sorted({layout(spec, world, pp)[0] for spec in families})
     if rank == 0:
         for name in names:
             deep_model(name).save_pretrained(os.path.join(root, name))
     dist.barrier()
-    result: dict = {"world": world, "pp": pp, "families": {}}
+    result: dict = {"world": world, "pp": pp, "launcher": launcher,
+                    "backend": dist.get_backend(), "families": {}}
     try:
         for spec in families:
             folder = os.path.join(root, layout(spec, world, pp)[0])

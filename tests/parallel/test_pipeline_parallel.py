@@ -1,6 +1,6 @@
 """Pipeline parallelism (issue 28) against HF eager in one process.
 
-Three torchrun launches run pp_worker.py (each family at 4 layers, loaded with
+Three launches (pp=2 under `accelerate launch`, the others under torchrun) run pp_worker.py (each family at 4 layers, loaded with
 `from_pretrained(dir, dsinfer={"pp_size": P, "tp_size": T, "ep_size": E})`, each rank reading
 only its stage, per-expert MoE tensors included):
 - pp=2: every dense family and Mixtral; a stage that raises;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import torchrun
+from launch import accelerate_launch, torchrun
 from tiny_models import FAMILIES, MOE_CONFIGS, make_model
 from transformers import DynamicCache
 
@@ -39,11 +39,14 @@ WORKER = Path(__file__).with_name("pp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 MOE = "mixtral_8x2"
 LAUNCHES = {  # name: (processes, pp, failure mode, families; "name@ep": ep = processes / pp)
+    # under `accelerate launch` (examples/accelerate/pp2_one_node.yaml), the others torchrun
     "pp2": (2, 2, "raise", ["llama", *[f for f in FAMILIES if f != "llama"], MOE]),
     "pp3": (3, 3, "silent", ["llama", MOE]),
-    # tp=2 x pp=2 and ep=2 x pp=2 in one launch (torchrun start-up is the expensive part)
+    # tp=2 x pp=2 and ep=2 x pp=2 in one launch (start-up is the expensive part)
     "x2pp2": (4, 2, "raise", ["llama", MOE, f"{MOE}@ep", "qwen2_moe@ep"]),
 }
+ACCELERATE = {"pp2": Path(__file__).resolve().parents[2] / "examples" / "accelerate" /
+              "pp2_one_node.yaml"}
 TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
 
 
@@ -51,7 +54,11 @@ TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
 def run(request, tmp_path_factory):
     procs, pp, mode, families = LAUNCHES[request.param]
     out = tmp_path_factory.mktemp(request.param)
-    proc = torchrun(procs, str(WORKER), str(out / "result"), str(out), str(pp), mode, *families)
+    args = (str(WORKER), str(out / "result"), str(out), str(pp), mode, *families)
+    if request.param in ACCELERATE:
+        proc = accelerate_launch(str(ACCELERATE[request.param]), procs, *args)
+    else:
+        proc = torchrun(procs, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"result.{r}.json").read_text()) for r in range(procs)]
     for rank in ranks:
@@ -87,6 +94,14 @@ def test_tokens_identical_to_single_process(run):
 
 def _moe(run):
     return [name for name in _families(run) if name.partition("@")[0] in MOE_CONFIGS]
+
+
+@pytest.mark.multiprocess
+def test_launched_as_users_launch(run):
+    """pp=2 ran under `accelerate launch` (accelerate's PartialState made the gloo group), the
+    others under torchrun: the parity checks above hold under both launchers."""
+    want = "accelerate" if run[0]["world"] == 2 else "torchrun"
+    assert all(rank["launcher"] == want and rank["backend"] == "gloo" for rank in run)
 
 
 @pytest.mark.multiprocess
