@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from launch import exit_skipping_teardown
 from tiny_models import CONFIGS, MOE_CONFIGS, prompts
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dsinfer
@@ -160,6 +160,9 @@ def check_family(spec: str, folder: str, pp: int, world: int, rank: int, first: 
             "one_micro_batch": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=1,
                                                    pp_prompt_micro_batches=1)],
             "row_micro_batches": [greedy_hf, _tokens(model, ids, mask, 0, pp_micro_batches=3)]})
+        semantics = check_generate_semantics(ref, model, ids, mask, eos, rank)
+        out["tokens"].update(semantics.pop("tokens"))
+        out.update(semantics)
         out["explain"] = hf_dsinfer.explain(model)
         out["refused"] = []
         for call in (lambda: model.save_pretrained(folder + "-copy"),
@@ -169,6 +172,52 @@ def check_family(spec: str, folder: str, pp: int, world: int, rank: int, first: 
             except DSInferError as err:  # tensor parallelism's own refusal under tp > 1
                 out["refused"].append(str(err))
     return out
+
+
+class EveryThird(StoppingCriteria):
+    """A row-wise custom criterion: a row stops at a token divisible by 3."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return input_ids[:, -1] % 3 == 0
+
+
+def check_generate_semantics(ref, model, ids, mask, eos: int, rank: int) -> dict:
+    """HF's generate() contract beyond tokens: scores and raw logits per step (greedy with an
+    early EOS, and sampling), a custom row-wise stopping criterion with and without EOS (without
+    it, HF's finished rows go on generating real tokens), and max_time."""
+    out: dict = {"tokens": {}, "outputs": {}}
+    scored = {"return_dict_in_generate": True, "output_scores": True, "output_logits": True}
+    for case, seed, extra in (("scores_greedy_eos", 0, {"eos_token_id": eos}),
+                              ("scores_sample", 5, SAMPLE)):
+        torch.manual_seed(seed)
+        hf = ref.generate(ids, attention_mask=mask, **GEN, **scored, **extra)
+        torch.manual_seed(seed + rank)
+        pp = model.generate(ids, attention_mask=mask, **GEN, **scored, **extra)
+        out["schedule_with_scores"] = _pipelined(model).last_stats["schedule"]
+        out["tokens"][case] = [hf.sequences.tolist(), pp.sequences.tolist()]
+        out["outputs"][case] = {
+            name: [len(getattr(hf, name)), len(getattr(pp, name)),
+                   max(_diff(a, b) for a, b in zip(getattr(hf, name), getattr(pp, name)))]
+            for name in ("scores", "logits")}
+    stop = {"stopping_criteria": StoppingCriteriaList([EveryThird()])}
+    out["tokens"]["custom_stop_eos"] = [_tokens(ref, ids, mask, 0, **stop),
+                                        _tokens(model, ids, mask, 0, **stop)]
+    out["tokens"]["custom_stop_no_eos"] = [_tokens(ref, ids, mask, 0, eos_token_id=None, **stop),
+                                           _tokens(model, ids, mask, 0, eos_token_id=None, **stop)]
+    out["tokens"]["max_time"] = [_tokens(ref, ids, mask, 0, max_time=1e-6),
+                                 _tokens(model, ids, mask, 0, max_time=1e-6)]
+    return out
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b|, entries equal in both (top-k's -inf) counting 0."""
+    return torch.where(a == b, 0.0, (a - b).abs()).max().item()
+
+
+def _pipelined(model):
+    """The PipelinedGenerate under tensor parallelism's RNG wrapper, if any."""
+    generate = model.generate
+    return generate if hasattr(generate, "last_stats") else generate.generate
 
 
 TIMEOUT_S = 1.0

@@ -105,6 +105,22 @@ def test_launched_as_users_launch(run):
 
 
 @pytest.mark.multiprocess
+def test_generate_returns_scores_and_logits(run):
+    """return_dict_in_generate with output_scores / output_logits: one [batch, vocab] tensor per
+    generated step on every rank, equal to HF's (rows that finished early keep HF's scores:
+    they stay in their micro-batch, under the lock-step schedule). The custom-criterion and
+    max_time token cases are in test_tokens_identical_to_single_process."""
+    for rank in run:
+        fam = rank["families"][_families(run)[0]]
+        assert fam["schedule_with_scores"] == "lockstep"
+        for case, outputs in fam["outputs"].items():
+            for name, (hf_steps, pp_steps, diff) in outputs.items():
+                assert hf_steps == pp_steps == 6, (case, name)
+                assert diff <= FP32_LOGIT_ATOL, (case, name, diff)
+        assert {"custom_stop_eos", "custom_stop_no_eos", "max_time"} <= set(fam["tokens"])
+
+
+@pytest.mark.multiprocess
 def test_streamer_runs_on_the_last_stage(run):
     """The prompt, then every new token; other stages' streamers get nothing."""
     for rank in run:
