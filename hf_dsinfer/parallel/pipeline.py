@@ -105,6 +105,9 @@ class StagePlan:
     embed_bytes: int
     head_bytes: int
     tied: bool
+    # per-expert checkpoint tensors this rank read for its stage, of those its layers have
+    # (loaded sharded from a per-expert MoE checkpoint; fewer under ep_size: its share)
+    expert_reads: tuple[int, int] | None = None
 
     def stage_of(self, layer: int) -> int:
         return next(s for s, r in enumerate(self.layers) if layer in r)
@@ -600,6 +603,9 @@ class PPReport:
             for s, (r, b) in enumerate(zip(self.plan.layers, self.plan.stage_bytes)))
         how = "only this stage's weights read from the checkpoint" if self.loaded_sharded else \
             "split in place after the single-process parity gate"
+        if self.plan.expert_reads is not None:
+            how += (f" ({self.plan.expert_reads[0]} of the stage's {self.plan.expert_reads[1]} "
+                    "per-expert tensors)")
         return (f"pipeline parallel: stage {self.ranks.stage} of {self.ranks.size} (global rank "
                 f"{dist.get_rank()}), {how}; this rank holds {self.loaded_bytes / 2**20:.2f} MiB "
                 f"of weights; {stages}; generate: {self.prompt_micro_batches} prompt / "
@@ -645,8 +651,6 @@ def pipeline_parallelize(model: nn.Module, report: InjectionReport) -> PPReport:
     _wire(model, runner)  # hf_dsinfer.phases installs the pipelined generate over the runner
     for name in RefusedUnderPipeline.FIXES:
         setattr(model, name, RefusedUnderPipeline(name, ranks.stage))
-    if cfg.tp_size == 1:  # with tp_size > 1 the tensor-parallel gate runs next, on this wiring
-        _parity_gate(model, report)
     mb, prompt = micro_batch_counts(cfg)
     return PPReport(ranks, runner.plan, layers_path, held_bytes(model), loaded_sharded, mb,
                     prompt, runner)
@@ -674,10 +678,9 @@ def _wire(model: nn.Module, runner: StageRunner) -> None:
         head.register_forward_hook(_broadcast_logits(runner))
 
 
-def _parity_gate(model: nn.Module, report: InjectionReport) -> None:
-    refs = state.pop(model, "references")
-    if refs is None:
-        return
+def stage_parity_gate(model: nn.Module, report: InjectionReport, refs: dict[str, Any]) -> None:
+    """The parity gate of a stage loaded sharded (hf_dsinfer.phases runs it once the stage's
+    tensor- and expert-parallel slices are in place): every rank raises, or none does."""
     report.parity = run_parity_gate(model, report.blocks, refs)
     failed = {name: r for name, r in report.parity.items() if not r.passed}
     verdict = torch.tensor(0 if failed else 1)

@@ -11,9 +11,11 @@ The parity gate gets unsharded references of this stage's first block of each cl
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from hf_dsinfer import state
@@ -44,7 +46,7 @@ from hf_dsinfer.parallel.pipeline import (
     stub_parameters,
     unheld_parameters,
 )
-from hf_dsinfer.parallel.stacked_experts import stacked_keys
+from hf_dsinfer.parallel.stacked_experts import StackedExpertReader, stacked_keys
 
 
 def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str, Any],
@@ -65,6 +67,9 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
         found = stacked_keys(model, reader)
         if found is not None:
             keys, reader = found
+            if config.ep_size > 1:  # its rank in the stage's EP group (parallel.expert)
+                width = config.tp_size * config.ep_size
+                reader.keep_share(config.ep_size, (dist.get_rank() % width) // config.tp_size)
     if keys is None:
         if not whole:
             warnings.warn(
@@ -90,6 +95,8 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     load_shards(model, reader, keys, tp, skip=frozenset(unheld))
     stub_parameters(model, unheld)
     _load_generation_config(model, folder)
+    if isinstance(reader, StackedExpertReader):
+        plan = dataclasses.replace(plan, expert_reads=tuple(reader.reads))
     state.put(model, "pp_stages", plan)
     return model.eval()
 

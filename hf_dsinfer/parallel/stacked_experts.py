@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hf_dsinfer.hf.checkpoint import stacked_expert_sources
+from hf_dsinfer.parallel.expert import ExpertPlacement
 from hf_dsinfer.parallel.loading import CheckpointReader
 from hf_dsinfer.parallel.slicing import ShardSpec
 
@@ -28,6 +29,15 @@ class StackedExpertReader:
     def __init__(self, reader: CheckpointReader, stacked: dict[str, list[list[str]]]):
         self.reader, self.stacked = reader, stacked
         self.files = reader.files
+        self.share: tuple[int, int] | None = None  # (ep_size, ep rank): see keep_share
+        self.reads = [0, 0]  # per-expert tensors read by `read`, and those it could have read
+
+    def keep_share(self, ep_size: int, ep_rank: int) -> None:
+        """From now on `read` fills only this expert-parallel rank's experts (parallel.expert's
+        placement) of a stacked tensor: the other experts' rows stay unwritten - never touched,
+        so never resident - until expert parallelism keeps this rank's rows. `read_whole` (the
+        parity gate's references) still stacks every expert."""
+        self.share = (ep_size, ep_rank)
 
     def __contains__(self, key: str) -> bool:
         return key in self.reader or key.removeprefix(STACKED) in self.stacked
@@ -35,8 +45,24 @@ class StackedExpertReader:
     def read(self, key: str, spec: ShardSpec | None) -> torch.Tensor:
         if not key.startswith(STACKED):
             return self.reader.read(key, spec)
+        patterns = self.stacked[key.removeprefix(STACKED)]
+        self.reads[1] += sum(len(keys) for keys in patterns)
+        if self.share is not None and spec is None:
+            return self._read_share(patterns)
+        self.reads[0] += sum(len(keys) for keys in patterns)
         whole = self.read_whole(key)
         return whole if spec is None else spec.take(whole)
+
+    def _read_share(self, patterns: list[list[str]]) -> torch.Tensor:
+        experts = ExpertPlacement(len(patterns[0]), *self.share).local_experts()
+        rows = {e: [self.reader.read(keys[e], None) for keys in patterns] for e in experts}
+        self.reads[0] += len(experts) * len(patterns)
+        parts = rows[experts.start]
+        out = torch.empty(len(patterns[0]), sum(p.shape[0] for p in parts), *parts[0].shape[1:],
+                          dtype=parts[0].dtype)  # [E, 2I, H]: only this rank's rows written
+        for e, parts in rows.items():
+            torch.cat(parts, dim=0, out=out[e])
+        return out
 
     def read_whole(self, key: str) -> torch.Tensor:
         if not key.startswith(STACKED):

@@ -122,6 +122,7 @@ def check_family(spec: str, folder: str, pp: int, world: int, rank: int, first: 
         "logits_max_diff": (hf_logits - pp_logits)[mask.bool()].abs().max().item(),
         "fused_ran": fused_ran,
         "loaded_sharded": report.pp.loaded_sharded,
+        "expert_reads": report.pp.plan.expert_reads,
         "tp": tp,
         "ep": ep,
         "a2a_ran": a2a_ran,  # the stage's MoE layers went through the expert all-to-all

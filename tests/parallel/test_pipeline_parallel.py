@@ -77,6 +77,8 @@ def test_logits_match_single_process(run):
             fam = rank["families"][name]
             assert fam["fused_ran"], name  # this rank's own fused blocks computed
             assert fam["loaded_sharded"], name  # it read only its stage from the checkpoint
+            if name.partition("@")[0] in MOE_CONFIGS and fam["ep"] == 1:
+                assert fam["expert_reads"][0] == fam["expert_reads"][1] > 0, name
             assert fam["logits_max_diff"] <= FP32_LOGIT_ATOL, (name, fam["logits_max_diff"])
             assert fam["parity"] and all(ok for _, ok in fam["parity"].values()), fam["parity"]
 
@@ -163,6 +165,8 @@ def test_experts_sharded_over_each_stage(run):
             assert f["a2a_ran"], name
             assert f["local_experts"] and all(2 * held == total
                                               for held, total in f["local_experts"]), name
+            read, stage_has = f["expert_reads"]  # only its share of the per-expert tensors
+            assert stage_has > 0 and 2 * read == stage_has, (name, f["expert_reads"])
         stages = {f["stage"] for f in fams}
         assert stages == {0, 1} and fams[0]["stage"] == fams[1]["stage"] == 0
         assert "expert parallel: rank 0/2" in fams[0]["explain_ep"]
