@@ -224,15 +224,15 @@ def _pipelined(model):
 TIMEOUT_S = 1.0
 
 
-def check_failures(folder: str, pp: int, tp: int, rank: int, mode: str) -> dict:
+def check_failures(folder: str, pp: int, tp: int, ep: int, rank: int, mode: str) -> dict:
     """Stage 1 raises ("raise": every rank must raise at once) or goes silent for longer than
     pp_timeout_s ("silent": the others must raise after about that long), at its 3rd forward."""
     out = {}
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dsinfer={"pp_size": pp, "tp_size": tp, "pp_timeout_s": TIMEOUT_S})
+        folder, dsinfer={"pp_size": pp, "tp_size": tp, "ep_size": ep, "pp_timeout_s": TIMEOUT_S})
     ids, mask = prompts(batch=3)
     fused = next(iter(get_report(model).blocks.values()))
-    if rank // tp == 1:
+    if rank // (tp * ep) == 1:
         calls = {"n": 0}
         inner = fused.block.forward
 
@@ -279,9 +279,9 @@ def main() -> None:
             folder = os.path.join(root, layout(spec, world, pp)[0])
             result["families"][spec] = check_family(spec, folder, pp, world, rank,
                                                     first=spec == families[0])
-        first, result["tp"], _ = layout(families[0], world, pp)
-        result["failure"] = check_failures(os.path.join(root, first), pp, result["tp"], rank,
-                                           mode)
+        first, tp, ep = layout(families[0], world, pp)
+        result["width"] = tp * ep  # ranks per stage
+        result["failure"] = check_failures(os.path.join(root, first), pp, tp, ep, rank, mode)
     except Exception:  # noqa: BLE001  (into the JSON: the pytest side shows the traceback)
         result["crash"] = traceback.format_exc()
     with open(f"{out_path}.{rank}.json", "w") as f:

@@ -186,10 +186,10 @@ def test_explain_names_the_stages(run):
 
 @pytest.mark.multiprocess
 def test_failing_stage_makes_every_rank_raise(run):
-    tp, failure = run[0]["tp"], [rank["failure"] for rank in run]
+    width, failure = run[0]["width"], [rank["failure"] for rank in run]
     for r, result in enumerate(failure):
         assert result["raised"] is not None, r
-        if r // tp == 1 and "injected" in result["raised"]:
+        if r // width == 1 and "injected" in result["raised"]:
             continue  # the failing stage raises its own error
         assert result["raised"].startswith("PipelineParallelError"), result
         assert result["seconds"] < 3 * TIMEOUT_S + 2, result
