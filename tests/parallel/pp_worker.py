@@ -140,6 +140,10 @@ def check_family(spec: str, folder: str, pp: int, world: int, rank: int, first: 
         "shared_bytes": _shared_bytes(ref, report),
         "tokens": {"greedy": [greedy_hf, _tokens(model, ids, mask, 0)]},
     }
+    if ep > 1:  # a loaded model split in place (init_inference) rather than read per stage
+        split = hf_dsinfer.init_inference(deep_model(name), pp_size=pp, tp_size=tp, ep_size=ep)
+        out["tokens"]["init_inference"] = [greedy_hf, _tokens(split, ids, mask, 0)]
+        out["split_loaded_sharded"] = get_report(split).pp.loaded_sharded
     if first or name in MOE_CONFIGS:
         out["tokens"].update({
             "eos": [_tokens(ref, ids, mask, 0, eos_token_id=eos),

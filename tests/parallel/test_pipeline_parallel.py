@@ -167,6 +167,7 @@ def test_experts_sharded_over_each_stage(run):
                                               for held, total in f["local_experts"]), name
             read, stage_has = f["expert_reads"]  # only its share of the per-expert tensors
             assert stage_has > 0 and 2 * read == stage_has, (name, f["expert_reads"])
+            assert "init_inference" in f["tokens"] and not f["split_loaded_sharded"]
         stages = {f["stage"] for f in fams}
         assert stages == {0, 1} and fams[0]["stage"] == fams[1]["stage"] == 0
         assert "expert parallel: rank 0/2" in fams[0]["explain_ep"]
