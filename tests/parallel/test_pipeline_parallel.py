@@ -12,7 +12,10 @@ through the lock-step forward and greedy tokens of the left-padded batch (every 
 Llama and the MoE family also an EOS that makes rows finish at different steps (they leave
 their micro-batches) and seeded sampling with every rank seeded differently (the pipeline
 starts from rank 0's RNG state); for Llama one row, five rows with sampling and early EOS, the
-lock-step baseline schedule, one micro-batch, one micro-batch per row, and a streamer.
+lock-step baseline schedule, one micro-batch, one micro-batch per row, a streamer, scores and
+logits returned by generate, a custom row-wise stopping criterion with and without EOS, and
+max_time; for the ep families also the model split in place by init_inference. (tp=2 x ep=2 x
+pp=2 runs in the same worker by hand: see docs/parallelism.md.)
 Logits and the streamed call run under torch.inference_mode(), the rest under generate's
 no_grad. The in-process tests cover the stage partition,
 the cache redirection, the sampling order and the errors that need no second process.
