@@ -15,7 +15,9 @@ the generation config, the logits processors, the stopping criteria and the mode
 - the last stage runs HF's logits processors, samples (greedy or from the RNG, in exactly the
   order HF's single process draws), applies the stopping criteria, streams, and sends the
   tokens with the rows that finished; finished rows leave every stage's micro-batch (and its
-  KV cache) at that micro-batch's next step, an all-finished micro-batch leaves the queue;
+  KV cache) at that micro-batch's next step, an all-finished micro-batch leaves the queue
+  (when generate must return scores / logits, or a row-wise criterion runs without EOS, rows
+  stay to the end as in HF's loop, under the lock-step schedule: see _choose_row_policy);
 - when every row has finished stage 0 sends STOP down the pipeline and the last stage's
   sequences are broadcast: every rank returns the same tensor, and all leave together.
 
@@ -263,6 +265,7 @@ class ScheduleLoop:
         if self.keep_rows:
             self.schedule = "lockstep"
         self.stats["schedule"] = self.schedule
+
     def _check(self, gen: Any, model_kwargs: dict[str, Any]) -> None:
         if gen.num_beams != 1:
             raise PipelineParallelError(
