@@ -55,13 +55,14 @@ class StackedExpertReader:
 
     def _read_share(self, patterns: list[list[str]]) -> torch.Tensor:
         experts = ExpertPlacement(len(patterns[0]), *self.share).local_experts()
-        rows = {e: [self.reader.read(keys[e], None) for keys in patterns] for e in experts}
-        self.reads[0] += len(experts) * len(patterns)
-        parts = rows[experts.start]
-        out = torch.empty(len(patterns[0]), sum(p.shape[0] for p in parts), *parts[0].shape[1:],
-                          dtype=parts[0].dtype)  # [E, 2I, H]: only this rank's rows written
-        for e, parts in rows.items():
+        out = None
+        for e in experts:  # each expert copied in as it is read: one expert's tensors extra
+            parts = [self.reader.read(keys[e], None) for keys in patterns]  # [I, H] each
+            if out is None:  # [E, 2I, H]: only this rank's rows are ever written
+                out = torch.empty(len(patterns[0]), sum(p.shape[0] for p in parts),
+                                  *parts[0].shape[1:], dtype=parts[0].dtype)
             torch.cat(parts, dim=0, out=out[e])
+        self.reads[0] += len(experts) * len(patterns)
         return out
 
     def read_whole(self, key: str) -> torch.Tensor:
