@@ -31,7 +31,12 @@ import pytest
 import torch
 from launch import accelerate_launch, torchrun
 from tiny_models import FAMILIES, MOE_2026, MOE_CONFIGS, make_model
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+)
 
 import hf_dsinfer
 from hf_dsinfer.errors import PipelineParallelError
@@ -285,6 +290,39 @@ def test_stacked_expert_reads_equal_transformers_loading(name, tmp_path):
     assert stacked and all(params[n].dim() == 3 for n in stacked)
     for n, key in keys.items():
         assert torch.equal(reader.read(key, None).to(params[n].dtype), params[n]), n
+
+
+class _RowWise(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == 7
+
+
+@pytest.mark.parametrize(("criteria", "outputs", "keep"), [
+    ([MaxLengthCriteria(9)], {}, False),
+    ([MaxLengthCriteria(9), MaxTimeCriteria(5.0)], {}, False),  # stop every row at once
+    ([MaxLengthCriteria(9), EosTokenCriteria(2)], {}, False),  # finished rows: padding
+    ([MaxLengthCriteria(9), _RowWise()], {}, True),  # HF's finished rows go on generating
+    ([MaxLengthCriteria(9), EosTokenCriteria(2), _RowWise()], {}, False),
+    ([MaxLengthCriteria(9)], {"output_scores": True}, True),  # a score for every row
+    ([MaxLengthCriteria(9)], {"output_logits": True}, True),
+    ([MaxLengthCriteria(9)], {"output_scores": True, "return_dict_in_generate": False}, False),
+])
+def test_rows_stay_when_hf_would_keep_them(criteria, outputs, keep):
+    """Rows leave their micro-batch only where HF's loop gives them nothing more than padding;
+    where they stay, the schedule is lock-step (the batch's end is known at every step)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hf_dsinfer.parallel.pipeline_generate import ScheduleLoop
+
+    loop = ScheduleLoop(SimpleNamespace(ranks=None), hf_dsinfer.DSInferConfig(), "dynamic", None)
+    gen = GenerationConfig(**{"return_dict_in_generate": True, **outputs})
+    loop._choose_row_policy(gen, StoppingCriteriaList(criteria))
+    assert loop.keep_rows is keep
+    assert loop.schedule == ("lockstep" if keep else "dynamic")
+    assert loop.want == [n for f, n in (("output_scores", "scores"), ("output_logits", "logits"))
+                         if outputs.get(f) and outputs.get("return_dict_in_generate", True)]
 
 
 def test_refused_methods_say_why():
