@@ -123,6 +123,7 @@ class DSInferConfig:
             of one expert's FFN) and tokens travel to their experts by all-to-all. Ranks run
             their own batches (data parallel); generate() keeps finished ranks stepping.
             Needs torch.distributed with ep_size processes (or ep_size * tp_size with tp_size).
+            Inside a pipeline (pp_size) every stage shards its own experts over its ranks.
         ep_node_size: hierarchical all-to-all: ranks per node. Tokens first move inside the
             node, then between nodes among ranks with the same local index (fewer, larger
             messages across nodes). None (default): one flat all-to-all.
@@ -133,9 +134,10 @@ class DSInferConfig:
         pp_size: pipeline-parallel degree (DeepSpeed-Inference's inference pipeline): the
             decoder layers are split into pp_size stages balanced by bytes, each rank loads and
             runs only its stage (the embedding on the first, the final norm and lm_head on the
-            last) and keeps the KV cache of its own layers. Combines with tp_size (world =
-            tp_size * pp_size; ranks [k*tp, (k+1)*tp) form stage k). Needs torch.distributed
-            with gloo (CPU); NCCL pipelines are not built yet.
+            last) and keeps the KV cache of its own layers. Combines with tp_size and, for MoE
+            models, ep_size (world = tp_size * ep_size * pp_size; stage k is the w = tp_size *
+            ep_size ranks [k*w, (k+1)*w), which shard its layers and experts among them).
+            Needs torch.distributed with gloo (CPU); NCCL pipelines are refused (unverified).
         pp_micro_batches: micro-batches of the generation phase (None: pp_size, the paper's
             choice); a micro-batch's next token goes back to the first stage as soon as the
             last stage samples it (dynamic queue, no per-token barrier).
@@ -358,8 +360,6 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict("pp_size > 1", "compile=True", _PIPELINE_WHY, "drop compile=True or use pp_size=1"),
     Conflict("pp_size > 1", "cache='static'", _PIPELINE_WHY,
              "drop cache='static' or use pp_size=1"),
-    Conflict("pp_size > 1", "ep_size > 1", "expert parallelism inside a pipeline is not built",
-             "drop ep_size or use pp_size=1"),
     Conflict("pp_size > 1", "offload", _PIPELINE_WHY, "drop offload or use pp_size=1"),
 )
 

@@ -69,16 +69,32 @@ def _run(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> No
         from hf_dsinfer.parallel.tensor import parallelize
 
         report.tp = parallelize(model, report)
-        references = state.pop(model, "references")
-        if references is not None:  # loaded sharded: the gate against unsharded references
-            walker.check_parity(model, report, references)
     if config.ep_size > 1:
         from hf_dsinfer.parallel.expert import parallelize_experts
+        from hf_dsinfer.parallel.pipeline import held_bytes
 
         report.ep = parallelize_experts(model, report)
+        if report.pp is not None:  # the stage's experts are sliced now
+            report.pp.loaded_bytes = held_bytes(model)
+    _gate_sharded(model, report)
     walker.quantize(model, config, report)
     walker.finish(model, config, report)
     _own_generate(model, report)
+
+
+def _gate_sharded(model: nn.Module, report: InjectionReport) -> None:
+    """Loaded sharded (each rank read only its slices / stage / experts): the parity gate
+    against the loader's unsharded references, once every slice is in place; on a pipeline,
+    every rank reaches one verdict."""
+    references = state.pop(model, "references")
+    if references is None:
+        return
+    if report.pp is not None:
+        from hf_dsinfer.parallel.pipeline import stage_parity_gate
+
+        stage_parity_gate(model, report, references)
+    else:
+        walker.check_parity(model, report, references)
 
 
 def _own_generate(model: nn.Module, report: InjectionReport) -> None:
@@ -101,7 +117,7 @@ def _own_generate(model: nn.Module, report: InjectionReport) -> None:
 
         generate = SyncedGenerate(generate or model.generate,
                                   tensor_parallel_group(report.config.tp_size))
-    if report.ep is not None:
+    if report.ep is not None and report.pp is None:  # a pipeline's stages step together
         from hf_dsinfer.parallel.expert import SyncedExpertGenerate
 
         generate = SyncedExpertGenerate(generate or model.generate)

@@ -250,8 +250,9 @@ def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: Injecti
 
 
 def _sharded_at_load(model: nn.Module) -> bool:
-    """Loaded with only this rank's slices (hf_dsinfer.parallel): no HF forward to compare."""
-    return state.get(model, "tp_plan") is not None
+    """Loaded with only this rank's slices or pipeline stage (hf_dsinfer.parallel): no HF
+    forward to compare."""
+    return state.get(model, "tp_plan") is not None or state.get(model, "pp_stages") is not None
 
 
 def _check_quant(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:

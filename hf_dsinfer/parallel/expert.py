@@ -337,8 +337,9 @@ class EPReport:
         a2a = "flat" if self.node_size is None else f"hierarchical ({self.node_size} ranks/node)"
         sent = sum(m.parallel.stats.per_token() for m in self.moes.values())
         coordinated = "" if len(self.tp_ranks) < 2 else (
-            f"; parallelism-coordinated with TP group {self.tp_ranks}: 1/{len(self.tp_ranks)} "
-            "of the tokens through the all-to-all, then an all-gather in the TP group")
+            f"; parallelism-coordinated with the ranks holding the same tokens "
+            f"{self.tp_ranks} (the TP group, or the pipeline stage): 1/{len(self.tp_ranks)} "
+            "of the tokens through the all-to-all, then an all-gather in that group")
         return (f"expert parallel: rank {self.rank}/{self.size} (global ranks {self.ranks}) holds "
                 f"{held}; {a2a} all-to-all, {sent:.0f} bytes sent per token so far{coordinated}")
 
@@ -461,11 +462,21 @@ class SyncedExpertGenerate:
         return self.generate(*args, **kwargs)
 
 
+def token_sharing_group(report: InjectionReport) -> RankGroup:
+    """The ranks that hold the same tokens and share them out through the all-to-all: the
+    tensor-parallel group; in a pipeline, the whole stage (its tp_size * ep_size ranks run one
+    schedule on the same micro-batches)."""
+    if report.pp is not None:  # stage k: ranks [k * width, (k + 1) * width)
+        width = report.pp.ranks.width
+        return rank_group(width, 1, f"the pipeline stage of {width} ranks")
+    return tensor_parallel_group(report.config.tp_size)
+
+
 def parallelize_experts(model: nn.Module, report: InjectionReport) -> EPReport:
     """Shard every fused MoE's experts over the EP group and route its tokens by all-to-all."""
     cfg = report.config
     ep, nodes = expert_groups(cfg.ep_size, cfg.tp_size, cfg.ep_node_size)
-    tp = tensor_parallel_group(cfg.tp_size)
+    tp = token_sharing_group(report)
     placement = None
     for path, moe in report.moe.items():
         if not moe.enabled:

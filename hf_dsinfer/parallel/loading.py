@@ -230,8 +230,11 @@ def _read_full(reader: CheckpointReader, keys: dict[str, str], name: str,
 def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str],
                 tp: RankGroup, skip: frozenset[str] = frozenset()) -> None:
     """Read every parameter's slice (or whole replicated tensor) onto this rank's device;
-    parameters named in `skip` (held by another pipeline stage) are not read."""
-    plan = plan_model(model, find_policy(model), tp)
+    parameters named in `skip` (held by another pipeline stage) are not read. With one rank
+    per tensor-parallel group (a pipeline stage without tp_size) every tensor is read whole,
+    so families without a tensor-parallel plan load too."""
+    plan = plan_model(model, find_policy(model), tp) if tp.size > 1 else None
+    specs = {} if plan is None else plan.params
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -244,7 +247,7 @@ def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str]
             missing += names
             continue
         dtype = model.get_parameter(names[0]).dtype
-        spec = next((plan.params[n] for n in names if n in plan.params), None)
+        spec = next((specs[n] for n in names if n in specs), None)
         tensor = reader.read(key, spec).to(device=tp.device, dtype=dtype)
         set_parameter(model, names[0], tensor)
         shared = model.get_parameter(names[0])
@@ -256,7 +259,8 @@ def load_shards(model: nn.Module, reader: CheckpointReader, keys: dict[str, str]
             f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}. "
             "Fix: use a checkpoint saved by save_pretrained for this architecture, or tp_size=1.")
     _load_buffers(model, reader, keys, tp.device)
-    state.put(model, "tp_plan", plan)
+    if plan is not None:
+        state.put(model, "tp_plan", plan)
 
 
 def _load_buffers(model: nn.Module, reader: CheckpointReader, keys: dict[str, str],

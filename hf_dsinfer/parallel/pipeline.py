@@ -2,7 +2,8 @@
 lock-step forward.
 
 `pp_size=P` cuts the decoder layers into P contiguous stages balanced by bytes (`plan_stages`);
-stage k runs on ranks [k*tp, (k+1)*tp) (each stage may itself be tensor-parallel). A rank keeps:
+stage k runs on the w = tp * ep ranks [k*w, (k+1)*w) (each stage may itself be tensor-parallel,
+and shard its MoE layers' experts over its ranks). A rank keeps:
 - the blocks of its stage; every other block is replaced in the model's layer list by a
   `StageBoundary`, a parameter-free placeholder that passes the hidden state through, so the
   HF model's own forward (embeddings, rotary tables, masks per layer type, final norm) runs
@@ -104,6 +105,9 @@ class StagePlan:
     embed_bytes: int
     head_bytes: int
     tied: bool
+    # per-expert checkpoint tensors this rank read for its stage, of those its layers have
+    # (loaded sharded from a per-expert MoE checkpoint; fewer under ep_size: its share)
+    expert_reads: tuple[int, int] | None = None
 
     def stage_of(self, layer: int) -> int:
         return next(s for s, r in enumerate(self.layers) if layer in r)
@@ -126,16 +130,22 @@ def plan_stages(model: nn.Module, blocks: list[nn.Module], pp: int) -> StagePlan
 # -- groups --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PipelineRanks:
-    """This rank's place in the pipeline: its stage, neighbours and pipeline group."""
+    """This rank's place in the pipeline: its stage, neighbours and pipeline group.
+
+    A stage is `width` = tp_size * ep_size consecutive ranks (its lanes); lane j of every stage
+    forms one pipeline that passes messages along, and the lanes of a stage run the same
+    schedule on the same tokens (their tensor- and expert-parallel collectives stay inside the
+    stage)."""
 
     stage: int
     size: int
-    prev: int | None     # global rank of the same tensor-parallel index on stage - 1
+    prev: int | None     # global rank of the same lane on stage - 1
     next: int | None     # ... on stage + 1
     first: int           # ... on stage 0 (where the last stage sends generated tokens)
     last: int            # ... on the last stage
-    group: RankGroup     # the ranks with this rank's tensor-parallel index, one per stage
+    group: RankGroup     # the ranks of this rank's lane, one per stage
     timeout: datetime.timedelta
+    width: int = 1       # ranks per stage (tp_size * ep_size)
 
     @property
     def is_first(self) -> bool:
@@ -146,24 +156,34 @@ class PipelineRanks:
         return self.stage == self.size - 1
 
 
-def pipeline_ranks(pp: int, tp: int, timeout_s: float) -> PipelineRanks:
-    world = ensure_world(f"pp_size={pp}")
-    if world != pp * tp:
+NCCL_WHY = (
+    "pp_size={pp}: the pipeline runs on gloo process groups only, and this one uses the "
+    "{backend!r} backend. Why: the stages exchange CPU tensors by gloo point-to-point messages; "
+    "passing GPU tensors between stages over NCCL is not built, because this project has had no "
+    "GPU to verify it on, and an unverified schedule could hang or return wrong tokens. What "
+    "works instead: the pipeline on CPU processes (init_process_group('gloo'), which torchrun "
+    "picks on a machine without CUDA), alone or with tp_size / ep_size inside each stage; on "
+    "GPUs, tp_size / ep_size without pp_size.")
+
+
+def pipeline_ranks(pp: int, tp: int, timeout_s: float, ep: int = 1) -> PipelineRanks:
+    """Stage k is ranks [k*w, (k+1)*w) with w = tp * ep (tensor-parallel groups consecutive,
+    expert-parallel groups strided by tp inside the stage, as without a pipeline)."""
+    world, width = ensure_world(f"pp_size={pp}"), tp * ep
+    if world != pp * width:
         raise PipelineParallelError(
-            f"pp_size={pp} with tp_size={tp} needs exactly {pp * tp} processes (tp_size * "
-            f"pp_size), got a world of {world}. Fix: launch `torchrun --nproc-per-node "
-            f"{pp * tp}`, or choose tp_size * pp_size = {world}.")
+            f"pp_size={pp} with tp_size={tp} and ep_size={ep} needs exactly {pp * width} "
+            f"processes (tp_size * ep_size * pp_size), got a world of {world}. Fix: launch "
+            f"`torchrun --nproc-per-node {pp * width}`, or choose tp_size * ep_size * pp_size "
+            f"= {world}.")
     if dist.get_backend() != "gloo":
-        raise PipelineParallelError(
-            f"pp_size={pp}: the pipeline's messages are CPU tensors on a gloo process group; "
-            f"got the {dist.get_backend()!r} backend. Fix: init_process_group('gloo') (NCCL "
-            "pipelines are not built yet).")
+        raise PipelineParallelError(NCCL_WHY.format(pp=pp, backend=dist.get_backend()))
     rank = dist.get_rank()
-    stage, index = divmod(rank, tp)
-    group = rank_group(pp, tp, f"pp_size={pp}")
+    stage, index = divmod(rank, width)
+    group = rank_group(pp, width, f"pp_size={pp}")
     return PipelineRanks(
-        stage, pp, rank - tp if stage else None, rank + tp if stage < pp - 1 else None,
-        index, (pp - 1) * tp + index, group, datetime.timedelta(seconds=timeout_s))
+        stage, pp, rank - width if stage else None, rank + width if stage < pp - 1 else None,
+        index, (pp - 1) * width + index, group, datetime.timedelta(seconds=timeout_s), width)
 
 
 # -- point-to-point tensors ----------------------------------------------------------------------
@@ -583,6 +603,9 @@ class PPReport:
             for s, (r, b) in enumerate(zip(self.plan.layers, self.plan.stage_bytes)))
         how = "only this stage's weights read from the checkpoint" if self.loaded_sharded else \
             "split in place after the single-process parity gate"
+        if self.plan.expert_reads is not None:
+            how += (f" ({self.plan.expert_reads[0]} of the stage's {self.plan.expert_reads[1]} "
+                    "per-expert tensors)")
         return (f"pipeline parallel: stage {self.ranks.stage} of {self.ranks.size} (global rank "
                 f"{dist.get_rank()}), {how}; this rank holds {self.loaded_bytes / 2**20:.2f} MiB "
                 f"of weights; {stages}; generate: {self.prompt_micro_batches} prompt / "
@@ -613,7 +636,7 @@ def _split_in_place(model: nn.Module, report: InjectionReport, runner: StageRunn
 def pipeline_parallelize(model: nn.Module, report: InjectionReport) -> PPReport:
     """Wire an injected model as this rank's pipeline stage (walker, when pp_size > 1)."""
     cfg = report.config
-    ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s)
+    ranks = pipeline_ranks(cfg.pp_size, cfg.tp_size, cfg.pp_timeout_s, cfg.ep_size)
     plan = state.get(model, "pp_stages")  # the pipeline loader read only this stage
     loaded_sharded = plan is not None
     layers_path, layers = layer_list(model, report.policy)
@@ -628,11 +651,14 @@ def pipeline_parallelize(model: nn.Module, report: InjectionReport) -> PPReport:
     _wire(model, runner)  # hf_dsinfer.phases installs the pipelined generate over the runner
     for name in RefusedUnderPipeline.FIXES:
         setattr(model, name, RefusedUnderPipeline(name, ranks.stage))
-    if cfg.tp_size == 1:  # with tp_size > 1 the tensor-parallel gate runs next, on this wiring
-        _parity_gate(model, report)
-    held = _bytes(p for p in model.parameters() if p.device.type != "meta")
     mb, prompt = micro_batch_counts(cfg)
-    return PPReport(ranks, runner.plan, layers_path, held, loaded_sharded, mb, prompt, runner)
+    return PPReport(ranks, runner.plan, layers_path, held_bytes(model), loaded_sharded, mb,
+                    prompt, runner)
+
+
+def held_bytes(model: nn.Module) -> int:
+    """The weight bytes this rank holds (its stage, its slices, its experts)."""
+    return _bytes(p for p in model.parameters() if p.device.type != "meta")
 
 
 def _wire(model: nn.Module, runner: StageRunner) -> None:
@@ -652,10 +678,9 @@ def _wire(model: nn.Module, runner: StageRunner) -> None:
         head.register_forward_hook(_broadcast_logits(runner))
 
 
-def _parity_gate(model: nn.Module, report: InjectionReport) -> None:
-    refs = state.pop(model, "references")
-    if refs is None:
-        return
+def stage_parity_gate(model: nn.Module, report: InjectionReport, refs: dict[str, Any]) -> None:
+    """The parity gate of a stage loaded sharded (hf_dsinfer.phases runs it once the stage's
+    tensor- and expert-parallel slices are in place): every rank raises, or none does."""
     report.parity = run_parity_gate(model, report.blocks, refs)
     failed = {name: r for name, r in report.parity.items() if not r.passed}
     verdict = torch.tensor(0 if failed else 1)

@@ -15,7 +15,9 @@ the generation config, the logits processors, the stopping criteria and the mode
 - the last stage runs HF's logits processors, samples (greedy or from the RNG, in exactly the
   order HF's single process draws), applies the stopping criteria, streams, and sends the
   tokens with the rows that finished; finished rows leave every stage's micro-batch (and its
-  KV cache) at that micro-batch's next step, an all-finished micro-batch leaves the queue;
+  KV cache) at that micro-batch's next step, an all-finished micro-batch leaves the queue
+  (when generate must return scores / logits, or a row-wise criterion runs without EOS, rows
+  stay to the end as in HF's loop, under the lock-step schedule: see _choose_row_policy);
 - when every row has finished stage 0 sends STOP down the pipeline and the last stage's
   sequences are broadcast: every rank returns the same tensor, and all leave together.
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import DynamicCache
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -44,6 +47,7 @@ from hf_dsinfer.parallel.pipeline import (
     MESSAGE_HEADER,
     StageRunner,
     bind_stage_cache,
+    broadcast_from_last,
     finish_sends,
     micro_batch_counts,
     pack,
@@ -55,7 +59,10 @@ from hf_dsinfer.parallel.pipeline import (
 PROMPT, DECODE, TOKENS, STOP, ERROR = range(5)
 _KINDS = ("PROMPT", "DECODE", "TOKENS", "STOP", "ERROR")
 SCHEDULES = ("dynamic", "lockstep")
-_REFUSED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# criteria that stop every row at once (they cannot make rows of a batch differ)
+_BATCH_WIDE_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria)
+_REFUSED_OUTPUTS = ("output_attentions", "output_hidden_states")
+_RETURNED_OUTPUTS = {"output_scores": "scores", "output_logits": "logits"}
 
 
 def sync_rng_world() -> None:
@@ -214,6 +221,7 @@ class ScheduleLoop:
         self._check(generation_config, model_kwargs)
         self.model, self.gen = model, generation_config
         self.processors, self.stopping = logits_processor, stopping_criteria
+        self._choose_row_policy(generation_config, stopping_criteria)
         start = time.perf_counter()
         self._setup(input_ids, model_kwargs)
         self.runner.looping = True
@@ -233,8 +241,30 @@ class ScheduleLoop:
         if self.streamer is not None:
             self.streamer.end()
         if generation_config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            steps = sequences.shape[1] - self.prompt_len
+            return GenerateDecoderOnlyOutput(
+                sequences=sequences, **{name: self._broadcast_recorded(name, steps)
+                                        for name in self.want})
         return sequences
+
+    def _choose_row_policy(self, gen: Any, stopping: Any) -> None:
+        """Whether finished rows leave their micro-batches (the default) or stay to the end.
+
+        HF pads finished rows only when an EOS criterion is present (otherwise they go on
+        generating real tokens until every row is done), and its scores / logits have a row for
+        every sequence at every step. Rows that leave cannot give either; so when scores or
+        logits are asked for, or a row-wise criterion (a custom one, stop strings) runs without
+        EOS, every row stays, and the lock-step schedule lets the last stage know at each step
+        whether the whole batch has finished (the dynamic queue cannot: micro-batches are at
+        different steps)."""
+        self.want = [name for flag, name in _RETURNED_OUTPUTS.items()
+                     if gen.return_dict_in_generate and getattr(gen, flag, False)]
+        self.pad_finished = any(hasattr(c, "eos_token_id") for c in stopping)
+        row_wise = any(not isinstance(c, _BATCH_WIDE_CRITERIA) for c in stopping)
+        self.keep_rows = bool(self.want) or (row_wise and not self.pad_finished)
+        if self.keep_rows:
+            self.schedule = "lockstep"
+        self.stats["schedule"] = self.schedule
 
     def _check(self, gen: Any, model_kwargs: dict[str, Any]) -> None:
         if gen.num_beams != 1:
@@ -244,8 +274,9 @@ class ScheduleLoop:
         asked = [name for name in _REFUSED_OUTPUTS if getattr(gen, name, False)]
         if asked and gen.return_dict_in_generate:
             raise PipelineParallelError(
-                f"generate({asked[0]}=True) on a pipeline-parallel model: scores, logits, "
-                "attentions and hidden states stay on their stages. Fix: drop it.")
+                f"generate({asked[0]}=True) on a pipeline-parallel model: attentions and hidden "
+                "states stay on the stage that computed them. Fix: drop it (output_scores and "
+                "output_logits are returned).")
         cache = model_kwargs.get("past_key_values")
         if not model_kwargs.get("use_cache", True) or (cache is not None
                                                        and cache.get_seq_length() > 0):
@@ -276,6 +307,9 @@ class ScheduleLoop:
                                                 int(self._pad()))
             self.sequences[:, :self.prompt_len] = input_ids
             self.length = self.prompt_len
+            self.unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+            self.recorded: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.want}
+            self.held: list[tuple[int, int, torch.Tensor]] = []
             if self.streamer is not None:
                 self.streamer.put(input_ids.cpu())
 
@@ -350,7 +384,7 @@ class ScheduleLoop:
         if kind == ERROR:
             self._forward_error(origin)
             raise PipelineParallelError(
-                f"pipeline rank {origin} (stage {origin // self.config.tp_size}) failed during "
+                f"pipeline rank {origin} (stage {origin // self.ranks.width}) failed during "
                 f"generate; stage {self.ranks.stage} (rank {dist.get_rank()}) stops too. Fix: "
                 "see that rank's error.")
         payload = torch.empty(int(head[5]), dtype=torch.uint8)
@@ -451,7 +485,7 @@ class ScheduleLoop:
             mb = self._generation_mb(i)
             _select(mb, alive, self.runner.layers)
             tokens, finished = self._sample(mb, self._forward(mb, incoming), step, i)
-            self._send(self.ranks.first, TOKENS, i, step, (tokens, finished))
+            self._send_tokens(i, step, tokens, finished)
 
     def _last_prompt(self, p: int, incoming: torch.Tensor) -> None:
         mb = self.prompts[p]
@@ -461,14 +495,35 @@ class ScheduleLoop:
         if p == self.groups[g][-1]:  # the generation micro-batch's prompts are all done
             parts = [self.first_tokens.pop(q) for q in self.groups[g]]
             self._generation_mb(g)
-            self._send(self.ranks.first, TOKENS, g, 0,
-                       tuple(torch.cat(x) for x in zip(*parts)))
+            self._send_tokens(g, 0, *(torch.cat(x) for x in zip(*parts)))
+
+    def _send_tokens(self, g: int, step: int, tokens: torch.Tensor,
+                     finished: torch.Tensor) -> None:
+        """Send a micro-batch's tokens to stage 0. With rows kept to the end, the step's
+        messages wait until every micro-batch has sampled it: then all rows are marked
+        finished (the whole batch is) or none."""
+        if not self.keep_rows:
+            self._send(self.ranks.first, TOKENS, g, step, (tokens, finished))
+            return
+        self.held.append((g, step, tokens))
+        if len(self.held) < len(self.groups):
+            return
+        done = int(not bool(self.unfinished.any()))
+        for mb, at, sampled in self.held:
+            self._send(self.ranks.first, TOKENS, mb, at, (sampled, torch.full_like(sampled, done)))
+        self.held.clear()
 
     # -- HF's token selection, on the last stage -------------------------------------------------
     def _sample(self, mb: MicroBatch, out: Any, step: int, g: int | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32, device=mb.input_ids.device)
         scores = self.processors(mb.input_ids, logits)
+        for name, value in (("scores", scores), ("logits", logits)):
+            if name in self.want:
+                per_step = self.recorded[name]
+                if step not in per_step:
+                    per_step[step] = value.new_zeros(self.batch, value.shape[-1])
+                per_step[step][mb.rows] = value
         if self.gen.do_sample:
             probs = nn.functional.softmax(scores, dim=-1)
             if g is None:  # the prompt step: micro-batches in row order, no row has left
@@ -478,17 +533,29 @@ class ScheduleLoop:
                 tokens = self.ledger.draw(step, g, probs, positions)
         else:
             tokens = torch.argmax(scores, dim=-1)
+        live = self.unfinished[mb.rows]
+        if self.pad_finished:  # HF's padding of finished rows (only rows kept to the end)
+            tokens = torch.where(live, tokens, tokens.new_tensor(self._pad()))
         mb.input_ids = torch.cat([mb.input_ids, tokens[:, None]], dim=-1)
-        finished = self.stopping(mb.input_ids, scores)
+        self.unfinished[mb.rows] = live & ~self.stopping(mb.input_ids, scores)
+        finished = ~self.unfinished[mb.rows]
         self.sequences[mb.rows, self.prompt_len + step] = tokens
         self.length = max(self.length, self.prompt_len + step + 1)
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
         return tokens, finished.to(torch.int64)
 
+    def _broadcast_recorded(self, name: str, steps: int) -> tuple[torch.Tensor, ...]:
+        """The last stage's scores or logits [batch, vocab] per generated step, on every rank
+        (broadcast along this rank's pipeline lane)."""
+        mine = None
+        if self.ranks.is_last:
+            mine = torch.stack([self.recorded[name][t] for t in range(steps)])
+        return tuple(broadcast_from_last(mine, self.ranks, torch.device("cpu")).unbind(0))
+
     def _broadcast_sequences(self) -> torch.Tensor:
         """The last stage's sequences on every rank (all ranks leave generate together)."""
-        source = (self.ranks.size - 1) * self.config.tp_size
+        source = (self.ranks.size - 1) * self.ranks.width
         length = torch.tensor([self.length if self.ranks.is_last else 0])
         dist.broadcast(length, src=source)
         if self.ranks.is_last:

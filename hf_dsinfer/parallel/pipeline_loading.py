@@ -4,14 +4,18 @@ The model is built on meta (loading.build_on_meta), the stages are planned on th
 (pipeline.plan_stages), the blocks of other stages are replaced by placeholders, and the
 sharded loader reads the rest: this stage's blocks (sliced too under tp_size > 1), the
 embedding on the first stage, lm_head on the last, and the small modules outside the layers.
+MoE checkpoints that store one tensor per expert are read through stacked_experts (the stage's
+layers' experts stacked as transformers stacks them; ep_size then keeps this rank's share).
 The parity gate gets unsharded references of this stage's first block of each class.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from hf_dsinfer import state
@@ -42,6 +46,7 @@ from hf_dsinfer.parallel.pipeline import (
     stub_parameters,
     unheld_parameters,
 )
+from hf_dsinfer.parallel.stacked_experts import StackedExpertReader, stacked_keys
 
 
 def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[str, Any],
@@ -49,7 +54,8 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     """The `from_pretrained` of a pipeline-parallel model (called by the dsinfer= shim, which
     then injects it): this rank's stage where the checkpoint allows, else the whole model."""
     tp = tensor_parallel_group(config.tp_size)  # fail before reading anything
-    ranks = pipeline_ranks(config.pp_size, config.tp_size, config.pp_timeout_s)
+    ranks = pipeline_ranks(config.pp_size, config.tp_size, config.pp_timeout_s,
+                           config.ep_size)
     path = args[0] if args else kwargs.pop("pretrained_model_name_or_path")
     folder = None if kwargs.get("gguf_file") else safetensors_folder(
         path, {k: kwargs[k] for k in _HUB_KEYS if k in kwargs})
@@ -57,6 +63,13 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     model = None if whole else build_on_meta(cls, folder, kwargs, config)
     reader = None if whole else CheckpointReader(folder)
     keys = None if whole else checkpoint_keys(model, reader)
+    if keys is None and not whole:  # per-expert MoE tensors: read this stage's experts only
+        found = stacked_keys(model, reader)
+        if found is not None:
+            keys, reader = found
+            if config.ep_size > 1:  # its rank in the stage's EP group (parallel.expert)
+                width = config.tp_size * config.ep_size
+                reader.keep_share(config.ep_size, (dist.get_rank() % width) // config.tp_size)
     if keys is None:
         if not whole:
             warnings.warn(
@@ -82,6 +95,8 @@ def load_pipeline_parallel(original: Any, cls: type, args: tuple, kwargs: dict[s
     load_shards(model, reader, keys, tp, skip=frozenset(unheld))
     stub_parameters(model, unheld)
     _load_generation_config(model, folder)
+    if isinstance(reader, StackedExpertReader):
+        plan = dataclasses.replace(plan, expert_reads=tuple(reader.reads))
     state.put(model, "pp_stages", plan)
     return model.eval()
 
