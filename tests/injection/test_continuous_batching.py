@@ -240,8 +240,11 @@ def _packed_mask(q_lens, k_lens, window=None, leak=False):
     if leak:
         allowed[0, k - 1] = True  # the first query may read the last request's key
     mask = torch.zeros(t, k).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])  # noqa: E731
-    return mask[None, None], cu(q_lens), cu(k_lens)
+    return mask[None, None], _offsets(q_lens), _offsets(k_lens)
+
+
+def _offsets(lens) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
 
 
 @pytest.mark.parametrize("window", [None, 3])
