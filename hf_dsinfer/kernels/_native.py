@@ -59,7 +59,7 @@ AMX_ENV_VAR = settings.ENV["amx"]  # 0: the kernels that can use AMX tiles keep 
 ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c")]
-HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
+HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_avx2.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
 TIERS = settings.TIERS
@@ -166,6 +166,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32, i32]
     lib.hfd_int8_gemv.restype = i32
     lib.hfd_advise_hugepages.argtypes = [p, i64]
+    lib.hfd_avx2_dots.argtypes = []
+    lib.hfd_avx2_dots.restype = i32
     lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i32, i32, i32]
     lib.hfd_moe_bf16.restype = i32
     lib.hfd_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
