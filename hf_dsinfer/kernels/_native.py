@@ -226,14 +226,15 @@ def _load(level: str) -> ctypes.CDLL | None:
 # replaces; below it lib(use) is None unless the settings name a tier (isa). The measurements
 # (an AVX-512 EPYC made to run as an AVX2 CPU, 2026-11-24) are in docs/performance.md.
 #   "kernels": the decode layer and MoE experts against torch's ops
-#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers)
-#   "int4": int4 products against torch's int4 kernel (the int4 dot loop spills on 16 registers)
+#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers); from avx2
+#       since the avx2 tier has loops of its own (csrc/hfd_avx2.h)
+#   "int4": int4 products against torch's int4 kernel (likewise)
 #   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
-MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize": "avx512",
+MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
             "codes": "generic"}
 
 
