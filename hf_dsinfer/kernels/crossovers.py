@@ -70,14 +70,16 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       a row-major weight: from the tiles it stores now it also copies them); int4 native 0.45 /
 #       0.79 / 1.56 / 2.73 at 1 / 2 / 4 / 8 rows, against dequantize + GEMM (its only
 #       alternative on tiles) 58-63 here, 11.5-12.3 on the quiet machine above. The GEMV
-#       bound (8) and the int4 bound (24) extrapolate the kernels' linear cost per row
-#       (~0.37-0.39 ms) to those alternatives; measure them again on a quiet machine.
+#       bound (16) and the int4 bound (24) extrapolate the kernels' linear cost per row
+#       (~0.37-0.39 ms) to those alternatives (the GEMV ~6 ms at 16 rows, where the quiet run
+#       above had _weight_int8pack_mm at 6.47 and dequantize + GEMM at 5.56); measure them
+#       again on a quiet machine.
 # A value a tier does not use by default is inherited: the generic tier's GEMV bound is
 # avx2's (MIN_TIER), used only when HF_DSINFER_ISA names the tier.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16, int4_native_max_rows=16,
                          int4_pack_max_rows=32)
 
-ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=8, int8_pack_max_rows=12, int4_native_max_rows=24,
+ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
                        int4_pack_max_rows=32)
 
 TABLE: dict[str, Crossovers] = {
