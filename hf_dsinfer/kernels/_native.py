@@ -31,7 +31,8 @@ ISA tiers (TIERS, lowest first): generic (no -m flags: baseline x86-64, or aarch
 avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, VNNI), avx512_bf16 (+ BF16), amx (+ AMX tiles, used
 where Linux grants the tile state; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512). The kernels are
 written once with AVX-512 intrinsics; a tier without an instruction gets SIMDe's emulation of it
-(see csrc/hfd_simd.h), with the same numbers. The best tier the CPU has is used;
+(see csrc/hfd_simd.h), with the same numbers, except the int8 / int4 dot products of the avx2
+tier, which have 256-bit loops of their own (csrc/hfd_avx2.h), again with the same numbers. The best tier the CPU has is used;
 HF_DSINFER_ISA=<tier> caps it (tests run every tier the machine has this way).
 
 `lib()` returns None, and callers use torch's kernels, when:
@@ -64,7 +65,7 @@ ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c",
                                     "cpu_experts.c")]
-HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_api.h")]
+HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_avx2.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
 TIERS = settings.TIERS
@@ -171,6 +172,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int8_gemv.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32, i32]
     lib.hfd_int8_gemv.restype = i32
     lib.hfd_advise_hugepages.argtypes = [p, i64]
+    lib.hfd_avx2_dots.argtypes = []
+    lib.hfd_avx2_dots.restype = i32
     lib.hfd_moe_bf16.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i32, i32, i32]
     lib.hfd_moe_bf16.restype = i32
     lib.hfd_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
@@ -233,8 +236,9 @@ def _load(level: str) -> ctypes.CDLL | None:
 # replaces; below it lib(use) is None unless the settings name a tier (isa). The measurements
 # (an AVX-512 EPYC made to run as an AVX2 CPU, 2026-11-24) are in docs/performance.md.
 #   "kernels": the decode layer and MoE experts against torch's ops
-#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers)
-#   "int4": int4 products against torch's int4 kernel (the int4 dot loop spills on 16 registers)
+#   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers); from avx2
+#       since the avx2 tier has loops of its own (csrc/hfd_avx2.h)
+#   "int4": int4 products against torch's int4 kernel (likewise)
 #   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
@@ -242,7 +246,7 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
-MIN_TIER = {"kernels": "avx2", "gemv": "avx512", "int4": "avx512", "dequantize": "avx512",
+MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
             "codes": "generic", "bf16_gemv": "avx512_bf16"}
 
 

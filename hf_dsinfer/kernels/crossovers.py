@@ -60,29 +60,42 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       dequantize 3.71 / 2.89 / 4.67 / 4.08; int4 native 0.27 / 0.78 / 2.13 / 6.16, dequantize
 #       3.01 / 2.23 / 3.61 / 4.11. Crossovers: GEMV 24, int8 pack 24, int4 native 24, pack 32.
 #   Both avx512 tiers take the lower of the two runs (the differences are noise).
-#   avx2: GEMV 1.23 / 6.46 at 1 / 4 rows against _weight_int8pack_mm 0.91 / 1.43 (the GEMV does
+#   avx2 (SIMDe's emulation of the AVX-512 loops then): GEMV 1.23 / 6.46 at 1 / 4 rows against _weight_int8pack_mm 0.91 / 1.43 (the GEMV does
 #       not run here by default: MIN_TIER), which the chunked path passes after 12 rows (3.94
 #       vs 6.63 at 12, 6.47 vs 5.56 at 16); int4 native 4.00 / 13.10 / 55.5, dequantize
 #       11.5 / 12.1 / 12.3: 3 rows; _weight_int4pack_mm_for_cpu up to 32 rows (12.1 vs 13.9).
 #   generic: GEMV 15.8 ms at 1 row against torch's int8 kernel 11.8 and dequantize + GEMM
 #       17.2 (20.3 at 2 rows, where the packed kernel takes 23.5); int4 native 29.0 / 60.2 at 1 /
 #       2 rows, dequantize 33.8 / 35.1; _weight_int4pack_mm_for_cpu 24.5 / 46.5.
-# A value a tier does not use by default is inherited: the GEMV's below avx512 (MIN_TIER)
-# keeps avx512's bound, used only when HF_DSINFER_ISA names the tier.
+#   avx2 again with the tier's own int8 / int4 loops (csrc/hfd_avx2.h), 2026-11-24, the same
+#       weight and method but load 14-15 on the 2 cores: minimum of 5 interleaved repeats (the
+#       medians were scheduler noise, and so is every time above ~3 ms). int8 GEMV 0.44 / 0.82 /
+#       1.49 ms at 1 / 2 / 4 rows against _weight_int8pack_mm 0.83 / 0.86 / 1.51 (2.86 at 8, on
+#       a row-major weight: from the tiles it stores now it also copies them); int4 native 0.45 /
+#       0.79 / 1.56 / 2.73 at 1 / 2 / 4 / 8 rows, against dequantize + GEMM (its only
+#       alternative on tiles) 58-63 here, 11.5-12.3 on the quiet machine above. The GEMV
+#       bound (16) and the int4 bound (24) extrapolate the kernels' linear cost per row
+#       (~0.37-0.39 ms) to those alternatives (the GEMV ~6 ms at 16 rows, where the quiet run
+#       above had _weight_int8pack_mm at 6.47 and dequantize + GEMM at 5.56); measure them
+#       again on a quiet machine.
+# A value a tier does not use by default is inherited: the generic tier's GEMV bound is
+# avx2's (MIN_TIER), used only when HF_DSINFER_ISA names the tier.
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16, int4_native_max_rows=16,
                          int4_pack_max_rows=32, bf16_gemv_max_rows=4)
 
+ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
+                       int4_pack_max_rows=32,
+                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows)  # inherited (MIN_TIER)
+
 TABLE: dict[str, Crossovers] = {
     "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
     "avx512_bf16": ZEN5_AVX512,
     "avx512": ZEN5_AVX512,
-    "avx2": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
-                       int8_pack_max_rows=12, int4_native_max_rows=3, int4_pack_max_rows=32,
-                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows),  # inherited
-    "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX512.int8_gemv_max_rows,  # inherited
+    "avx2": ZEN5_AVX2,
+    "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX2.int8_gemv_max_rows,  # inherited
                           int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,
                           bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows),  # inherited
 }

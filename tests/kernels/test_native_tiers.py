@@ -77,29 +77,29 @@ HAS_AVX2 = _native.TIERS.index(BEST) >= _native.TIERS.index("avx2")
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="pretends an AVX2 CPU: runs the avx2 library")
-def test_an_avx2_cpu_leaves_int4_products_to_torch(monkeypatch):
-    """On a CPU whose best tier is avx2 (pretended), the decode layer runs natively in bf16,
-    while int4 products, int8 GEMVs of their own and prefill dequantization keep torch's
-    kernels (MIN_TIER), and explain says so; a named tier runs them all."""
+def test_an_avx2_cpu_leaves_only_prefill_dequantization_to_torch(monkeypatch):
+    """On a CPU whose best tier is avx2 (pretended), the decode layer, the int8 GEMV and the
+    int4 products run natively (the tier's own loops, csrc/hfd_avx2.h), while prefill
+    dequantization keeps torch's ops (MIN_TIER), and explain says so; a named tier runs it."""
     switch(monkeypatch, isa=None)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
     assert _native.lib() is _native._load("avx2")
-    assert all(_native.lib(use) is None for use in ("int4", "gemv", "dequantize"))
-    assert "int4 (the avx2 tier, where 'int4' kernels measured slower" in _native.describe_tier()
+    assert all(_native.lib(use) is _native._load("avx2") for use in ("int4", "gemv"))
+    assert _native.lib("dequantize") is None
+    assert "dequantize (the avx2 tier, where 'dequantize' kernels" in _native.describe_tier()
     assert _decode_logits(None) is not None  # asserts the native layer ran
+    assert _decode_logits({"bits": 4, "group_size": 32}) is not None
     q4 = Q.quantize_int4(_gaussian(64, 256, seed=12), 32)
-    assert not q4.tiled and q4.cpu_packed is not None  # torch's kernel reads it
+    assert q4.tiled and q4.cpu_packed is None  # the native kernel reads the tiles
     q8 = Q.quantize_int8(_gaussian(64, 256, seed=9))
-    assert not q8.tiled  # row-major: torch's int8 kernel reads it as it is
+    assert q8.tiled
     gemv = []
-    monkeypatch.setattr(Q, "_native_int8", lambda *a: gemv.append(1))
+    real = Q._native_int8
+    monkeypatch.setattr(Q, "_native_int8", lambda *a: gemv.append(1) or real(*a))
     Q.linear_int8(_gaussian(1, 256, seed=10), q8, backend="cpu")
-    assert gemv == []
-    model = hf_dsinfer.init_inference(_llama(), dtype=torch.bfloat16,
-                                      quant={"bits": 4, "group_size": 32})
-    assert "int4 weights: the avx2 tier" in hf_dsinfer.explain(model)
+    assert gemv == [1]
     switch(monkeypatch, isa="avx2")
-    assert _native.lib("int4") is _native._load("avx2")
+    assert _native.lib("dequantize") is _native._load("avx2")
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="compares with the avx2 library")

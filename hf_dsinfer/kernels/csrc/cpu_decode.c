@@ -59,13 +59,15 @@ typedef struct {
     const uint16_t *x;
     float *gsum;     /* int4: [k / group] sums of x per group */
     float *gunit;    /* int4: [k / group] value of one fixed-point step of x per group */
-    uint8_t *planes; /* 3 * kp bytes: int8 and int4 x as fixed point (see prepare_input) */
+    uint8_t *planes; /* X_BYTES(kp): int8 and int4 x as fixed point (see prepare_input) */
     int64_t kp;
     double unit;
 } lin_input;
 
 #define ROWS TILE_ROWS /* weight rows per block (one thread streams them together) */
 #define MAX_GROUPS 1024 /* int4: groups per row (k / group) the kernel takes */
+/* bytes of an input's planes: int4's 3 * kp, int8's INT8_X_BYTES (4 * kp on avx2) */
+#define X_BYTES(kp) (INT8_X_BYTES(kp) > 3 * (kp) ? INT8_X_BYTES(kp) : 3 * (kp))
 
 static inline int is_int4(const hfd_lin *L) {
     return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED;
@@ -78,7 +80,7 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
     in->x = (const uint16_t *)x;
     if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
         in->kp = (L->k + 63) / 64 * 64;
-        in->unit = int8_planes(x, x_dt, L->in_scale, L->k, in->kp, xf, in->planes);
+        in->unit = int8_input(x, x_dt, L->in_scale, L->k, in->kp, xf, in->planes);
     } else if (is_int4(L)) {
         /* x per group g as 24-bit fixed point v = round(x / gunit[g]), |v| < 2^23 (gunit[g] =
            absmax / (2^23 - 1): the int8 kernel's precision), split v = 65536 hi + 256 mid + lo
@@ -165,11 +167,16 @@ static void int4_setup(const hfd_lin *L, int64_t n0, int rows, int4_block *b) {
     for (int r = 0; r < ROWS; r++) {
         int64_t row = n0 + (r < rows ? r : 0);
         b->wr[r] = tile_row(L->w, row, K / 2, tiled);
+#if HFD_AVX2_DOTS
+        hfd_to_f32(b->scale[r], L->scales, row * G, G, (int)L->s_dt);
+        memset(b->scale[r] + G, 0, 16 * sizeof(float));
+#else
         for (int64_t g = 0; g < G; g += 16) {
             __mmask16 mk = mask16(G - g);
             _mm512_mask_storeu_ps(b->scale[r] + g, mk, load16(L->scales, row * G + g, (int)L->s_dt, mk));
         }
         _mm512_storeu_ps(b->scale[r] + G, _mm512_setzero_ps());
+#endif
     }
     /* The threads take consecutive blocks: the next block's scales and mins are prefetched
        now (its codes one line per 64 bytes read, in int4_dots). */
@@ -190,6 +197,14 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
     const uint8_t *const *wr = b->wr;
     const char *next = n0 + ROWS < L->n ? (const char *)L->w + (n0 + ROWS) * (K / 2) : NULL;
     const char *end = (const char *)L->w + L->n * (K / 2);
+    float dot[ROWS];
+#if HFD_AVX2_DOTS
+    const float *sc[ROWS];
+    (void)step;
+    for (int r = 0; r < ROWS; r++) sc[r] = b->scale[r];
+    int4_dots_avx2(wr, sc, K, __builtin_ctzll(group), tiled, in->planes, half, in->gunit, next,
+                   end, dot);
+#else
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -267,6 +282,12 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
             acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(b->scale[r] + g0)), acc[r]);
         }
     }
+    for (int r = 0; r < ROWS; r++) dot[r] = _mm512_reduce_add_ps(acc[r]);
+#endif
+#if HFD_AVX2_DOTS
+    for (int r = 0; r < rows; r++) /* the mins come in through the group sums of x */
+        out[r] = dot[r] + hfd_dot16_f32(L->mins, (n0 + r) * G, (int)L->s_dt, in->gsum, G);
+#else
     for (int r = 0; r < rows; r++) { /* the mins come in through the group sums of x */
         __m512 m = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g += 16) {
@@ -274,8 +295,9 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
             m = _mm512_fmadd_ps(load16(L->mins, (n0 + r) * G + g, (int)L->s_dt, mk),
                                 _mm512_maskz_loadu_ps(mk, in->gsum + g), m);
         }
-        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(m);
+        out[r] = dot[r] + _mm512_reduce_add_ps(m);
     }
+#endif
 }
 
 /* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows (<= ROWS). */
@@ -481,12 +503,12 @@ typedef struct {
 
 static int scratch_init(scratch *s, int64_t K) {
     s->kp = (K + 127) / 128 * 128;
-    size_t bytes = (size_t)s->kp * (4 + 3 * 3 + 3 * 4 + 3 * 4);
+    size_t bytes = (size_t)s->kp * (4 + 3 * 4 + 3 * 4) + 3 * (size_t)X_BYTES(s->kp);
     s->mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!s->mem) return -2;
     s->xf = (float *)s->mem;
     s->planes = (uint8_t *)(s->xf + s->kp);
-    s->gsum = (float *)(s->planes + 9 * s->kp);
+    s->gsum = (float *)(s->planes + 3 * X_BYTES(s->kp));
     s->gunit = s->gsum + 3 * s->kp;
     return 0;
 }
@@ -494,7 +516,7 @@ static int scratch_init(scratch *s, int64_t K) {
 static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, scratch *s,
                        lin_input *in) {
     for (int j = 0; j < count; j++) {
-        in[j].planes = s->planes + j * 3 * s->kp;
+        in[j].planes = s->planes + j * X_BYTES(s->kp);
         in[j].gsum = s->gsum + j * s->kp;
         in[j].gunit = s->gunit + j * s->kp;
         int shared = -1; /* int4 inputs depend on x, the group and the layout only: q|k|v and

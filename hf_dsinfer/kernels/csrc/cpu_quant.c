@@ -45,7 +45,7 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
                   const int32_t *rowsum, const void *scales, int s_dt, const void *bias,
                   int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled, int nthreads) {
     int64_t kp = (K + 63) / 64 * 64;
-    uint8_t *planes = (uint8_t *)aligned_alloc(64, (size_t)(M * 3 * kp));
+    uint8_t *planes = (uint8_t *)aligned_alloc(64, (size_t)(M * INT8_X_BYTES(kp)));
     double *unit = (double *)malloc((size_t)M * sizeof(double));
     float *xf = (float *)aligned_alloc(64, (size_t)kp * sizeof(float));
     if (!planes || !unit || !xf) {
@@ -53,8 +53,8 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
         return -2;
     }
     for (int64_t m = 0; m < M; m++)
-        unit[m] = int8_planes((const char *)x + m * K * (x_dt == DT_F32 ? 4 : 2), x_dt,
-                              in_scale, K, kp, xf, planes + m * 3 * kp);
+        unit[m] = int8_input((const char *)x + m * K * (x_dt == DT_F32 ? 4 : 2), x_dt,
+                             in_scale, K, kp, xf, planes + m * INT8_X_BYTES(kp));
     free(xf);
     int64_t blocks = (N + INT8_ROWS - 1) / INT8_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -67,10 +67,10 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
         for (int64_t m = 0; m < M; m++) {
             int64_t s[INT8_ROWS];
             if (tiled)
-                int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s, NULL,
+                int8_dots(wr, rowsum + n0, rows, planes + m * INT8_X_BYTES(kp), kp, K, s, NULL,
                           m == 0 ? q + N * K : NULL, 1); /* rows m > 0 read the block cached */
             else
-                int8_dots(wr, rowsum + n0, rows, planes + m * 3 * kp, kp, K, s,
+                int8_dots(wr, rowsum + n0, rows, planes + m * INT8_X_BYTES(kp), kp, K, s,
                           m == 0 && n0 + INT8_ROWS < N ? wr[0] + INT8_ROWS * K : NULL, q + N * K,
                           0);
             for (int r = 0; r < rows; r++) {
@@ -84,6 +84,8 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
     free(unit);
     return 0;
 }
+
+int hfd_avx2_dots(void) { return HFD_AVX2_DOTS; }
 
 /* Ask for transparent huge pages on the 2 MiB-aligned interior of [p, p + nbytes), before the
    pages are first written: fewer TLB misses while a weight streams (see PREFETCH). Returns 0, or

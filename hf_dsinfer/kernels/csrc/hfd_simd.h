@@ -13,6 +13,9 @@
  * product and a sum, two roundings). _native.py builds with -ffp-contract=off, so gcc never
  * fuses a product and a sum that the source keeps apart, whatever FMA unit the target has.
  * The one documented difference: vdpbf16ps flushes denormals, its emulation does not (below).
+ * The int8 and int4 dot products, where the emulation was the bottleneck, have loops of their
+ * own on the avx2 tier (hfd_avx2.h): 256-bit instructions, the same integer sums and the same
+ * fp32 operations per lane, so the same bits.
  * AMX tile code is compiled only into the amx tier; elsewhere the tile intrinsics trap, and
  * amx_usable() (cpu_moe.c) is 0 there, so they are never reached.
  *
@@ -492,10 +495,11 @@ static inline void round_row(const float *o, uint16_t *y, int64_t cols) {
 #define INT8_ROWS TILE_ROWS /* weight rows streamed together by one thread */
 
 /* One row of x (K elements of dtype dt, times in_scale when given) as 24-bit fixed point
-   relative to its absmax, offset to unsigned and split into byte planes p0 | p1 | p2 of kp
-   (K rounded up to 64) bytes each; xf: kp floats of scratch. Returns the value of one unit. */
-static inline double int8_planes(const void *x, int dt, const float *in_scale, int64_t K,
-                                 int64_t kp, float *xf, uint8_t *p0) {
+   relative to its absmax: v[k] = round(x[k] * (2^23 - 1) / absmax), |v| <= 2^23 - 1, as kp int32
+   (K rounded up to 64; columns past K are 0) in the kp floats of scratch xf. Returns the value
+   of one unit. */
+static inline double int8_fixed(const void *x, int dt, const float *in_scale, int64_t K,
+                                int64_t kp, float *xf) {
     __m512 vmax = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; k += 16) {
         __mmask16 mk = mask16(K - k);
@@ -505,28 +509,55 @@ static inline double int8_planes(const void *x, int dt, const float *in_scale, i
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
     }
     float amax = _mm512_reduce_max_ps(vmax);
-    /* x * fx rounds to an integer in [-(2^23 - 1), 2^23 - 1]; + 2^23 makes it unsigned */
+    /* x * fx rounds to an integer in [-(2^23 - 1), 2^23 - 1] */
     float fx = amax > 0.f ? 8388607.0f / amax : 0.f;
-    uint8_t *p1 = p0 + kp, *p2 = p1 + kp;
     const __m512 vfx = _mm512_set1_ps(fx);
-    const __m512i offset = _mm512_set1_epi32(8388608), byte = _mm512_set1_epi32(255);
     const __m512i lim = _mm512_set1_epi32(8388607); /* fp32 rounding may reach 2^23 */
     for (int64_t k = 0; k < kp; k += 16) {
         __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(xf + k), vfx));
         i = _mm512_max_epi32(_mm512_min_epi32(i, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        __m512i u = _mm512_add_epi32(i, offset);
+        _mm512_store_si512((__m512i *)(xf + k), i);
+    }
+    return amax > 0.f ? (double)amax / 8388607.0 : 0.0;
+}
+
+/* int8_fixed's v offset to unsigned (v + 2^23) and split into byte planes p0 | p1 | p2 of kp
+   bytes each; xf: kp floats of scratch. Returns the value of one unit. */
+static inline double int8_planes(const void *x, int dt, const float *in_scale, int64_t K,
+                                 int64_t kp, float *xf, uint8_t *p0) {
+    const double unit = int8_fixed(x, dt, in_scale, K, kp, xf);
+    uint8_t *p1 = p0 + kp, *p2 = p1 + kp;
+    const __m512i offset = _mm512_set1_epi32(8388608), byte = _mm512_set1_epi32(255);
+    for (int64_t k = 0; k < kp; k += 16) {
+        __m512i u = _mm512_add_epi32(_mm512_load_si512((const __m512i *)(xf + k)), offset);
         if (k + 16 > K) /* columns past K are 0 in every plane, so they add nothing */
             u = _mm512_maskz_mov_epi32(mask16(K - k), u);
         _mm_store_si128((__m128i *)(p0 + k), _mm512_cvtepi32_epi8(_mm512_and_si512(u, byte)));
         _mm_store_si128((__m128i *)(p1 + k), _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(u, 8), byte)));
         _mm_store_si128((__m128i *)(p2 + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 16)));
     }
-    return amax > 0.f ? (double)amax / 8388607.0 : 0.0;
+    return unit;
+}
+
+/* The int8 kernels' own loops on AVX2 (no 512-bit vectors, no VNNI): hfd_avx2.h. */
+#include "hfd_avx2.h"
+
+/* x as the int8 dot products of this tier read it (int8_dots), in INT8_X_BYTES(kp) bytes at p:
+   byte planes (int8_planes), or on AVX2 int16 planes (hfd_avx2.h: int8_planes16). Returns the
+   value of one unit. */
+static inline double int8_input(const void *x, int dt, const float *in_scale, int64_t K,
+                                int64_t kp, float *xf, uint8_t *p) {
+#if HFD_AVX2_DOTS
+    return int8_planes16(x, dt, in_scale, K, kp, xf, p);
+#else
+    return int8_planes(x, dt, in_scale, K, kp, xf, p);
+#endif
 }
 
 /* s[r] = sum_k xq[k] * q[r, k] exactly, for the INT8_ROWS weight rows wr (K int8 each) and the
-   fixed-point x in planes p0 (kp bytes apart), where xq = plane value - 2^23 (rowsum: the rows'
-   sums of q). Multiply by the unit of int8_planes and the row scale to get the dot product.
+   fixed-point x as int8_input stored it at p0: byte planes kp bytes apart, xq = plane value -
+   2^23 (rowsum: the rows' sums of q); on AVX2 int16 planes (hfd_avx2.h: int8_dots_avx2).
+   Multiply by the unit of int8_input and the row scale to get the dot product.
    Row-major rows (tiled 0): next (or NULL), end: the INT8_ROWS * K contiguous bytes the caller
    reads next, see prefetch_next_block (a 5632 x 2048 stream: 23.6-24.2 GB/s before, 24.2-25.0
    with it). Tiles (tiled 1, wr[r] = tile_row(...)): the stream is prefetched ahead
@@ -534,6 +565,10 @@ static inline double int8_planes(const void *x, int dt, const float *in_scale, i
 static inline __attribute__((always_inline)) void int8_dots(
         const int8_t *const *wr, const int32_t *rowsum, int rows, const uint8_t *p0, int64_t kp,
         int64_t K, int64_t *s, const int8_t *next, const int8_t *end, int tiled) {
+#if HFD_AVX2_DOTS
+    (void)rowsum; /* int16 planes of x itself: no offset to remove */
+    int8_dots_avx2(wr, rows, p0, kp, K, s, next, end, tiled);
+#else
     const uint8_t *p1 = p0 + kp, *p2 = p1 + kp;
     const int64_t step = tiled ? INT8_ROWS : 1; /* bytes of a row's stream per column */
     int64_t tail = K % 64;
@@ -572,6 +607,7 @@ static inline __attribute__((always_inline)) void int8_dots(
              + 256 * (int64_t)_mm512_reduce_add_epi32(a1[r])
              + 65536 * (int64_t)_mm512_reduce_add_epi32(a2[r])
              - 8388608LL * rowsum[r];
+#endif
 }
 
 #endif
