@@ -234,7 +234,8 @@ def test_every_option_bites(monkeypatch):
 @EVERY_TIER
 def test_the_window_restricts_the_keys_by_itself():
     """Without a mask (keep None), a sliding layer attends only its last `window` keys: what
-    HF's sliding mask (key > query - window) gives, to the bit; without the window, all."""
+    HF's sliding mask (key > query - window) gives, to the bit; without the window, all. In a
+    buffer with empty slots after the query's key (keep says which), the window ends there."""
     model = _model("gemma3_text")
     block = _blocks(model)[0]  # a sliding layer
     layer = block.decode_layer()
@@ -247,12 +248,35 @@ def test_the_window_restricts_the_keys_by_itself():
     keep = (torch.arange(sk) > sk - 1 - WINDOW).to(torch.uint8)
     windowed = layer.attn_out(x, q, k, v, None)
     assert torch.equal(windowed, layer.attn_out(x, q, k, v, keep))
+    # a static cache's buffer: the query's key is token 9, tokens 10.. are empty slots
+    filled = (torch.arange(sk) <= 9).to(torch.uint8)
+    static = layer.attn_out(x, q, k, v, filled)
     layer.struct.window = 0
     try:
         assert torch.equal(windowed, layer.attn_out(x, q, k, v, keep))
         assert not torch.equal(windowed, layer.attn_out(x, q, k, v, None))
+        hf_static = filled * (torch.arange(sk) > 9 - WINDOW).to(torch.uint8)
+        assert torch.equal(static, layer.attn_out(x, q, k, v, hf_static))
+        assert not torch.equal(static, layer.attn_out(x, q, k, v, filled))
     finally:
         layer.struct.window = WINDOW
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_sliding_layers_in_a_static_cache(cache, monkeypatch):
+    """generate() with HF's static cache (its sliding layers' buffers) and a prompt longer than
+    the window: the torch path's tokens."""
+    model = _model("gemma3_text", seed=2)
+    ids, _ = _prompt(seed=6)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+              "cache_implementation": cache, "disable_compile": True}
+    with torch.inference_mode():
+        native = model.generate(ids, **kwargs)
+        calls = _native_calls(model)
+        switch(monkeypatch, native=False)
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 5 * len(model.model.layers)
+    assert torch.equal(native, torch_path)
 
 
 def test_what_it_does_not_compute_is_refused_with_the_reason():

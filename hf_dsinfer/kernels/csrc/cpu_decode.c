@@ -618,12 +618,18 @@ static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
    torch's CPU flash attention numerics (see the header); with one (softcap != 0), the torch
    path's eager numerics: bf16 scores (softcap_scores), fp32 softmax normalized before its
    probabilities are rounded to bf16, then the fp32 sum over v rounded once. A sliding window
-   (window > 0) attends only the last `window` keys, as HF's mask (kv > q - window) does. sc:
-   sk floats of scratch. */
+   (window > 0) attends only the `window` keys up to the query's own, HF's mask (kv > q -
+   window): the query's key is the last one keep allows (causal decode), which in a static
+   cache's buffer is not the buffer's last. sc: sk floats of scratch. */
 static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uint16_t *vc,
                    int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
                    float softcap, int64_t window, float *sc, uint16_t *o) {
-    const int64_t s0 = window > 0 && sk > window ? sk - window : 0;
+    int64_t s0 = 0;
+    if (window > 0) {
+        int64_t last = sk - 1;
+        while (keep && last >= 0 && !keep[last]) last--;
+        s0 = last + 1 > window ? last + 1 - window : 0;
+    }
     float mx = -INFINITY;
     for (int64_t s = s0; s < sk; s++) {
         if (keep && !keep[s]) {
