@@ -244,7 +244,7 @@ class FusedBlock:
         p, spec, mlp = self.policy, self.spec, self._decode_mlp
         checks = [
             ((spec.layout == P.SEQUENTIAL and not spec.residual_post_ln)
-             or spec.layout == P.SANDWICH, "not a pre-norm or sandwich block"),
+             or spec.layout == P.SANDWICH, "not a pre-norm block"),  # sandwich: pre-norms optional
             (p.norm in P.NORMS, f"{p.norm} norm"),
             ((p.positions == P.ROPE and not p.rotary_interleaved)
              or p.positions == P.NO_POSITIONS,
