@@ -215,6 +215,7 @@ class FusedBlock:
         # the MLP kind as kernels.decode names it (None: one it does not compute)
         act, gated = self.spec.activation, self.policy.gated
         self._decode_mlp = ("gated_silu" if gated and act == "silu"
+                            else "gated_gelu_tanh" if gated and act == "gelu_tanh"
                             else "relu" if not gated and act == "relu" else None)
         self._decode_layout_why: str | None = self._decode_policy_why()
 
@@ -237,22 +238,21 @@ class FusedBlock:
         """Why this block's layout is not one kernels.decode computes (None: it is): pre-norm
         blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
         MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
-        fc1 -> ReLU -> fc2; biases anywhere; per-head q/k RMSNorm (Qwen3), NoPE layers
-        (SmolLM3), a residual multiplier (Granite), fused [q | k | v] and [gate | up]
-        projections (Phi-3)."""
+        fc1 -> ReLU -> fc2; biases anywhere; per-head q/k RMSNorm (Qwen3, Gemma 3) or over the
+        whole projection (OLMo 2), NoPE layers (SmolLM3), a residual multiplier (Granite),
+        fused [q | k | v] and [gate | up] projections (Phi-3); sandwich norms (Gemma 2/3,
+        OLMo 2), the fp32 and (1 + w) RMSNorms, GeGLU, an attention soft-cap (Gemma 2)."""
         p, spec, mlp = self.policy, self.spec, self._decode_mlp
         checks = [
-            (spec.layout != P.SANDWICH, "norms after attention and MLP (sandwich layout)"),
-            (spec.layout == P.SEQUENTIAL and not spec.residual_post_ln, "not a pre-norm block"),
-            (p.norm in (P.RMS, "layer"), f"{p.norm} norm"),
+            ((spec.layout == P.SEQUENTIAL and not spec.residual_post_ln)
+             or spec.layout == P.SANDWICH, "not a pre-norm block"),  # sandwich: pre-norms optional
+            (p.norm in P.NORMS, f"{p.norm} norm"),
             ((p.positions == P.ROPE and not p.rotary_interleaved)
              or p.positions == P.NO_POSITIONS,
              "positions are neither rotate-half RoPE nor added before the blocks"),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
-             "not separate q/k/v with a SiLU-gated or a ReLU MLP"),
-            (p.qk_norm in (None, P.QK_NORM_HEAD) and spec.clip_qkv is None,
-             "q/k norm over the whole projection, or clipping"),
-            (spec.attn_softcap is None, "attention logit soft-cap"),
+             "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
+            (spec.clip_qkv is None, "q/k/v clipping"),
             (not p.rope_half_table, "a half-width cos / sin table"),
             (p.mla is None, "multi-head latent attention"),
             (not spec.sinks, "attention sinks"),
@@ -322,11 +322,18 @@ class FusedBlock:
         residual = h2 if self.spec.residual_post_ln else hidden
         return residual + _add_bias(mlp_out, mlp_bias)
 
-    def _sandwich(self, x: torch.Tensor, named: dict) -> torch.Tensor:
+    def _sandwich(self, x: torch.Tensor, named: dict, attn=None) -> torch.Tensor:
         """Norms after attention and after the MLP, before each residual add (OLMo 2, Gemma
-        2/3), and optional pre-norms (Gemma's input / pre-feedforward norms; OLMo 2 has none)."""
-        h = x if self._ln1 is None else self._norm(self._ln1, x)
-        attn_out, attn_bias = self._branch(*self._attention(h, named))
+        2/3), and optional pre-norms (Gemma's input / pre-feedforward norms; OLMo 2 has none).
+        attn: the attention's (output, bias) when the native layer computed it already."""
+        if attn is None and self._decode_layout_why is None:
+            out = self._decode_step(x, named)
+            if out is not None:
+                return out
+        if attn is None:
+            h = x if self._ln1 is None else self._norm(self._ln1, x)
+            attn = self._attention(h, named)
+        attn_out, attn_bias = self._branch(*attn)
         h = x + self._norm_add(self._post_attn, attn_out, None, attn_bias)[0]
         mlp_in = h if self._ln2 is None else self._norm(self._ln2, h)
         mlp_out, mlp_bias = self._branch(*self._mlp(mlp_in))
@@ -362,15 +369,27 @@ class FusedBlock:
         return out
 
     # -- native one-token decode (kernels.decode) ------------------------------------------------
-    def decode_layer(self) -> native_decode.DecodeLayer | None:
+    def _after_attention(self, x: torch.Tensor, named: dict, attn) -> torch.Tensor:
+        """The layer from the attention's (output, bias) on, in the block's layout."""
+        if self.spec.layout == P.SANDWICH:
+            return self._sandwich(x, named, attn=attn)
+        return self._sequential(x, named, attn=attn)
+
+    def decode_layer(self, rope_fp32: bool = False) -> native_decode.DecodeLayer | None:
         """The native layer for this block's current weights (built, or rebuilt after the
-        weights moved), or None with the reason in `decode_why`."""
+        weights moved), or None with the reason in `decode_why`. rope_fp32: the model's cos /
+        sin are fp32 (OLMo 2 rotates in fp32)."""
         if self._decode_layout_why is not None:
             return None
+        rope = ("none" if not (self.policy.positions == P.ROPE and self.spec.rope)
+                else "fp32" if rope_fp32 else "bf16")
         layer = self._decode
-        if layer is not None and layer.current():
+        if (layer is not None and layer.current()
+                and (not layer.rope or layer.rope_dtype == (torch.float32 if rope_fp32
+                                                            else torch.bfloat16))):
             return layer
-        key = (self._ln1.weight.dtype, self._ln1.weight.data_ptr(),
+        norm = next(n for n in (self._ln1, self._post_attn, self._ln2) if n is not None)
+        key = (norm.weight.dtype, norm.weight.data_ptr(), rope,
                *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
         qk_norm = None if self.policy.qk_norm is None else (
             self._q_norm, self._k_norm, _norm_eps(self._q_norm), _norm_eps(self._k_norm))
@@ -380,15 +399,26 @@ class FusedBlock:
         spec = self.spec
         try:
             self._decode = build_decode_layer(
-                self._ln1, self._ln2, (_norm_eps(self._ln1), _norm_eps(self._ln2)),
+                self._ln1, self._ln2, tuple(0.0 if n is None else _norm_eps(n)
+                                            for n in (self._ln1, self._ln2)),
                 self._decode_linears(), spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, 1.0 if spec.scale_query else spec.scale,
-                norm=self.policy.norm, rope=self.policy.positions == P.ROPE and spec.rope,
+                norm=self.policy.norm, rope=rope,
                 mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
-                qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier)
+                qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier,
+                qk_norm_full=self.policy.qk_norm == P.QK_NORM_FULL,
+                post_norms=self._decode_post_norms(), softcap=spec.attn_softcap,
+                window=getattr(self._attn, "sliding_window", None))
         except NativeUnsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
+
+    def _decode_post_norms(self) -> tuple | None:
+        """(post-attention norm, post-MLP norm, their eps) of a sandwich block, else None."""
+        if self.spec.layout != P.SANDWICH:
+            return None
+        pa, pm = self._post_attn, self._post_mlp
+        return pa, pm, _norm_eps(pa), _norm_eps(pm)
 
     def _decode_linears(self) -> dict:
         """q, k, v, o, gate, up, down (OPT: fc1, None, fc2) as kernels.decode takes them: the
@@ -399,7 +429,7 @@ class FusedBlock:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             qkv = [RowSlice(qkv[0], at, n)
                    for at, n in ((0, q), (q, kv), (q + kv, kv))]
-        mlp_in = list(self._mlp_in) if self._decode_mlp == "gated_silu" else [self._mlp_in[0], None]
+        mlp_in = list(self._mlp_in) if self._decode_mlp != "relu" else [self._mlp_in[0], None]
         if len(mlp_in) == 1:  # [gate | up]
             inter = mlp_in[0].out_features // 2
             mlp_in = [RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
@@ -435,10 +465,11 @@ class FusedBlock:
             cos_sin = named.get("position_embeddings")
             if (cos_sin is None or cos_sin[0].shape[-1] != d
                     or cos_sin[0].numel() not in (d, b * d) or cos_sin[1].shape != cos_sin[0].shape
-                    or cos_sin[0].dtype != torch.bfloat16 or cos_sin[1].dtype != torch.bfloat16):
+                    or cos_sin[0].dtype not in (torch.bfloat16, torch.float32)
+                    or cos_sin[1].dtype != cos_sin[0].dtype):
                 return None
             cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
-        layer = self.decode_layer()
+        layer = self.decode_layer(rope_fp32=cos is not None and cos.dtype == torch.float32)
         if layer is None or (b > 1 and layer.rows_why is not None):
             return None
         out, self._path = self.native_token(layer, x.contiguous(), cos, sin, cache, named)
@@ -463,7 +494,7 @@ class FusedBlock:
         if getattr(cache, "dsinfer_attend", None) is not None:
             named = named or _keep_call(keep)
             if (attn := self._attend_in_cache(cache, q, k, v, named, b, q_scaled=True)) is not None:
-                return self._sequential(x, named, attn=attn), "native_in"
+                return self._after_attention(x, named, attn), "native_in"
         k, v = append_kv(cache, k, v, self.spec.layer_idx)
         if named is None:
             usable = True
@@ -475,7 +506,7 @@ class FusedBlock:
             return layer.step_out(x, q, k, v, keep), "native" if b == 1 else "native_rows"
         # a cache or mask the kernel does not read: the torch path from the attention on
         named = named or _keep_call(keep)
-        return (self._sequential(x, named, attn=self._attend(q, k, v, named, b, 1, q_scaled=True)),
+        return (self._after_attention(x, named, self._attend(q, k, v, named, b, 1, q_scaled=True)),
                 "native_in")
 
     # -- pieces --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from hf_dsinfer.kernels.abi import (
     LIN_INT8_TILED,
     MLPS,
     NORMS,
+    ROPES,
     SLOTS,
 )
 from hf_dsinfer.kernels.abi import Layer as _Layer
@@ -30,7 +31,7 @@ from hf_dsinfer.kernels.abi import Lin as _Lin
 from hf_dsinfer.kernels.decode import DecodeLayer, Watched
 from hf_dsinfer.kernels.quant import INT4_GROUP_SIZES, TILE_ROWS
 
-MAX_HEAD_DIM = 128  # accumulators in registers (cpu_decode.c: attend)
+MAX_HEAD_DIM = 256  # accumulators in registers (cpu_decode.c: attend, MAX_D)
 MAX_INT4_GROUPS = 1024  # groups per row (cpu_decode.c: MAX_GROUPS)
 
 
@@ -113,54 +114,105 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
 
 
 def _head_norms(struct: _Layer, qk_norm: tuple[nn.Module, nn.Module, float, float],
-                head_dim: int) -> Watched:
-    """Point the layer at its per-head q / k RMSNorm weights (bf16 [head_dim])."""
+                widths: tuple[int, int]) -> Watched:
+    """Point the layer at its q / k RMSNorm weights: bf16 [head_dim] each (per head), or
+    [heads * head_dim] / [kv_heads * head_dim] (over the whole projection: `widths`)."""
     q_norm, k_norm, q_eps, k_eps = qk_norm
-    for module in (q_norm, k_norm):
+    for module, width in zip((q_norm, k_norm), widths):
         w = module.weight
-        if w.dtype != torch.bfloat16 or tuple(w.shape) != (head_dim,):
-            raise NativeUnsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{head_dim}])")
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != (width,):
+            raise NativeUnsupported(f"q/k norm weight {w.dtype} {tuple(w.shape)} (bf16 [{width}])")
     struct.q_norm, struct.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
     struct.q_eps, struct.k_eps = q_eps, k_eps
     return [(q_norm._parameters, "weight"), (k_norm._parameters, "weight")]
 
 
+def _norm_weight(module: nn.Module | None, hidden: int, norm: str) -> int | None:
+    """The address of a norm's bf16 [hidden] weight (None: no norm there, RMS styles only)."""
+    if module is None:
+        if norm == "layer":
+            raise NativeUnsupported("a LayerNorm block without its norm")
+        return None
+    w = module.weight
+    if w.dtype != torch.bfloat16:
+        raise NativeUnsupported(f"bf16 models only (weights are {w.dtype})")
+    if w.shape != (hidden,):
+        raise NativeUnsupported(f"norm weight of shape {tuple(w.shape)}")
+    return w.data_ptr()
+
+
+def _options(struct: _Layer, norm: str, post_norms: tuple | None, softcap: float | None,
+             window: int | None, residual_multiplier: float | None) -> Watched:
+    """The layer's post-norms (sandwich), soft-cap and sliding window into the struct."""
+    watched: Watched = []
+    if post_norms is not None:
+        if residual_multiplier is not None:
+            raise NativeUnsupported("post-norms together with a residual multiplier")
+        if norm == "layer":
+            raise NativeUnsupported("LayerNorm post-norms")
+        attn_norm, mlp_norm, eps3, eps4 = post_norms
+        struct.ln3 = _norm_weight(attn_norm, struct.hidden, norm)
+        struct.ln4 = _norm_weight(mlp_norm, struct.hidden, norm)
+        struct.eps3, struct.eps4 = eps3, eps4
+        watched += [(m._parameters, "weight") for m in (attn_norm, mlp_norm)]
+    if softcap is not None:
+        if not softcap > 0:
+            raise NativeUnsupported(f"an attention soft-cap of {softcap}")
+        struct.softcap = softcap
+    if window is not None:
+        if window < 1:
+            raise NativeUnsupported(f"a sliding window of {window}")
+        struct.window = window
+    return watched
+
+
 def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
           linears: dict[str, nn.Module | RowSlice | None], heads: int, kv_heads: int,
           head_dim: int,
-          scale: float, *, norm: str = "rms", rope: bool = True, mlp: str = "gated_silu",
+          scale: float, *, norm: str = "rms", rope: bool | str = True, mlp: str = "gated_silu",
           q_scale: float | None = None,
           qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
-          residual_multiplier: float | None = None) -> DecodeLayer:
+          residual_multiplier: float | None = None, qk_norm_full: bool = False,
+          post_norms: tuple[nn.Module, nn.Module, float, float] | None = None,
+          softcap: float | None = None, window: int | None = None) -> DecodeLayer:
     """Raises NativeUnsupported (with the reason) for a layer the kernel does not compute.
 
     linears: by slot name (abi.SLOTS) q, k, v, o, then gate, up, down (mlp "gated_silu":
     Llama) or gate=fc1, up=None, down=fc2 (mlp "relu": OPT); any of them may be a RowSlice
-    of a fused projection (Phi-3). norm "rms" (weight only) or "layer" (LayerNorm, weight and optional
-    bias); rope False: positions enter before the layers (OPT's learned embeddings);
+    of a fused projection (Phi-3). norm "rms" (weight only), "layer" (LayerNorm, weight and optional
+    bias), "rms_fp32" (OLMo 2's weight multiply in fp32) or "rms_unit_offset" (Gemma's (1 + w)
+    in fp32), for every norm of the layer; ln1 / ln2 None: no pre-norm (OLMo 2, RMS styles);
+    rope True / "bf16" (cos / sin bf16), "fp32" (fp32 cos / sin, one rounding: OLMo 2) or
+    False / "none": positions enter before the layers (OPT's learned embeddings) or none (NoPE);
+    mlp "gated_silu", "relu" or "gated_gelu_tanh" (Gemma's GeGLU);
     q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
     to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
     head's head_dim before RoPE, Llama numerics (Qwen3); residual_multiplier: the
     attention and MLP outputs are multiplied by it (rounded) before each residual add
-    (Granite)."""
+    (Granite); qk_norm_full: the q / k norms are over the whole projection (OLMo 2), not per
+    head; post_norms: (post-attention norm, post-MLP norm, their eps), applied to each branch
+    before its residual add (sandwich: Gemma 2/3, OLMo 2); softcap: attention logits
+    s -> softcap * tanh(s / softcap) (Gemma 2); window: each query attends only its last
+    `window` keys (a sliding-window layer; HF's mask says the same)."""
     lib = _native.lib()
     if lib is None:
         raise NativeUnsupported(f"native kernels unavailable ({_native.why_unavailable()})")
     if head_dim % 32 or head_dim > MAX_HEAD_DIM:
-        raise NativeUnsupported(f"head_dim {head_dim} (needs a multiple of 32, at most 128)")
+        raise NativeUnsupported(f"head_dim {head_dim} (needs a multiple of 32, at most "
+                                f"{MAX_HEAD_DIM})")
+    rope = {True: "bf16", False: "none"}.get(rope, rope)
     if heads % kv_heads:
         raise NativeUnsupported(f"{heads} query heads over {kv_heads} kv heads")
-    if norm not in NORMS or mlp not in MLPS:
-        raise NativeUnsupported(f"norm {norm!r} / MLP {mlp!r} (kernels: {sorted(NORMS)} / "
-                          f"{sorted(MLPS)})")
-    hidden = ln1.weight.shape[0]
+    if norm not in NORMS or mlp not in MLPS or rope not in ROPES:
+        raise NativeUnsupported(f"norm {norm!r} / MLP {mlp!r} / RoPE {rope!r} (kernels: "
+                                f"{sorted(NORMS)} / {sorted(MLPS)} / {sorted(ROPES)})")
+    present = [m for m in (ln1, ln2, *(post_norms or ())[:2]) if m is not None]
+    if not present:
+        raise NativeUnsupported("a layer without norms")
+    hidden = present[0].weight.shape[0]
     biases = []
+    norm_ptrs = [_norm_weight(module, hidden, norm) for module in (ln1, ln2)]
     for module in (ln1, ln2):
-        w = module.weight
-        if w.dtype != torch.bfloat16:
-            raise NativeUnsupported(f"bf16 models only (weights are {w.dtype})")
-        if w.shape != (hidden,):
-            raise NativeUnsupported(f"norm weight of shape {tuple(w.shape)}")
         b = getattr(module, "bias", None) if norm == "layer" else None
         if b is not None and (b.dtype != torch.bfloat16 or b.shape != (hidden,)):
             raise NativeUnsupported(f"norm bias {b.dtype} {tuple(b.shape)}")
@@ -168,7 +220,7 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     if sorted(linears) != sorted(SLOTS):
         raise ValueError(f"build_decode_layer: linears must name exactly {SLOTS}, got "
                          f"{tuple(linears)}")
-    gated = mlp == "gated_silu"
+    gated = mlp != "relu"
     if (linears["up"] is None) == gated:
         raise NativeUnsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
     gate = linears["gate"]
@@ -179,13 +231,17 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
               "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim),
               "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale,
-                    q_scale or 0.0, ln1.weight.data_ptr(), ln2.weight.data_ptr(),
+                    q_scale or 0.0, *norm_ptrs,
                     *(None if b is None else b.data_ptr() for b in biases), NORMS[norm],
-                    int(rope), MLPS[mlp])
-    watched = [(ln1._parameters, "weight"), (ln2._parameters, "weight")]
+                    ROPES[rope], MLPS[mlp])
+    watched = [(m._parameters, "weight") for m in (ln1, ln2) if m is not None]
     watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
     if qk_norm is not None:
-        watched += _head_norms(struct, qk_norm, head_dim)
+        widths = ((heads * head_dim, kv_heads * head_dim) if qk_norm_full
+                  else (head_dim, head_dim))
+        watched += _head_norms(struct, qk_norm, widths)
+        struct.qk_norm_full = int(qk_norm_full)
+    watched += _options(struct, norm, post_norms, softcap, window, residual_multiplier)
     if residual_multiplier is not None:
         if residual_multiplier == 0:
             raise NativeUnsupported("a residual multiplier of 0")

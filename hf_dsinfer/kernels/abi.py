@@ -12,15 +12,18 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 1  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 2  # hfd_api.h: HFD_ABI_VERSION
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
 # The linears of one layer, by name (hfd_api.h: L_Q .. L_DOWN). OPT's ReLU MLP puts fc1 in
 # "gate", leaves "up" empty and fc2 in "down".
 SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
-NORMS = {"rms": 0, "layer": 1}  # hfd_api.h: NORM_RMS, NORM_LAYER
-MLPS = {"gated_silu": 0, "relu": 1}  # hfd_api.h: MLP_GATED_SILU, MLP_RELU
+# hfd_api.h: NORM_*, by the policies' norm names (injection/policy.py: RMS, "layer", RMS_FP32,
+# RMS_UNIT_OFFSET): the RMSNorm numerics of every norm of a layer
+NORMS = {"rms": 0, "layer": 1, "rms_fp32": 2, "rms_unit_offset": 3}
+MLPS = {"gated_silu": 0, "relu": 1, "gated_gelu_tanh": 2}  # hfd_api.h: MLP_*
+ROPES = {"none": 0, "bf16": 1, "fp32": 2}  # hfd_api.h: ROPE_*, by the dtype of cos / sin
 
 
 class Lin(ctypes.Structure):
@@ -45,7 +48,11 @@ class Layer(ctypes.Structure):
                 ("norm", ctypes.c_int64), ("rope", ctypes.c_int64), ("mlp", ctypes.c_int64),
                 ("lin", Lin * len(SLOTS)), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("q_eps", ctypes.c_float),
-                ("k_eps", ctypes.c_float), ("resid_mult", ctypes.c_float)]
+                ("k_eps", ctypes.c_float), ("resid_mult", ctypes.c_float),
+                # ABI 2
+                ("ln3", ctypes.c_void_p), ("ln4", ctypes.c_void_p), ("eps3", ctypes.c_float),
+                ("eps4", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("window", ctypes.c_int64), ("qk_norm_full", ctypes.c_int64)]
 
 
 class KVSpan(ctypes.Structure):

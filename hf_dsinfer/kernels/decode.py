@@ -38,6 +38,7 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT8_TILED,
+    ROPES,
 )
 from hf_dsinfer.kernels.abi import Layer as _Layer
 
@@ -62,6 +63,8 @@ class DecodeLayer:
         self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
         self.hidden = struct.hidden
         self.rope = bool(struct.rope)  # attn_in rotates q and k (needs cos, sin)
+        # the dtype of the cos / sin it reads (OLMo 2's stay fp32: abi.ROPES)
+        self.rope_dtype = torch.float32 if struct.rope == ROPES["fp32"] else torch.bfloat16
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
         self._rows_why = _rows_why(lib, struct)  # the layer and the CPU; the switch: rows_why
@@ -84,6 +87,10 @@ class DecodeLayer:
             return None, None
         if cos is None or sin is None:
             raise ValueError(f"{who}: this layer applies RoPE and needs cos and sin")
+        if (cos.dtype != self.rope_dtype or sin.dtype != self.rope_dtype
+                or not cos.is_contiguous() or not sin.is_contiguous()):
+            raise ValueError(f"{who}: cos / sin must be contiguous {self.rope_dtype} for this "
+                             f"layer, got {cos.dtype} / {sin.dtype}")
         return cos.data_ptr(), sin.data_ptr()
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
@@ -145,9 +152,9 @@ class DecodeLayer:
         b, d = x.shape[0], self.head_dim
         for name, t in (("cos", cos), ("sin", sin)) if self.rope else ():
             if (t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != d
-                    or t.dtype != torch.bfloat16 or not t.is_contiguous()):
-                raise ValueError(f"attn_in_rows: {name} must be contiguous bf16 [1 or {b}, {d}], "
-                                 f"got {t.dtype} {tuple(t.shape)}")
+                    or t.dtype != self.rope_dtype or not t.is_contiguous()):
+                raise ValueError(f"attn_in_rows: {name} must be contiguous {self.rope_dtype} "
+                                 f"[1 or {b}, {d}], got {t.dtype} {tuple(t.shape)}")
         self._check_rows_x(x, "attn_in_rows")
         q = torch.empty(b, 1, self.heads, d, dtype=torch.bfloat16)
         k = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
@@ -263,8 +270,9 @@ class LayerChain:
             *(ctypes.addressof(layer.struct) for layer in layers))
         self.kv_heads, self.head_dim = layers[0].kv_heads, layers[0].head_dim
         self.rope = layers[0].rope
-        if any((layer.kv_heads, layer.head_dim, layer.rope)
-               != (self.kv_heads, self.head_dim, self.rope) for layer in layers):
+        if any((layer.kv_heads, layer.head_dim, layer.rope, layer.rope_dtype)
+               != (self.kv_heads, self.head_dim, self.rope, layers[0].rope_dtype)
+               for layer in layers):
             raise NativeUnsupported("layers of different KV shapes or RoPE")
 
     def matches(self, layers: list[DecodeLayer]) -> bool:

@@ -17,6 +17,14 @@
  *                        x1 = x + a W_o^T; h = rms_norm(x1); out = x1 + (silu(h W_g^T) * h W_u^T) W_d^T
  *                        (Granite: both branch outputs times resid_mult before the add)
  *
+ * Options of the same two calls, each computed once for every family that has it (hfd_layer):
+ * the RMSNorm numerics (Llama's; OLMo 2's fp32 weight multiply; Gemma's fp32 (1 + w)), absent
+ * pre-norms and norms after attention and after the MLP before each residual add (sandwich:
+ * Gemma 2/3, OLMo 2), q / k norms per head (Qwen3, Gemma 3) or over the whole projection
+ * (OLMo 2), RoPE with fp32 cos / sin (OLMo 2), no RoPE (SmolLM3's NoPE layers), a tanh-GELU
+ * gated MLP (Gemma), an attention logit soft-cap (Gemma 2), a sliding window (the last W
+ * keys), head_dim up to 256, and Granite's residual multiplier.
+ *
  * OPT's layout is the same two calls with LayerNorm (weight and bias) for rms_norm, no RoPE
  * (its learned positions are added before the layers), q = bf16(q * q_scale) after the
  * projection with scale 1 in the softmax (HF's order), a bias on every projection, and
@@ -376,18 +384,24 @@ static void lin_rows(const hfd_lin *const *lin, const lin_input *in, int count, 
     }
 }
 
-/* HF's LlamaRMSNorm in bf16: out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))). */
-static void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+/* An RMSNorm in bf16, r = rsqrt(mean(x^2) + eps) in fp32, the weight multiply by `style`:
+   NORM_RMS (HF's LlamaRMSNorm): out = bf16(w * bf16(x * r));
+   NORM_RMS_FP32 (Olmo2RMSNorm): out = bf16(w * (x * r)), the product in fp32;
+   NORM_RMS_UNIT (Gemma's RMSNorm): out = bf16((x * r) * (1 + w)), in fp32. */
+static void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, int64_t style,
+                          uint16_t *out) {
     __m512 ss = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c += 16) {
         __m512 v = load16(x, c, DT_BF16, mask16(n - c));
         ss = _mm512_fmadd_ps(v, v, ss);
     }
     float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
+    const __m512 one = _mm512_set1_ps(style == NORM_RMS_UNIT ? 1.0f : 0.0f);
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        __m512 h = bf16_round(_mm512_mul_ps(load16(x, c, DT_BF16, mk), _mm512_set1_ps(r)));
-        store16_bf16(out + c, mk, _mm512_mul_ps(h, load16(w, c, DT_BF16, mk)));
+        __m512 h = _mm512_mul_ps(load16(x, c, DT_BF16, mk), _mm512_set1_ps(r));
+        if (style == NORM_RMS) h = bf16_round(h);
+        store16_bf16(out + c, mk, _mm512_mul_ps(h, _mm512_add_ps(load16(w, c, DT_BF16, mk), one)));
     }
 }
 
@@ -416,14 +430,17 @@ static void layer_norm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t
     }
 }
 
-/* The layer's first (which 1) or second (2) norm of one row. */
+/* The layer's norm `which` of one row: 1 before attention, 2 before the MLP, 3 after
+   attention, 4 after the MLP (sandwich). An absent norm (NULL weight) copies x. */
 static void norm_bf16(const hfd_layer *L, int which, const uint16_t *x, uint16_t *out) {
-    const uint16_t *w = which == 1 ? L->ln1 : L->ln2;
-    const float eps = which == 1 ? L->eps1 : L->eps2;
-    if (L->norm == NORM_LAYER)
+    const uint16_t *w = which == 1 ? L->ln1 : which == 2 ? L->ln2 : which == 3 ? L->ln3 : L->ln4;
+    const float eps = which == 1 ? L->eps1 : which == 2 ? L->eps2 : which == 3 ? L->eps3 : L->eps4;
+    if (!w)
+        memmove(out, x, (size_t)L->hidden * 2);
+    else if (L->norm == NORM_LAYER)
         layer_norm_bf16(x, w, which == 1 ? L->ln1_b : L->ln2_b, L->hidden, eps, out);
     else
-        rms_norm_bf16(x, w, L->hidden, eps, out);
+        rms_norm_bf16(x, w, L->hidden, eps, L->norm, out);
 }
 
 /* q = bf16(q * s) for n elements (OPT's query scaling, after the projection's rounding). */
@@ -460,7 +477,28 @@ static void residual_bf16(const uint16_t *a, const float *b, int64_t n, float m,
     }
 }
 
-/* x (heads x d, bf16) rotated in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). */
+/* x (heads x d, bf16) rotated in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
+   with bf16 cos / sin (rope ROPE_BF16); with fp32 cos / sin (ROPE_FP32, OLMo 2: bf16 q times
+   fp32 cos promotes to fp32) x = bf16(x * cos + rotate_half(x) * sin), each product and the
+   sum in fp32 (no fused multiply-add: eager rounds each). */
+static void rotate_fp32(uint16_t *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
+    int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * d;
+        for (int64_t c = 0; c < half; c += 16) {
+            __mmask16 mk = mask16(half - c);
+            __m512 lo = load16(v, c, DT_BF16, mk), hi = load16(v, half + c, DT_BF16, mk);
+            __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+            __m512 a = _mm512_add_ps(_mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mk, cos + c)),
+                                     _mm512_mul_ps(neg_hi, _mm512_maskz_loadu_ps(mk, sin + c)));
+            __m512 b = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_maskz_loadu_ps(mk, cos + half + c)),
+                                     _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mk, sin + half + c)));
+            store16_bf16(v + c, mk, a);
+            store16_bf16(v + half + c, mk, b);
+        }
+    }
+}
+
 static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *cos,
                         const uint16_t *sin) {
     int64_t half = d / 2;
@@ -480,14 +518,33 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c
     }
 }
 
-/* Qwen3's q / k norms: each head of q [heads * d] and k [kv_heads * d] RMS-normalized over
-   its d values in place, LlamaRMSNorm's bf16 numerics (nothing without q_norm). */
+/* The q / k norms in place, in the layer's RMSNorm numerics (nothing without q_norm): each head
+   of q [heads * d] and k [kv_heads * d] over its d values (Qwen3, Gemma 3), or the whole q and
+   the whole k (qk_norm_full: OLMo 2, before the head split). */
 static void head_norms_bf16(const hfd_layer *L, uint16_t *q, uint16_t *k) {
     if (!L->q_norm) return;
-    const int64_t d = L->head_dim;
-    for (int64_t h = 0; h < L->heads; h++) rms_norm_bf16(q + h * d, L->q_norm, d, L->q_eps, q + h * d);
+    const int64_t d = L->head_dim, style = L->norm == NORM_LAYER ? NORM_RMS : L->norm;
+    if (L->qk_norm_full) {
+        rms_norm_bf16(q, L->q_norm, L->heads * d, L->q_eps, style, q);
+        rms_norm_bf16(k, L->k_norm, L->kv_heads * d, L->k_eps, style, k);
+        return;
+    }
+    for (int64_t h = 0; h < L->heads; h++)
+        rms_norm_bf16(q + h * d, L->q_norm, d, L->q_eps, style, q + h * d);
     for (int64_t h = 0; h < L->kv_heads; h++)
-        rms_norm_bf16(k + h * d, L->k_norm, d, L->k_eps, k + h * d);
+        rms_norm_bf16(k + h * d, L->k_norm, d, L->k_eps, style, k + h * d);
+}
+
+/* q and k rotated in place, as the layer's rope says (cos / sin bf16 or fp32 [d]). */
+static void rope_qk(const hfd_layer *L, uint16_t *q, uint16_t *k, const void *cos, const void *sin) {
+    const int64_t d = L->head_dim;
+    if (L->rope == ROPE_FP32) {
+        rotate_fp32(q, L->heads, d, (const float *)cos, (const float *)sin);
+        rotate_fp32(k, L->kv_heads, d, (const float *)cos, (const float *)sin);
+    } else if (L->rope) {
+        rotate_bf16(q, L->heads, d, (const uint16_t *)cos, (const uint16_t *)sin);
+        rotate_bf16(k, L->kv_heads, d, (const uint16_t *)cos, (const uint16_t *)sin);
+    }
 }
 
 /* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, int4 group sums and
@@ -554,23 +611,49 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
     round_row(ys[2], v, nkv);
     head_norms_bf16(L, q, k);
     if (L->q_scale != 0.f) scale_bf16(q, nq, L->q_scale);
-    if (L->rope) {
-        rotate_bf16(q, L->heads, d, cos, sin);
-        rotate_bf16(k, L->kv_heads, d, cos, sin);
-    }
+    rope_qk(L, q, k, cos, sin);
     free(h);
     free(y);
     free(s.mem);
     return 0;
 }
 
-/* One query head against sk cached keys: o = softmax(q . k * scale) v, torch's CPU flash
-   attention numerics (see the header). sc: sk floats of scratch. */
+/* tanh(v) = 1 - 2 / (exp(2v) + 1): exactly -1 / 1 where exp under- / overflows. */
+static inline __m512 tanh_ps(__m512 v) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = exp_ps(_mm512_add_ps(v, v));
+    return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+}
+
+/* Gemma 2's soft-capped scores in the torch path's numerics (kernels/attention.py:
+   attention_ref, HF's eager ops in bf16): s = bf16(q . k) -> bf16(s * scale) ->
+   bf16(s / cap) -> bf16(tanh(s)) -> bf16(s * cap), 16 at a time. */
+static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
+    __m512 s = bf16_round(_mm512_mul_ps(bf16_round(dots), _mm512_set1_ps(scale)));
+    s = bf16_round(tanh_ps(bf16_round(_mm512_div_ps(s, _mm512_set1_ps(cap)))));
+    return bf16_round(_mm512_mul_ps(s, _mm512_set1_ps(cap)));
+}
+
+#define MAX_D 256 /* head_dim the attention's accumulators hold (injection/native_layer.py) */
+
+/* One query head against sk cached keys: o = softmax(q . k * scale) v. Without a soft-cap,
+   torch's CPU flash attention numerics (see the header); with one (softcap != 0), the torch
+   path's eager numerics: bf16 scores (softcap_scores), fp32 softmax normalized before its
+   probabilities are rounded to bf16, then the fp32 sum over v rounded once. A sliding window
+   (window > 0) attends only the `window` keys up to the query's own, HF's mask (kv > q -
+   window): the query's key is the last one keep allows (causal decode), which in a static
+   cache's buffer is not the buffer's last. sc: sk floats of scratch. */
 static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uint16_t *vc,
                    int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
-                   float *sc, uint16_t *o) {
+                   float softcap, int64_t window, float *sc, uint16_t *o) {
+    int64_t s0 = 0;
+    if (window > 0) {
+        int64_t last = sk - 1;
+        while (keep && last >= 0 && !keep[last]) last--;
+        s0 = last + 1 > window ? last + 1 - window : 0;
+    }
     float mx = -INFINITY;
-    for (int64_t s = 0; s < sk; s++) {
+    for (int64_t s = s0; s < sk; s++) {
         if (keep && !keep[s]) {
             sc[s] = -INFINITY;
             continue;
@@ -579,32 +662,103 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
         for (int64_t c = 0; c < d; c += 32)
             acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kc + s * kss + c)),
                                    as_bh(_mm512_loadu_si512(q + c)));
-        sc[s] = _mm512_reduce_add_ps(acc) * scale;
-        if (sc[s] > mx) mx = sc[s];
+        sc[s] = _mm512_reduce_add_ps(acc);
+        if (softcap == 0.f) sc[s] *= scale;
     }
+    if (softcap != 0.f) {
+        for (int64_t s = s0; s < sk; s += 16) {
+            __mmask16 mk = mask16(sk - s);
+            __m512 v = _mm512_maskz_loadu_ps(mk, sc + s);
+            __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & mk;
+            _mm512_mask_storeu_ps(sc + s, live, softcap_scores(v, scale, softcap));
+        }
+    }
+    for (int64_t s = s0; s < sk; s++)
+        if (sc[s] > mx) mx = sc[s];
     if (mx == -INFINITY) { /* nothing to attend (a padding row): zeros, never NaN */
         memset(o, 0, (size_t)d * 2);
         return;
     }
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t s = 0; s < sk; s += 16) {
+    for (int64_t s = s0; s < sk; s += 16) {
         __mmask16 mk = mask16(sk - s);
         __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + s), _mm512_set1_ps(mx)));
         e = _mm512_maskz_mov_ps(mk, e);
         sum = _mm512_add_ps(sum, e);
-        _mm512_mask_storeu_ps(sc + s, mk, bf16_round(e));
+        _mm512_mask_storeu_ps(sc + s, mk, softcap == 0.f ? bf16_round(e) : e);
     }
-    __m512 acc[8]; /* d <= 128 */
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    const float total = _mm512_reduce_add_ps(sum);
+    if (softcap != 0.f) { /* normalized, then rounded: probs.to(bf16) */
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        for (int64_t s = s0; s < sk; s += 16) {
+            __mmask16 mk = mask16(sk - s);
+            _mm512_mask_storeu_ps(sc + s, mk,
+                                  bf16_round(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + s), inv)));
+        }
+    }
+    __m512 acc[MAX_D / 16];
+    for (int i = 0; i < MAX_D / 16; i++) acc[i] = _mm512_setzero_ps();
     const int64_t vecs = d / 16;
-    for (int64_t s = 0; s < sk; s++) {
+    for (int64_t s = s0; s < sk; s++) {
         if (sc[s] == 0.f) continue;
         __m512 p = _mm512_set1_ps(sc[s]);
         for (int64_t i = 0; i < vecs; i++)
             acc[i] = _mm512_fmadd_ps(p, load16(vc + s * vss, i * 16, DT_BF16, 0xFFFF), acc[i]);
     }
-    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    __m512 inv = _mm512_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
     for (int64_t i = 0; i < vecs; i++) store16_bf16(o + i * 16, 0xFFFF, _mm512_mul_ps(acc[i], inv));
+}
+
+/* torch's tanh-approximated GELU of fp32 lanes: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+   written as x (1 - 1 / (1 + exp(2 t))), t the tanh's argument: exactly 0 and x where exp
+   under- / overflows, as torch's is. */
+static inline __m512 gelu_tanh_ps(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 t = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                             _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), x3)));
+    __m512 e = exp_ps(_mm512_add_ps(t, t));
+    return _mm512_mul_ps(x, _mm512_sub_ps(one, _mm512_div_ps(one, _mm512_add_ps(one, e))));
+}
+
+/* a[c] = bf16(bf16(gelu_tanh(bf16(g[c]))) * bf16(u[c])) for c < n: Gemma's GeGLU after its
+   projections' rounding (g, u fp32: the projections' outputs before it). */
+static void gated_gelu_row(const float *g, const float *u, uint16_t *a, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 gs = bf16_round(gelu_tanh_ps(bf16_round(_mm512_maskz_loadu_ps(mk, g + c))));
+        store16_bf16(a + c, mk, _mm512_mul_ps(gs, bf16_round(_mm512_maskz_loadu_ps(mk, u + c))));
+    }
+}
+
+/* The MLP's activation of one row: y fp32 [2 * I] (gate then up; fc1 alone for ReLU) -> a. */
+static void mlp_act_row(const hfd_layer *L, const float *y, uint16_t *a) {
+    const int64_t I = L->inter;
+    if (L->mlp == MLP_GATED_SILU)
+        gated_silu_row(y, y + I, a, I);
+    else if (L->mlp == MLP_GATED_GELU_TANH)
+        gated_gelu_row(y, y + I, a, I);
+    else
+        relu_row(y, a, I);
+}
+
+/* out = x + branch, the branch y (fp32, a projection's output before rounding) as the layer
+   adds it: bf16(y) through the post-norm `which` (3: after attention, 4: after the MLP) where
+   the layer has one (sandwich: out = bf16(x + norm(bf16(y)))), else residual_bf16's.
+   tmp: hidden bf16 of scratch. */
+static void branch_residual(const hfd_layer *L, int which, const uint16_t *x, const float *y,
+                            uint16_t *tmp, uint16_t *out) {
+    const int64_t H = L->hidden;
+    if (!(which == 3 ? L->ln3 : L->ln4)) {
+        residual_bf16(x, y, H, L->resid_mult, out);
+        return;
+    }
+    round_row(y, tmp, H);
+    norm_bf16(L, which, tmp, tmp);
+    for (int64_t c = 0; c < H; c += 16) {
+        __mmask16 mk = mask16(H - c);
+        store16_bf16(out + c, mk, _mm512_add_ps(load16(x, c, DT_BF16, mk), load16(tmp, c, DT_BF16, mk)));
+    }
 }
 
 /* The rest of the layer for one token: out [hidden] (bf16) from the layer input x, the rotated
@@ -616,9 +770,10 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
                         uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d;
-    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp == MLP_GATED_SILU;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
     scratch s;
-    int64_t kmax = I > H ? I : (H > nq ? H : nq);
+    int64_t kmax = I > H ? I : H; /* the widest input of a projection: I, H or heads * d */
+    kmax = nq > kmax ? nq : kmax;
     uint16_t *a = (uint16_t *)malloc((size_t)kmax * 2);  /* attention out, then the MLP act */
     uint16_t *x1 = (uint16_t *)malloc((size_t)H * 2);    /* x + attention */
     uint16_t *h = (uint16_t *)malloc((size_t)H * 2);     /* norm of x1 */
@@ -638,28 +793,25 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
 #pragma omp for schedule(static)
         for (int64_t hq = 0; hq < L->heads; hq++)
             attend(q + hq * d, kc + (hq / rep) * khs, kss, vc + (hq / rep) * vhs, vss, sk, d,
-                   keep, L->scale, mine, a + hq * d);
+                   keep, L->scale, L->softcap, L->window, mine, a + hq * d);
 #pragma omp single
         inputs_for(o_lin, 1, a, &s, in);
         lin_rows(o_lin, in, 1, oy);
 #pragma omp single
         {
-            residual_bf16(x, y, H, L->resid_mult, x1);
+            branch_residual(L, 3, x, y, h, x1);
             norm_bf16(L, 2, x1, h);
             inputs_for(gu, gated ? 2 : 1, h, &s, in);
         }
         lin_rows(gu, in, gated ? 2 : 1, gy);
 #pragma omp single
         {
-            if (gated)
-                gated_silu_row(y, y + I, a, I);
-            else
-                relu_row(y, a, I);
+            mlp_act_row(L, y, a);
             inputs_for(dn, 1, a, &s, in);
         }
         lin_rows(dn, in, 1, dy);
     }
-    residual_bf16(x1, y + 2 * I, H, L->resid_mult, out);
+    branch_residual(L, 4, x1, y + 2 * I, h, out);
     free(a); free(x1); free(h); free(y); free(sc); free(s.mem);
     return 0;
 }
@@ -812,6 +964,15 @@ static void gated_silu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uin
     }
 }
 
+/* a = bf16(bf16(gelu_tanh(g)) * u) for n bf16 elements (g, u already rounded). */
+static void gated_gelu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *a) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 gs = bf16_round(gelu_tanh_ps(load16(g, c, DT_BF16, mk)));
+        store16_bf16(a + c, mk, _mm512_mul_ps(gs, load16(u, c, DT_BF16, mk)));
+    }
+}
+
 /* a = relu(a) in place for n bf16 elements (exact: fc1 already rounded with its bias). */
 static void relu_bf16(uint16_t *a, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
@@ -842,11 +1003,11 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     }
     if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
     if (!L->rope) return 0;
+    const int64_t cs_bytes = L->rope == ROPE_FP32 ? 4 : 2; /* cs_stride counts elements */
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        rotate_bf16(q + r * nq, L->heads, d, cos + r * cs_stride, sin + r * cs_stride);
-        rotate_bf16(k + r * nkv, L->kv_heads, d, cos + r * cs_stride, sin + r * cs_stride);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rope_qk(L, q + r * nq, k + r * nkv, (const char *)cos + r * cs_stride * cs_bytes,
+                (const char *)sin + r * cs_stride * cs_bytes);
     return 0;
 }
 
@@ -861,7 +1022,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d, wide = I > nq ? I : nq;
-    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp == MLP_GATED_SILU;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
     uint16_t *a = (uint16_t *)malloc((size_t)(rows * wide) * 2); /* attention, then the act */
     uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
     uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);    /* o_proj, norm, down out */
@@ -878,7 +1039,8 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                 int64_t r = t / L->heads, hq = t % L->heads;
                 attend(q + r * nq + hq * d, kc + r * kbs + (hq / rep) * khs, kss,
                        vc + r * vbs + (hq / rep) * vhs, vss, sk, d,
-                       keep ? keep + r * keep_stride : NULL, L->scale, mine, a + r * nq + hq * d);
+                       keep ? keep + r * keep_stride : NULL, L->scale, L->softcap, L->window, mine,
+                       a + r * nq + hq * d);
             }
         }
         rc = lin_amx_rows(&L->lin[L_O], a, rows, h, nt);
@@ -886,6 +1048,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            if (L->ln3) norm_bf16(L, 3, h + r * H, h + r * H); /* sandwich */
             add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
             norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
@@ -895,7 +1058,12 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     if (!rc) {
         if (gated) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-            for (int64_t r = 0; r < rows; r++) gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
+            for (int64_t r = 0; r < rows; r++) {
+                if (L->mlp == MLP_GATED_GELU_TANH)
+                    gated_gelu_bf16(g + r * I, u + r * I, I, a + r * I);
+                else
+                    gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
+            }
         } else {
 #pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t r = 0; r < rows; r++) relu_bf16(a + r * I, I);
@@ -904,8 +1072,10 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++)
+        for (int64_t r = 0; r < rows; r++) {
+            if (L->ln4) norm_bf16(L, 4, h + r * H, h + r * H); /* sandwich */
             add_bf16(x1 + r * H, h + r * H, H, L->resid_mult, out + r * H);
+        }
     }
     free(a); free(x1); free(h); free(g); free(u); free(sc);
     return rc;

@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 1
+#define HFD_ABI_VERSION 2
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -43,24 +43,38 @@ typedef struct {
 
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
 
-/* norm: RMSNorm (Llama) or LayerNorm with optional bias (OPT); mlp: SiLU-gated (gate, up,
-   down) or fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2). */
-enum { NORM_RMS = 0, NORM_LAYER = 1 };
-enum { MLP_GATED_SILU = 0, MLP_RELU = 1 };
+/* norm: RMSNorm (Llama), LayerNorm with optional bias (OPT), or an RMSNorm whose weight
+   multiply is in fp32 (OLMo 2: bf16(w * normalized); Gemma: bf16(normalized * (1 + w))), for
+   every norm of the layer (q / k norms included); mlp: SiLU-gated (gate, up, down),
+   fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2) or tanh-GELU-gated
+   (Gemma's GeGLU); rope: none, rotate-half with bf16 cos / sin (each product rounded), or with
+   fp32 cos / sin (OLMo 2: the rotation in fp32, rounded once). */
+enum { NORM_RMS = 0, NORM_LAYER = 1, NORM_RMS_FP32 = 2, NORM_RMS_UNIT = 3 };
+enum { MLP_GATED_SILU = 0, MLP_RELU = 1, MLP_GATED_GELU_TANH = 2 };
+enum { ROPE_NONE = 0, ROPE_BF16 = 1, ROPE_FP32 = 2 };
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps1, eps2, scale; /* scale: of q . k in the softmax */
     float q_scale;           /* OPT: q = bf16(q_proj(h) * q_scale) before attention; 0: none */
-    const uint16_t *ln1, *ln2;     /* bf16 [hidden] */
+    const uint16_t *ln1, *ln2;     /* bf16 [hidden], or NULL: no norm (OLMo 2's pre-norms) */
     const uint16_t *ln1_b, *ln2_b; /* LayerNorm biases, bf16 [hidden], or NULL */
-    int64_t norm, rope, mlp;       /* NORM_*, rotate q and k (0 / 1), MLP_* */
+    int64_t norm, rope, mlp;       /* NORM_*, ROPE_*, MLP_* */
     hfd_lin lin[L_COUNT];
     const uint16_t *q_norm, *k_norm; /* per-head RMSNorm weights, bf16 [head_dim], or NULL */
     float q_eps, k_eps;
     float resid_mult; /* Granite: x + bf16(branch * resid_mult); 0: x + branch */
+    /* ABI 2 */
+    const uint16_t *ln3, *ln4; /* sandwich (Gemma 2/3, OLMo 2): norms of the attention and the
+                                  MLP output before each residual add, bf16 [hidden], or NULL */
+    float eps3, eps4;
+    float softcap;        /* Gemma 2: attention logits s -> softcap * tanh(s / softcap); 0: none */
+    int64_t window;       /* sliding window: each query attends its last `window` keys; 0: all */
+    int64_t qk_norm_full; /* q / k norms over the whole projection (weights [heads * d] and
+                             [kv_heads * d], OLMo 2); 0: over each head (weights [d]) */
 } hfd_layer;
 
+/* cos / sin: bf16 [d], or fp32 [d] for a ROPE_FP32 layer (the same pointers). */
 int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
 int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q,

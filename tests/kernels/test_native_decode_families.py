@@ -1,0 +1,302 @@
+"""The native decode layer's options for the 2026 Llama-like families (issue 27): Gemma's
+(1 + w) and OLMo 2's fp32 RMSNorms, sandwich / post-only norms, GeGLU (tanh GELU), head_dim 256,
+per-layer sliding windows, Gemma 2's attention soft-cap, query_pre_attn_scalar, q/k norms per
+head or over the whole projection, fp32 RoPE (OLMo 2) and NoPE layers (SmolLM3).
+
+Each family's native steps must compute what the torch path of the same fused block computes
+(the torch path is HF's numerics: test_family_parity), prove that they ran (call counters, the
+path record), give the torch path's greedy tokens, and every option must change the output
+when it is taken away (so these comparisons can fail). Every ISA tier the CPU has runs the bf16
+comparisons (bit-equal logits) and the window's; the rest runs at the CPU's own tier."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from switches import switch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    Olmo2Config,
+    SmolLM3Config,
+)
+
+import hf_dsinfer
+from hf_dsinfer.kernels import _native, abi
+
+pytestmark = pytest.mark.skipif(not _native.builds(),
+                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+EVERY_TIER = pytest.mark.usefixtures("native_tier")  # each ISA tier the CPU has (conftest.py)
+
+VOCAB = 256
+WINDOW = 6
+PROMPT = 11  # longer than the sliding window: the window masks keys from the first step on
+_BASE = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+CONFIGS = {
+    # sandwich norms, (1 + w), GeGLU, soft-cap small enough to bite, query_pre_attn_scalar
+    # other than head_dim, sliding / global alternating
+    "gemma2": lambda: Gemma2Config(**_BASE, head_dim=32, sliding_window=WINDOW,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                   final_logit_softcapping=10.0, initializer_range=0.1),
+    # Gemma-3-1B's head_dim 256 and MQA, per-head (1 + w) q/k norms, a RoPE base per layer type
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **{**_BASE, "num_key_value_heads": 1}, head_dim=256, sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # post-norms only, fp32 RMSNorm multiply, q/k norm over the whole projection, fp32 cos/sin
+    "olmo2": lambda: Olmo2Config(**_BASE),
+    # layer 1 NoPE, and sliding (SmolLM3 slides its NoPE layers)
+    "smollm3": lambda: SmolLM3Config(**_BASE, no_rope_layer_interval=2, use_sliding_window=True,
+                                     sliding_window=WINDOW, initializer_range=0.1),
+    # Gemma (1): Llama's block with (1 + w) norms and GeGLU, head_dim 64
+    "gemma": lambda: GemmaConfig(**_BASE, head_dim=64, hidden_act="gelu_pytorch_tanh"),
+}
+QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
+
+
+def _model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # HF inits every RMSNorm alike: distinct weights make each count
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                noise = 0.3 * torch.randn(module.weight.shape, generator=gen)
+                module.weight.add_(noise.to(module.weight.dtype))
+    return hf_dsinfer.init_inference(model, dtype=torch.bfloat16)
+
+
+def _blocks(model):
+    return [layer.forward for layer in model.model.layers]
+
+
+def _native_calls(model) -> int:
+    return sum(b._decode.calls for b in _blocks(model) if b._decode is not None)
+
+
+def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 3):
+    """Prefill, then `steps` one-token steps: last logits [steps, V] (fp32)."""
+    with monkeypatch.context() as m:
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            if not native:
+                switch(m, native=False)
+            out = []
+            for i in range(steps):
+                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+                logits = model(torch.tensor([[5 + 7 * i]]), attention_mask=mask,
+                               past_key_values=cache, use_cache=True).logits
+                out.append(logits[0, -1].float())
+    return torch.stack(out)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, noise: float = 0.0) -> None:
+    """Sums in another order move bf16 outputs by an ulp here and there: the logits stay within
+    a few ulps of their scale and pick the same tokens (as test_native_decode._close). noise:
+    a quantized model's own distance from bf16 (the int8 / int4 kernels of the two paths take
+    x in other forms, and on Gemma 3's normalized 256-wide heads one flipped bf16 rounding of a
+    projection moves the logits more than elsewhere): the paths may differ by up to that."""
+    scale = b.abs().max()
+    assert (a - b).abs().max() <= max(0.03 * scale, noise), ((a - b).abs().max(), scale, noise)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _prompt(seed: int = 3, padding: int = 0):
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(1, PROMPT, dtype=torch.long)
+    ids[:, :padding], mask[:, :padding] = 0, 0
+    return ids, mask
+
+
+def test_the_interface_names_the_new_options():
+    """abi.py's new constants are the header's (test_abi checks the struct fields)."""
+    header = (_native.CSRC / "hfd_api.h").read_text()
+    values = dict(re.findall(r"\b((?:NORM|MLP|ROPE)_[A-Z0-9_]+) = (\d+)", header))
+    assert {k: int(v) for k, v in values.items()} == {
+        "NORM_RMS": abi.NORMS["rms"], "NORM_LAYER": abi.NORMS["layer"],
+        "NORM_RMS_FP32": abi.NORMS["rms_fp32"], "NORM_RMS_UNIT": abi.NORMS["rms_unit_offset"],
+        "MLP_GATED_SILU": abi.MLPS["gated_silu"], "MLP_RELU": abi.MLPS["relu"],
+        "MLP_GATED_GELU_TANH": abi.MLPS["gated_gelu_tanh"], "ROPE_NONE": abi.ROPES["none"],
+        "ROPE_BF16": abi.ROPES["bf16"], "ROPE_FP32": abi.ROPES["fp32"]}
+
+
+def _native_against_torch_path(model, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(native, torch path) logits of three steps, with the native steps proven to run."""
+    assert all(b.decode_why is None for b in _blocks(model)), [b.decode_why for b in
+                                                                _blocks(model)]
+    ids, mask = _prompt()
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    assert _native_calls(model) == 0
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) == 3 * len(model.model.layers)  # every step, every layer
+    assert all(b.paths.counts["native"] == 3 for b in _blocks(model))
+    return native, torch_path
+
+
+def _bf16_bits(name: str, monkeypatch) -> None:
+    native, torch_path = _native_against_torch_path(_model(name), monkeypatch)
+    assert torch.equal(native, torch_path), (native - torch_path).abs().max()
+
+
+@EVERY_TIER
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2"])  # every new C option
+def test_bf16_steps_are_the_torch_paths_bits(name, monkeypatch):
+    """The same roundings in the same places: the logits of the two paths are equal to the bit
+    (and so within _close's few ulps, which is all test_native_decode asks of Llama's)."""
+    _bf16_bits(name, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["smollm3", "gemma"])
+def test_bf16_steps_of_the_other_families(name, monkeypatch):
+    """SmolLM3's NoPE layers and Gemma (1)'s pre-norm GeGLU block, at the CPU's own tier."""
+    _bf16_bits(name, monkeypatch)
+
+
+@pytest.mark.parametrize(("name", "quant"), [("gemma3_text", "int8"), ("gemma3_text", "int4"),
+                                             ("olmo2", "int4")])
+def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
+    """int8 / int4: within the quantized model's own distance from bf16 (see _close)."""
+    model = _model(name)
+    ids, mask = _prompt()
+    bf16 = _step_logits(model, ids, mask, False, monkeypatch)
+    model = hf_dsinfer.init_inference(hf_dsinfer.revert(model), dtype=torch.bfloat16,
+                                      quant=QUANTS[quant])
+    native, torch_path = _native_against_torch_path(model, monkeypatch)
+    _close(native, torch_path, float((torch_path - bf16).abs().max()))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3"])
+def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
+    """generate(): the same greedy tokens, every decode step of every layer native (inference
+    mode; no_grad for one family), and explain's path column says so."""
+    model = _model(name, seed=1)
+    ids, _ = _prompt(seed=4)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    context = torch.no_grad if name == "olmo2" else torch.inference_mode
+    with context():
+        native = model.generate(ids, **kwargs)
+        calls = _native_calls(model)
+        switch(monkeypatch, native=False)
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 7 * len(model.model.layers)  # 8 tokens: a prefill and 7 decode steps
+    assert torch.equal(native, torch_path)
+    assert f"native {calls}" in hf_dsinfer.explain(model)  # the path column
+
+
+def test_left_padding_and_windows_of_padded_prompts(monkeypatch):
+    """A left-padded prompt longer than the window (gemma3: sliding layers): the kernel reads
+    HF's per-layer masks (padding and window together)."""
+    model = _model("gemma3_text")
+    ids, mask = _prompt(padding=3)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert _native_calls(model) == 3 * len(model.model.layers)
+    _close(native, torch_path)
+
+
+# (family, struct field, value that takes the option away, how far the logits must move as a
+# fraction of their scale): 0.03 is what _close allows; OLMo 2's fp32 norm multiply is a
+# rounding (one bf16 ulp here and there), which the bit-equal bf16 comparison catches
+OPTIONS = [("gemma2", "softcap", 0.0, 0.03), ("gemma2", "ln3", None, 0.03),
+           ("gemma2", "ln4", None, 0.03), ("gemma2", "norm", abi.NORMS["rms"], 0.03),
+           ("gemma2", "mlp", abi.MLPS["gated_silu"], 0.03), ("gemma3_text", "q_norm", None, 0.03),
+           ("olmo2", "qk_norm_full", 0, 0.03), ("olmo2", "rope", abi.ROPES["none"], 0.03),
+           ("olmo2", "norm", abi.NORMS["rms"], 0.0)]
+
+
+def test_every_option_bites(monkeypatch):
+    """Taking one option out of the built layers (the struct field) moves the logits away from
+    the torch path's: the comparisons above would fail if the kernel ignored it."""
+    models, refs = {}, {}
+    ids, mask = _prompt()
+    for name in dict.fromkeys(n for n, _, _, _ in OPTIONS):
+        models[name] = _model(name)
+        refs[name] = _step_logits(models[name], ids, mask, False, monkeypatch, steps=1)
+        _step_logits(models[name], ids, mask, True, monkeypatch, steps=1)  # builds the layers
+    for name, field, off, share in OPTIONS:
+        structs = [b._decode.struct for b in _blocks(models[name])]
+        kept = [getattr(s, field) for s in structs]
+        for s in structs:
+            setattr(s, field, off)
+        if field == "q_norm":  # its pair: both norms or neither
+            for s in structs:
+                s.k_norm = None
+        try:
+            moved = _step_logits(models[name], ids, mask, True, monkeypatch, steps=1)
+        finally:
+            for s, value in zip(structs, kept):
+                setattr(s, field, value)
+        if field == "q_norm":
+            for s, b in zip(structs, _blocks(models[name])):
+                s.k_norm = b._k_norm.weight.data_ptr()
+        diff = (moved - refs[name]).abs().max()
+        assert diff > share * refs[name].abs().max(), (name, field, diff)
+
+
+@EVERY_TIER
+def test_the_window_restricts_the_keys_by_itself():
+    """Without a mask (keep None), a sliding layer attends only its last `window` keys: what
+    HF's sliding mask (key > query - window) gives, to the bit; without the window, all. In a
+    buffer with empty slots after the query's key (keep says which), the window ends there."""
+    model = _model("gemma3_text")
+    block = _blocks(model)[0]  # a sliding layer
+    layer = block.decode_layer()
+    assert layer.struct.window == WINDOW
+    gen = torch.Generator().manual_seed(0)
+    sk, d = 15, layer.head_dim
+    x = torch.randn(1, 1, layer.hidden, generator=gen).bfloat16()
+    q = torch.randn(1, layer.heads, 1, d, generator=gen).bfloat16()
+    k, v = (torch.randn(1, layer.kv_heads, sk, d, generator=gen).bfloat16() for _ in "kv")
+    keep = (torch.arange(sk) > sk - 1 - WINDOW).to(torch.uint8)
+    windowed = layer.attn_out(x, q, k, v, None)
+    assert torch.equal(windowed, layer.attn_out(x, q, k, v, keep))
+    # a static cache's buffer: the query's key is token 9, tokens 10.. are empty slots
+    filled = (torch.arange(sk) <= 9).to(torch.uint8)
+    static = layer.attn_out(x, q, k, v, filled)
+    layer.struct.window = 0
+    try:
+        assert torch.equal(windowed, layer.attn_out(x, q, k, v, keep))
+        assert not torch.equal(windowed, layer.attn_out(x, q, k, v, None))
+        hf_static = filled * (torch.arange(sk) > 9 - WINDOW).to(torch.uint8)
+        assert torch.equal(static, layer.attn_out(x, q, k, v, hf_static))
+        assert not torch.equal(static, layer.attn_out(x, q, k, v, filled))
+    finally:
+        layer.struct.window = WINDOW
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_sliding_layers_in_a_static_cache(cache, monkeypatch):
+    """generate() with HF's static cache (its sliding layers' buffers) and a prompt longer than
+    the window: the torch path's tokens."""
+    model = _model("gemma3_text", seed=2)
+    ids, _ = _prompt(seed=6)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+              "cache_implementation": cache, "disable_compile": True}
+    with torch.inference_mode():
+        native = model.generate(ids, **kwargs)
+        calls = _native_calls(model)
+        switch(monkeypatch, native=False)
+        torch_path = model.generate(ids, **kwargs)
+    assert calls == 5 * len(model.model.layers)
+    assert torch.equal(native, torch_path)
+
+
+def test_what_it_does_not_compute_is_refused_with_the_reason():
+    """A head_dim above 256 or not a multiple of 32 keeps the torch path, and explain says why."""
+    config = CONFIGS["gemma3_text"]()
+    config.head_dim = 48
+    torch.manual_seed(0)
+    model = hf_dsinfer.init_inference(
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval())
+    with torch.inference_mode():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert _native_calls(model) == 0
+    assert "head_dim 48 (needs a multiple of 32, at most 256)" in hf_dsinfer.explain(model)
