@@ -48,12 +48,13 @@ def test_installed_wheel_builds_the_native_kernels(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
                    check=True)
     python = venv / "bin" / "python"
+    # no PYTHONPATH: a checkout on it (with its egg-info) would make pip skip the install
+    env = {**os.environ, "HF_DSINFER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                   check=True)
+                   check=True, env=env, cwd=tmp_path)
     probe = ("import hf_dsinfer.kernels._native as n; "
              "assert 'site-packages' in str(n.CSRC), n.CSRC; "
              "assert n.builds(), n.why_unavailable(); print(n.describe_tier())")
-    env = {**os.environ, "HF_DSINFER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
     got = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env,
                          cwd=tmp_path, check=False)
     assert got.returncode == 0, got.stderr[-3000:]
