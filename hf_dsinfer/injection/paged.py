@@ -131,8 +131,9 @@ def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
 
 # the last (mask, query offsets, key offsets) checked, and its segments: every layer of one
 # type gets the same mask object in one forward, so the check runs once per forward and type.
-# The mask is held, so a later forward's mask cannot take its id.
-_last_checked: list[Any] = [None, None, None, None]
+# The mask is held, so a later forward's mask cannot take its id. One tuple, read once and
+# replaced whole, so two managers' threads never see each other's halves.
+_last_checked: tuple[Any, list[int], list[int], Any] = (None, [], [], None)
 
 
 def segments(mask: torch.Tensor, cu_q: Any, cu_k: Any
@@ -146,11 +147,12 @@ def segments(mask: torch.Tensor, cu_q: Any, cu_k: Any
     if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
         return None
     qs, ks = cu_q.tolist(), cu_k.tolist()
+    global _last_checked
     last = _last_checked
     if last[0] is mask and last[1] == qs and last[2] == ks:
         return last[3]
     found = _block_diagonal(mask, qs, ks)
-    _last_checked[:] = [mask, qs, ks, found]
+    _last_checked = (mask, qs, ks, found)
     return found
 
 
