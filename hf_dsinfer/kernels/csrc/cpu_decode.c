@@ -327,19 +327,25 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
             out[r] = (float)((double)s[r] * in->unit) * load_f32(L->scales, n0 + r, (int)L->s_dt);
         return;
     }
+#if HFD_AVX2_DOTS
+    if (L->kind == LIN_BF16) { /* K % 32 == 0 (kernels/decode.py) */
+        bf16_dots_avx2((const uint16_t *)L->w + n0 * K, K, rows, (const uint16_t *)in->x, 0, 1,
+                       K, PREFETCH, out, 0);
+        return;
+    }
+#endif
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-    if (L->kind == LIN_BF16) {
-        const uint16_t *wr[ROWS];
-        for (int r = 0; r < ROWS; r++) wr[r] = (const uint16_t *)L->w + (n0 + (r < rows ? r : 0)) * K;
-        for (int64_t k = 0; k < K; k += 32) {
-            __m512i xv = _mm512_loadu_si512(in->x + k);
-            for (int r = 0; r < ROWS; r++) {
-                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
-                acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_loadu_si512(wr[r] + k)), as_bh(xv));
+    if (L->kind == LIN_BF16) { /* one row at a time: hfd_avx2.h's bf16_dots_avx2 says why */
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *wr = (const uint16_t *)L->w + (n0 + r) * K;
+            for (int64_t k = 0; k < K; k += 32) {
+                _mm_prefetch((const char *)(wr + k) + PREFETCH, _MM_HINT_T0);
+                acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_loadu_si512(wr + k)),
+                                          as_bh(_mm512_loadu_si512(in->x + k)));
             }
+            out[r] = _mm512_reduce_add_ps(acc[r]);
         }
-        for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
         return;
     }
     /* int4. A 64-byte load of a row's codes holds 128 columns: its low nibbles the even ones,
@@ -658,11 +664,21 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
             sc[s] = -INFINITY;
             continue;
         }
+#if HFD_AVX2_DOTS
+        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < d; c += 32) {
+            __m256 qh[2], ql[2];
+            hfd_bf16_split(q + c, qh, ql);
+            hfd_dpbf16_avx2(a, kc + s * kss + c, qh, ql);
+        }
+        sc[s] = hfd_reduce16_ps(a[0], a[1]);
+#else
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < d; c += 32)
             acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kc + s * kss + c)),
                                    as_bh(_mm512_loadu_si512(q + c)));
         sc[s] = _mm512_reduce_add_ps(acc);
+#endif
         if (softcap == 0.f) sc[s] *= scale;
     }
     if (softcap != 0.f) {

@@ -132,6 +132,29 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline __attribute__((always_inline)) void nk_dots(const uint16_t *w, int64_t K, int nw,
                                                           const uint16_t *x, const int NX,
                                                           float out[NK_XR][NK_WR]) {
+#if HFD_AVX2_DOTS
+    bf16_dots_avx2(w, K, nw, x, K, NX, K, NK_PREFETCH, out[0], NK_WR); /* NK_WR == 4 */
+    return;
+#endif
+    if (NX == 1) { /* one row of x: the weight rows streamed one at a time (see above) */
+        for (int r = 0; r < nw; r++) {
+            const uint16_t *wn = w + r * K;
+            __m512 a = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 32 <= K; k += 32) {
+                _mm_prefetch((const char *)(wn + k) + NK_PREFETCH, _MM_HINT_T0);
+                a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(x + k)),
+                                     as_bh(_mm512_loadu_si512(wn + k)));
+            }
+            if (k < K) {
+                __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1);
+                a = _mm512_dpbf16_ps(a, as_bh(_mm512_maskz_loadu_epi16(mk, x + k)),
+                                     as_bh(_mm512_maskz_loadu_epi16(mk, wn + k)));
+            }
+            out[0][r] = _mm512_reduce_add_ps(a);
+        }
+        return;
+    }
     __m512 acc[NK_WR][NK_XR];
     const uint16_t *wr[NK_WR];
     for (int r = 0; r < NK_WR; r++) {

@@ -50,6 +50,10 @@
 static inline __attribute__((always_inline)) void dots(
     const uint16_t *w, int64_t ldw, int nw, const uint16_t *x, int64_t ldx, const int NX,
     int64_t K, float *out, int64_t ldo) {
+#if HFD_AVX2_DOTS
+    bf16_dots_avx2(w, ldw, nw, x, ldx, NX, K, PREFETCH, out, ldo); /* WR == 4 */
+    return;
+#endif
     __m512 acc[WR][XR];
     const uint16_t *wr[WR];
     for (int r = 0; r < WR; r++) {

@@ -136,6 +136,89 @@ static inline float hfd_reduce16_ps(__m256 a, __m256 b) {
     return v[0] + v[1];
 }
 
+/* vdpbf16ps on this tier: a[0] (lanes 0-7) and a[1] (lanes 8-15) += the pair products of the
+   32 bf16 at w with x's 32 (split by hfd_bf16_split into its odd elements xh and even ones xl,
+   as fp32), the odd (high) element's product first, each by one fma: hfd_simd.h's emulation
+   lane for lane, in 256-bit registers (the emulation's 512-bit vectors live in memory here) */
+static inline __attribute__((always_inline)) void hfd_dpbf16_avx2(__m256 a[2], const uint16_t *w,
+                                                                  const __m256 xh[2],
+                                                                  const __m256 xl[2]) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * h));
+        a[h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), xh[h], a[h]);
+        a[h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xl[h], a[h]);
+    }
+}
+
+static inline __attribute__((always_inline)) void hfd_bf16_split(const uint16_t *x, __m256 xh[2],
+                                                                 __m256 xl[2]) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 * h));
+        xh[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        xl[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+}
+
+/* out[i * ldo + r] = the vdpbf16ps dot product of weight row r (w + r * ldw; rows r >= nw read
+   row 0 and are not stored) with x row i (x + i * ldx, i < NX, a literal at each call site) over
+   K columns, those past the last multiple of 32 as zeros (the masked loads' zeros), reduced in
+   _mm512_reduce_add_ps's order: the 4-row bf16 dot loops of cpu_decode.c, cpu_moe.c and
+   cpu_experts.c on this tier, the same bits as their AVX-512 form. With one row of x the weight
+   rows are streamed one at a time: on a 2-core Zen 5 capped to this tier, 4 rows side by side
+   read 36-41 GB/s and one row 45-52 (a Llama-1.1B MLP-shaped bf16 GEMV, both cores; each row's
+   sums are the same either way). */
+static inline __attribute__((always_inline)) void bf16_dots_avx2(
+        const uint16_t *w, int64_t ldw, int nw, const uint16_t *x, int64_t ldx, const int NX,
+        int64_t K, int prefetch, float *out, int64_t ldo) {
+    if (NX == 1 && K % 32 == 0) {
+        for (int r = 0; r < nw; r++) {
+            const uint16_t *wr = w + r * ldw;
+            __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t k = 0; k < K; k += 32) {
+                __m256 xh[2], xl[2];
+                hfd_bf16_split(x + k, xh, xl);
+                _mm_prefetch((const char *)(wr + k) + prefetch, _MM_HINT_T0);
+                hfd_dpbf16_avx2(a, wr + k, xh, xl);
+            }
+            out[r] = hfd_reduce16_ps(a[0], a[1]);
+        }
+        return;
+    }
+    __m256 acc[4][4][2];
+    const uint16_t *wr[4];
+    for (int r = 0; r < 4; r++) {
+        wr[r] = w + (r < nw ? r : 0) * ldw;
+        for (int i = 0; i < NX; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256 xh[4][2], xl[4][2];
+        for (int i = 0; i < NX; i++) hfd_bf16_split(x + i * ldx + k, xh[i], xl[i]);
+        for (int r = 0; r < 4; r++) {
+            _mm_prefetch((const char *)(wr[r] + k) + prefetch, _MM_HINT_T0);
+            for (int i = 0; i < NX; i++) hfd_dpbf16_avx2(acc[r][i], wr[r] + k, xh[i], xl[i]);
+        }
+    }
+    if (k < K) {
+        uint16_t wt[4][32], xt[4][32];
+        __m256 xh[4][2], xl[4][2];
+        for (int i = 0; i < NX; i++) {
+            memset(xt[i], 0, sizeof(xt[i]));
+            memcpy(xt[i], x + i * ldx + k, (size_t)(K - k) * 2);
+            hfd_bf16_split(xt[i], xh[i], xl[i]);
+        }
+        for (int r = 0; r < 4; r++) {
+            memset(wt[r], 0, sizeof(wt[r]));
+            memcpy(wt[r], wr[r] + k, (size_t)(K - k) * 2);
+            for (int i = 0; i < NX; i++) hfd_dpbf16_avx2(acc[r][i], wt[r], xh[i], xl[i]);
+        }
+    }
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < nw; r++) out[i * ldo + r] = hfd_reduce16_ps(acc[r][i][0], acc[r][i][1]);
+}
+
 /* The three int16 pair sums of 32 code bytes (even columns: low nibbles e, odd: high nibbles o)
    with x's planes: lo and mid bytes unsigned (x first), hi bytes signed (codes first) */
 #define INT4_AVX2_PAIRS(e, o, xel, xol, xem, xom, xeh, xoh, lo16, mid16, hi16)                   \
