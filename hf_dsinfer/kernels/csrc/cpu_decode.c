@@ -712,6 +712,21 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
                                   bf16_round(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + s), inv)));
         }
     }
+#if HFD_AVX2_DOTS
+    { /* the same fmas per lane, in 256-bit halves (d % 32 == 0) */
+        __m256 a8[MAX_D / 8];
+        for (int64_t i = 0; i < d / 8; i++) a8[i] = _mm256_setzero_ps();
+        for (int64_t s = s0; s < sk; s++) {
+            if (sc[s] == 0.f) continue;
+            const __m256 p = _mm256_set1_ps(sc[s]);
+            for (int64_t i = 0; i < d / 8; i++)
+                a8[i] = _mm256_fmadd_ps(p, hfd_load8(vc + s * vss, i * 8, DT_BF16, 8), a8[i]);
+        }
+        const __m256 inv8 = _mm256_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
+        for (int64_t i = 0; i < d / 8; i++) hfd_store8_bf16(o + i * 8, _mm256_mul_ps(a8[i], inv8));
+        return;
+    }
+#endif
     __m512 acc[MAX_D / 16];
     for (int i = 0; i < MAX_D / 16; i++) acc[i] = _mm512_setzero_ps();
     const int64_t vecs = d / 16;

@@ -346,6 +346,20 @@ static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
     return _mm256_cvtph_ps(h);
 }
 
+/* 8 lanes stored as bf16 at p: bf16_bits (hfd_simd.h) lane for lane, round to nearest even,
+   a NaN kept as (bits >> 16) | 0x40 */
+static inline void hfd_store8_bf16(uint16_t *p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
+                           nan);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                    _mm256_extracti128_si256(r, 1)));
+}
+
 /* dst[0 .. n) = fp32 of src's elements i .. i + n (the values load16 gives) */
 static inline void hfd_to_f32(float *dst, const void *src, int64_t i, int64_t n, int dt) {
     for (int64_t c = 0; c < n; c += 8) {
