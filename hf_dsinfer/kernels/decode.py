@@ -276,11 +276,15 @@ class LayerChain:
         self._structs = (ctypes.c_void_p * len(layers))(
             *(ctypes.addressof(layer.struct) for layer in layers))
         self.kv_heads, self.head_dim = layers[0].kv_heads, layers[0].head_dim
-        self.rope, self.rotary_dim = layers[0].rope, layers[0].rotary_dim
-        if any((layer.kv_heads, layer.head_dim, layer.rope, layer.rope_dtype, layer.rotary_dim)
-               != (self.kv_heads, self.head_dim, self.rope, layers[0].rope_dtype,
-                   self.rotary_dim)
-               for layer in layers):
+        # layers without RoPE (SmolLM3's NoPE layers) ignore the cos / sin the others share
+        roped = [layer for layer in layers if layer.rope]
+        self._roped = roped[0] if roped else None
+        self.rope = self._roped is not None
+        self.rotary_dim = self._roped.rotary_dim if roped else None
+        if (any((layer.kv_heads, layer.head_dim) != (self.kv_heads, self.head_dim)
+                for layer in layers)
+                or any((layer.rope_dtype, layer.rotary_dim)
+                       != (roped[0].rope_dtype, roped[0].rotary_dim) for layer in roped)):
             raise NativeUnsupported("layers of different KV shapes or RoPE")
 
     def matches(self, layers: list[DecodeLayer]) -> bool:
@@ -320,7 +324,7 @@ class LayerChain:
                                  or not keep.is_contiguous()):
             raise ValueError(f"LayerChain.step: keep must be {n + 1} contiguous uint8")
         if self.rope:
-            cos_p, sin_p = self.layers[0]._cos_sin(cos, sin, "LayerChain.step")
+            cos_p, sin_p = self._roped._cos_sin(cos, sin, "LayerChain.step")
             if cos.numel() != self.rotary_dim or sin.numel() != self.rotary_dim:
                 raise ValueError(f"LayerChain.step: cos / sin of {cos.numel()} values, not "
                                  f"{self.rotary_dim}")
