@@ -41,8 +41,23 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.decode import LayerChain
 
 # inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
-# mask, norm (checked against transformers 5.x; Gemma-style embedding scaling is not)
-ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model")
+# mask, norm (read in transformers 5.23). Qwen3 / SmolLM3 build a mask per layer type, the same
+# causal mask while no layer slides (sliding configs are refused: `_sliding`); SmolLM3's NoPE
+# layers are layers without RoPE (their native layer's rope is off); OLMo 2's cos / sin are
+# fp32; Phi-3 rotates the first rotary_dim dims (partial_rotary_factor); Gemma's embedding
+# module scales by sqrt(hidden) itself (GemmaTextScaledWordEmbedding); Granite multiplies the
+# embeddings (EMBEDDING_MULTIPLIERS). Gemma 2 / 3 always have sliding layers: their blocks run
+# the native layer one by one.
+ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model",
+                      "Olmo2Model", "SmolLM3Model", "GemmaModel", "GraniteModel")
+# inner models whose forward the step does not reproduce, and why (their blocks still run the
+# native layer one by one)
+REFUSED_MODEL_CLASSES = {
+    "Gemma2Model": "sliding / global layers (a mask per layer type)",
+    "Gemma3TextModel": "sliding / global layers (a mask and a RoPE per layer type)",
+}
+# inner model class -> its attribute the embeddings are multiplied by (HF: inputs_embeds * m)
+EMBEDDING_MULTIPLIERS = {"GraniteModel": "embedding_multiplier"}
 # OPT's decoder: embed, project_in, + learned positions (HF's cumsum of the mask, offset 2), the
 # layers on one causal mask, final_layer_norm, project_out (transformers 5.x)
 OPT_MODEL_CLASSES = ("OPTDecoder",)
@@ -91,6 +106,8 @@ class NativeDecodeStep:
 
     def _static_reason(self) -> str | None:
         inner = self.inner
+        if type(inner).__name__ in REFUSED_MODEL_CLASSES:
+            return f"{type(inner).__name__}: {REFUSED_MODEL_CLASSES[type(inner).__name__]}"
         if type(inner).__name__ not in MODEL_CLASSES:
             return f"{type(inner).__name__} is not one of {', '.join(MODEL_CLASSES)}"
         if _sliding(inner.config):
@@ -108,16 +125,19 @@ class NativeDecodeStep:
         if why is None:
             sk = int(kwargs["past_key_values"].get_seq_length()) + 1  # keys after the update
             rows = kwargs["input_ids"].shape[0]
-            layers = self._native_layers(rows)
+            embedded = self._embed(kwargs, sk)
+            layers = None if embedded is None else self._native_layers(rows, embedded[1])
             keep = self._keep(kwargs.get("attention_mask"), rows, sk)
-            if layers is None:
+            if embedded is None:
+                why = "not bf16, or positions of another shape"
+            elif layers is None:
                 why = ("a layer's native path is not built for its current weights" if rows == 1
                        else "a layer's batched native path does not run here")
             elif keep is False:
                 why = "an attention mask other than padding"
             else:
                 self.last_reason = None
-                return self._step(layers, keep, sk, kwargs)
+                return self._step(layers, keep, sk, kwargs, embedded)
         self.last_reason = why
         return self.hf_forward(*args, **kwargs)
 
@@ -158,10 +178,13 @@ class NativeDecodeStep:
                 return "hooks on a decoder layer"
         return None
 
-    def _native_layers(self, rows: int) -> list | None:
+    def _native_layers(self, rows: int, cos: torch.Tensor | None) -> list | None:
+        """Every block's native layer for cos / sin like `cos` (their dtype and width), or None."""
+        rope_fp32 = cos is not None and cos.dtype == torch.float32
+        rotary_dim = None if cos is None else cos.shape[-1]
         out = []
         for fused in self.blocks:
-            layer = fused.decode_ready()
+            layer = fused.decode_ready(rope_fp32, rotary_dim)
             if layer is None or (rows > 1 and layer.rows_why is not None):
                 return None
             out.append(layer)
@@ -173,6 +196,8 @@ class NativeDecodeStep:
         [rows, sk]; False: a mask this path does not take."""
         if mask is None:
             return None
+        if not isinstance(mask, torch.Tensor):  # a mask per layer type, prepared by the caller
+            return False
         if (mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] != sk
                 or torch.is_floating_point(mask)):  # a float 2-D mask is not a padding mask
             return False
@@ -191,20 +216,31 @@ class NativeDecodeStep:
                 return None
         return self._layer_chain
 
+    def _embed(self, kwargs: dict, sk: int):
+        """(x, cos, sin) of this step as the inner model's forward computes them, or None."""
+        if self._opt:
+            return self._embed_opt(kwargs, sk)
+        return self._embed_rope(kwargs, sk, self.blocks[0].spec.head_dim)
+
     def _embed_rope(self, kwargs: dict, sk: int, d: int):
-        """Llama-family: the token embeddings and the rotary cos / sin [rows or 1, d], or None
-        where they are not bf16 of those shapes."""
+        """Llama-family: the token embeddings (times Granite's multiplier) and the rotary cos /
+        sin [rows or 1, r] (r <= d: partial rotary), bf16 or fp32 (OLMo 2), or None where
+        they are not of those shapes and dtypes."""
         inner = self.inner
         x = inner.embed_tokens(kwargs["input_ids"])
+        multiplier = EMBEDDING_MULTIPLIERS.get(type(inner).__name__)
+        if multiplier is not None:
+            x = x * getattr(inner, multiplier)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # HF's: the cache position, for every sequence
             position_ids = torch.tensor([[sk - 1]])
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)
-        if (x.dtype != torch.bfloat16 or cos.numel() not in (d, x.shape[0] * d)
-                or cos.shape[-1] != d or cos.dtype != torch.bfloat16
-                or sin.dtype != torch.bfloat16 or sin.shape != cos.shape):
+        r = cos.shape[-1]
+        if (x.dtype != torch.bfloat16 or not 0 < r <= d or cos.numel() not in (r, x.shape[0] * r)
+                or cos.dtype not in (torch.bfloat16, torch.float32)
+                or sin.dtype != cos.dtype or sin.shape != cos.shape):
             return None
-        return x.contiguous(), cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        return x.contiguous(), cos.reshape(-1, r).contiguous(), sin.reshape(-1, r).contiguous()
 
     def _embed_opt(self, kwargs: dict, sk: int):
         """OPT: embeddings (project_in) plus learned positions, as OPTDecoder.forward computes
@@ -233,13 +269,10 @@ class NativeDecodeStep:
             return x if inner.project_out is None else inner.project_out(x)
         return inner.norm(x)
 
-    def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict):
+    def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict,
+              embedded: tuple):
         cache = kwargs["past_key_values"]
         d = self.blocks[0].spec.head_dim
-        embedded = self._embed_opt(kwargs, sk) if self._opt else self._embed_rope(kwargs, sk, d)
-        if embedded is None:
-            self.last_reason = "not bf16, or positions of another shape"
-            return self.hf_forward(**kwargs)
         x, cos, sin = embedded
         rows = x.shape[0]
         chain = self._chain(layers) if rows == 1 else None

@@ -212,6 +212,9 @@ class FusedBlock:
         self._decode: native_decode.DecodeLayer | None = None
         self._decode_key: tuple | None = None  # weights the last failed build looked at
         self._decode_build_why: str | None = None
+        # the width of the cos / sin the native layer rotates with: the config's partial rotary
+        # (Phi-3's partial_rotary_factor) until a call shows the model's own
+        self._rotary_dim = _config_rotary_dim(self._attn, self.spec.head_dim)
         # the MLP kind as kernels.decode names it (None: one it does not compute)
         act, gated = self.spec.activation, self.policy.gated
         self._decode_mlp = ("gated_silu" if gated and act == "silu"
@@ -375,21 +378,28 @@ class FusedBlock:
             return self._sandwich(x, named, attn=attn)
         return self._sequential(x, named, attn=attn)
 
-    def decode_layer(self, rope_fp32: bool = False) -> native_decode.DecodeLayer | None:
+    def decode_layer(self, rope_fp32: bool = False,
+                     rotary_dim: int | None = None) -> native_decode.DecodeLayer | None:
         """The native layer for this block's current weights (built, or rebuilt after the
         weights moved), or None with the reason in `decode_why`. rope_fp32: the model's cos /
-        sin are fp32 (OLMo 2 rotates in fp32)."""
+        sin are fp32 (OLMo 2 rotates in fp32); rotary_dim: their width (partial rotary where
+        less than head_dim: Phi-3's partial_rotary_factor; None: the last call's, at first the
+        config's)."""
         if self._decode_layout_why is not None:
             return None
         rope = ("none" if not (self.policy.positions == P.ROPE and self.spec.rope)
                 else "fp32" if rope_fp32 else "bf16")
+        rotary_dim = self._rotary_dim if rotary_dim is None else rotary_dim
+        rotary_dim = None if rotary_dim == self.spec.head_dim else rotary_dim
         layer = self._decode
         if (layer is not None and layer.current()
-                and (not layer.rope or layer.rope_dtype == (torch.float32 if rope_fp32
-                                                            else torch.bfloat16))):
+                and (not layer.rope or (layer.rope_dtype == (torch.float32 if rope_fp32
+                                                             else torch.bfloat16)
+                                        and layer.rotary_dim == (rotary_dim
+                                                                 or self.spec.head_dim)))):
             return layer
         norm = next(n for n in (self._ln1, self._post_attn, self._ln2) if n is not None)
-        key = (norm.weight.dtype, norm.weight.data_ptr(), rope,
+        key = (norm.weight.dtype, norm.weight.data_ptr(), rope, rotary_dim,
                *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
         qk_norm = None if self.policy.qk_norm is None else (
             self._q_norm, self._k_norm, _norm_eps(self._q_norm), _norm_eps(self._k_norm))
@@ -408,7 +418,7 @@ class FusedBlock:
                 qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier,
                 qk_norm_full=self.policy.qk_norm == P.QK_NORM_FULL,
                 post_norms=self._decode_post_norms(), softcap=spec.attn_softcap,
-                window=getattr(self._attn, "sliding_window", None))
+                window=getattr(self._attn, "sliding_window", None), rotary_dim=rotary_dim)
         except NativeUnsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode
@@ -435,14 +445,16 @@ class FusedBlock:
             mlp_in = [RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
         return dict(zip(SLOTS, (*qkv, self._out, *mlp_in, self._mlp_out), strict=True))
 
-    def decode_ready(self) -> native_decode.DecodeLayer | None:
+    def decode_ready(self, rope_fp32: bool = False,
+                     rotary_dim: int | None = None) -> native_decode.DecodeLayer | None:
         """The native layer, when this block computes with it at all (fused, in eval, not
         sharded). The caller checks the call itself (one bf16 token per sequence, no grad)
-        and that the library is loaded: a build without it would be remembered as failed."""
+        and that the library is loaded: a build without it would be remembered as failed.
+        rope_fp32, rotary_dim: the model's cos / sin, as `decode_layer` takes them."""
         if (not self.enabled or self.block.training or self.reduce is not None
                 or self.sharded_qk_norm is not None):
             return None
-        return self.decode_layer()
+        return self.decode_layer(rope_fp32, rotary_dim)
 
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
         """This block's own call for one token of each sequence, when the native layer takes it
@@ -463,13 +475,16 @@ class FusedBlock:
         cos = sin = None
         if self.policy.positions == P.ROPE:
             cos_sin = named.get("position_embeddings")
-            if (cos_sin is None or cos_sin[0].shape[-1] != d
-                    or cos_sin[0].numel() not in (d, b * d) or cos_sin[1].shape != cos_sin[0].shape
+            r = None if cos_sin is None else cos_sin[0].shape[-1]  # < d: partial rotary
+            if (cos_sin is None or not 0 < r <= d
+                    or cos_sin[0].numel() not in (r, b * r) or cos_sin[1].shape != cos_sin[0].shape
                     or cos_sin[0].dtype not in (torch.bfloat16, torch.float32)
                     or cos_sin[1].dtype != cos_sin[0].dtype):
                 return None
-            cos, sin = (t.reshape(-1, d).contiguous() for t in cos_sin)
-        layer = self.decode_layer(rope_fp32=cos is not None and cos.dtype == torch.float32)
+            cos, sin = (t.reshape(-1, r).contiguous() for t in cos_sin)
+            self._rotary_dim = r
+        layer = self.decode_layer(rope_fp32=cos is not None and cos.dtype == torch.float32,
+                                  rotary_dim=None if cos is None else cos.shape[-1])
         if layer is None or (b > 1 and layer.rows_why is not None):
             return None
         out, self._path = self.native_token(layer, x.contiguous(), cos, sin, cache, named)
@@ -822,6 +837,17 @@ def _refuse_hf_forward_under_tp(named: dict[str, Any]) -> None:
 
 def _add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x if bias is None else x + bias
+
+
+def _config_rotary_dim(attn: nn.Module, head_dim: int) -> int:
+    """The rotated width of each head the attention's config gives (HF's default RoPE init:
+    int(head_dim * partial_rotary_factor)); head_dim where it names no factor."""
+    config = getattr(attn, "config", None)
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    return head_dim if factor is None else int(head_dim * factor)
 
 
 def _gptj_cos_sin(table: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):

@@ -141,6 +141,15 @@ def _norm_weight(module: nn.Module | None, hidden: int, norm: str) -> int | None
     return w.data_ptr()
 
 
+def _check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
+    """The kernel rotates pairs (j, j + rotary_dim / 2) of the first rotary_dim dims of a head
+    with masked 16-lane loads: any even width from 2 to head_dim. HF's rotate_half of an odd
+    width pairs values differently, so an odd one is refused."""
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise NativeUnsupported(f"partial rotary over {rotary_dim} of {head_dim} head dims (the "
+                                "kernel rotates an even number of dims, at most head_dim)")
+
+
 def _options(struct: _Layer, norm: str, post_norms: tuple | None, softcap: float | None,
              window: int | None, residual_multiplier: float | None) -> Watched:
     """The layer's post-norms (sandwich), soft-cap and sliding window into the struct."""
@@ -174,7 +183,8 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
           qk_norm: tuple[nn.Module, nn.Module, float, float] | None = None,
           residual_multiplier: float | None = None, qk_norm_full: bool = False,
           post_norms: tuple[nn.Module, nn.Module, float, float] | None = None,
-          softcap: float | None = None, window: int | None = None) -> DecodeLayer:
+          softcap: float | None = None, window: int | None = None,
+          rotary_dim: int | None = None) -> DecodeLayer:
     """Raises NativeUnsupported (with the reason) for a layer the kernel does not compute.
 
     linears: by slot name (abi.SLOTS) q, k, v, o, then gate, up, down (mlp "gated_silu":
@@ -193,7 +203,9 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     head; post_norms: (post-attention norm, post-MLP norm, their eps), applied to each branch
     before its residual add (sandwich: Gemma 2/3, OLMo 2); softcap: attention logits
     s -> softcap * tanh(s / softcap) (Gemma 2); window: each query attends only its last
-    `window` keys (a sliding-window layer; HF's mask says the same)."""
+    `window` keys (a sliding-window layer; HF's mask says the same); rotary_dim: only the
+    first rotary_dim dims of each q / k head rotate, the rest pass through (partial rotary:
+    Phi-3's partial_rotary_factor; None: all head_dim)."""
     lib = _native.lib()
     if lib is None:
         raise NativeUnsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -230,10 +242,14 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
               "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim),
               "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    if rope != "none" and rotary_dim is not None:
+        _check_rotary_dim(rotary_dim, head_dim)
     struct = _Layer(hidden, heads, kv_heads, head_dim, inter, eps[0], eps[1], scale,
                     q_scale or 0.0, *norm_ptrs,
                     *(None if b is None else b.data_ptr() for b in biases), NORMS[norm],
                     ROPES[rope], MLPS[mlp])
+    if rope != "none" and rotary_dim is not None:
+        struct.rotary_dim = rotary_dim
     watched = [(m._parameters, "weight") for m in (ln1, ln2) if m is not None]
     watched += [(m._parameters, "bias") for m, b in zip((ln1, ln2), biases) if b is not None]
     if qk_norm is not None:

@@ -12,7 +12,7 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 2  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 3  # hfd_api.h: HFD_ABI_VERSION
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
@@ -52,7 +52,9 @@ class Layer(ctypes.Structure):
                 # ABI 2
                 ("ln3", ctypes.c_void_p), ("ln4", ctypes.c_void_p), ("eps3", ctypes.c_float),
                 ("eps4", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("window", ctypes.c_int64), ("qk_norm_full", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("qk_norm_full", ctypes.c_int64),
+                # ABI 3
+                ("rotary_dim", ctypes.c_int64)]
 
 
 class KVSpan(ctypes.Structure):

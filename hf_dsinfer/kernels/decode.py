@@ -65,6 +65,9 @@ class DecodeLayer:
         self.rope = bool(struct.rope)  # attn_in rotates q and k (needs cos, sin)
         # the dtype of the cos / sin it reads (OLMo 2's stay fp32: abi.ROPES)
         self.rope_dtype = torch.float32 if struct.rope == ROPES["fp32"] else torch.bfloat16
+        # the width of cos / sin: the leading dims of each head that rotate (partial rotary,
+        # Phi-3's partial_rotary_factor: fewer than head_dim; the rest pass through)
+        self.rotary_dim = struct.rotary_dim or struct.head_dim
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
         self._rows_why = _rows_why(lib, struct)  # the layer and the CPU; the switch: rows_why
@@ -82,20 +85,23 @@ class DecodeLayer:
         return all(d.get(name) is t and t.data_ptr() == p for d, name, t, p in self._watch)
 
     def _cos_sin(self, cos: torch.Tensor | None, sin: torch.Tensor | None, who: str):
-        """The pointers of cos / sin: required with RoPE, ignored (None) without."""
+        """The pointers of cos / sin (rows of rotary_dim values): required with RoPE, ignored
+        (None) without."""
         if not self.rope:
             return None, None
         if cos is None or sin is None:
             raise ValueError(f"{who}: this layer applies RoPE and needs cos and sin")
         if (cos.dtype != self.rope_dtype or sin.dtype != self.rope_dtype
-                or not cos.is_contiguous() or not sin.is_contiguous()):
-            raise ValueError(f"{who}: cos / sin must be contiguous {self.rope_dtype} for this "
-                             f"layer, got {cos.dtype} / {sin.dtype}")
+                or not cos.is_contiguous() or not sin.is_contiguous()
+                or cos.shape[-1] != self.rotary_dim or sin.shape != cos.shape):
+            raise ValueError(f"{who}: cos / sin must be contiguous {self.rope_dtype} rows of "
+                             f"{self.rotary_dim} values for this layer, got {cos.dtype} "
+                             f"{tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
         return cos.data_ptr(), sin.data_ptr()
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """x [1, 1, hidden] bf16 -> q [1, heads, 1, d], k, v [1, kv_heads, 1, d] (rotated where
-        the layer has RoPE: cos, sin [d])."""
+        the layer has RoPE: cos, sin [rotary_dim])."""
         d = self.head_dim
         q = torch.empty(1, self.heads, 1, d, dtype=torch.bfloat16)
         k = torch.empty(1, self.kv_heads, 1, d, dtype=torch.bfloat16)
@@ -124,11 +130,11 @@ class DecodeLayer:
 
     def step_in(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """attn_in for one sequence, attn_in_rows for several: x [B, 1, hidden] contiguous,
-        cos / sin [B or 1, d] (None for a layer without RoPE)."""
+        cos / sin [B or 1, rotary_dim] (None for a layer without RoPE)."""
         if x.shape[0] == 1:
-            d = self.head_dim
+            r = self.rotary_dim
             if cos is not None:
-                cos, sin = cos.reshape(d), sin.reshape(d)
+                cos, sin = cos.reshape(r), sin.reshape(r)
             return self.attn_in(x, cos, sin)
         return self.attn_in_rows(x, cos, sin)
 
@@ -146,20 +152,21 @@ class DecodeLayer:
                              f"{x.dtype} {tuple(x.shape)}")
 
     def attn_in_rows(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
-        """x [B, 1, hidden] bf16 (contiguous), cos / sin [B or 1, d] (None without RoPE) ->
+        """x [B, 1, hidden] bf16 (contiguous), cos / sin [B or 1, rotary_dim] (None without
+        RoPE) ->
         q [B, heads, 1, d], k, v [B, kv_heads, 1, d] (rotated): transposed views of
         [B, 1, heads, d] buffers."""
-        b, d = x.shape[0], self.head_dim
+        b, d, r = x.shape[0], self.head_dim, self.rotary_dim
         for name, t in (("cos", cos), ("sin", sin)) if self.rope else ():
-            if (t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != d
+            if (t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != r
                     or t.dtype != self.rope_dtype or not t.is_contiguous()):
                 raise ValueError(f"attn_in_rows: {name} must be contiguous {self.rope_dtype} "
-                                 f"[1 or {b}, {d}], got {t.dtype} {tuple(t.shape)}")
+                                 f"[1 or {b}, {r}], got {t.dtype} {tuple(t.shape)}")
         self._check_rows_x(x, "attn_in_rows")
         q = torch.empty(b, 1, self.heads, d, dtype=torch.bfloat16)
         k = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
         v = torch.empty(b, 1, self.kv_heads, d, dtype=torch.bfloat16)
-        cs_stride = 0 if cos is None or cos.shape[0] == 1 else d
+        cs_stride = 0 if cos is None or cos.shape[0] == 1 else r
         cos_p, sin_p = self._cos_sin(cos, sin, "attn_in_rows")
         code = self.lib.hfd_decode_attn_in_rows(
             self._ref, b, x.data_ptr(), cos_p, sin_p, cs_stride, q.data_ptr(), k.data_ptr(),
@@ -269,10 +276,15 @@ class LayerChain:
         self._structs = (ctypes.c_void_p * len(layers))(
             *(ctypes.addressof(layer.struct) for layer in layers))
         self.kv_heads, self.head_dim = layers[0].kv_heads, layers[0].head_dim
-        self.rope = layers[0].rope
-        if any((layer.kv_heads, layer.head_dim, layer.rope, layer.rope_dtype)
-               != (self.kv_heads, self.head_dim, self.rope, layers[0].rope_dtype)
-               for layer in layers):
+        # layers without RoPE (SmolLM3's NoPE layers) ignore the cos / sin the others share
+        roped = [layer for layer in layers if layer.rope]
+        self._roped = roped[0] if roped else None
+        self.rope = self._roped is not None
+        self.rotary_dim = self._roped.rotary_dim if roped else None
+        if (any((layer.kv_heads, layer.head_dim) != (self.kv_heads, self.head_dim)
+                for layer in layers)
+                or any((layer.rope_dtype, layer.rotary_dim)
+                       != (roped[0].rope_dtype, roped[0].rotary_dim) for layer in roped)):
             raise NativeUnsupported("layers of different KV shapes or RoPE")
 
     def matches(self, layers: list[DecodeLayer]) -> bool:
@@ -312,9 +324,10 @@ class LayerChain:
                                  or not keep.is_contiguous()):
             raise ValueError(f"LayerChain.step: keep must be {n + 1} contiguous uint8")
         if self.rope:
-            cos_p, sin_p = self.layers[0]._cos_sin(cos, sin, "LayerChain.step")
-            if cos.numel() != d or sin.numel() != d:
-                raise ValueError(f"LayerChain.step: cos / sin of {cos.numel()} values, not {d}")
+            cos_p, sin_p = self._roped._cos_sin(cos, sin, "LayerChain.step")
+            if cos.numel() != self.rotary_dim or sin.numel() != self.rotary_dim:
+                raise ValueError(f"LayerChain.step: cos / sin of {cos.numel()} values, not "
+                                 f"{self.rotary_dim}")
         else:
             cos_p = sin_p = None
         out = torch.empty_like(x)

@@ -486,9 +486,12 @@ static void residual_bf16(const uint16_t *a, const float *b, int64_t n, float m,
 /* x (heads x d, bf16) rotated in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
    with bf16 cos / sin (rope ROPE_BF16); with fp32 cos / sin (ROPE_FP32, OLMo 2: bf16 q times
    fp32 cos promotes to fp32) x = bf16(x * cos + rotate_half(x) * sin), each product and the
-   sum in fp32 (no fused multiply-add: eager rounds each). */
-static void rotate_fp32(uint16_t *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
-    int64_t half = d / 2;
+   sum in fp32 (no fused multiply-add: eager rounds each). Only the first `rot` of each head's
+   d values rotate (rotate_half within them, cos / sin [rot]); the others stay as they are
+   (partial rotary, HF's q_pass: rot < d; the masked loads take any even rot). */
+static void rotate_fp32(uint16_t *x, int64_t heads, int64_t d, int64_t rot, const float *cos,
+                        const float *sin) {
+    int64_t half = rot / 2;
     for (int64_t h = 0; h < heads; h++) {
         uint16_t *v = x + h * d;
         for (int64_t c = 0; c < half; c += 16) {
@@ -505,9 +508,9 @@ static void rotate_fp32(uint16_t *x, int64_t heads, int64_t d, const float *cos,
     }
 }
 
-static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, const uint16_t *cos,
+static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, int64_t rot, const uint16_t *cos,
                         const uint16_t *sin) {
-    int64_t half = d / 2;
+    int64_t half = rot / 2;
     for (int64_t h = 0; h < heads; h++) {
         uint16_t *v = x + h * d;
         for (int64_t c = 0; c < half; c += 16) {
@@ -541,15 +544,20 @@ static void head_norms_bf16(const hfd_layer *L, uint16_t *q, uint16_t *k) {
         rms_norm_bf16(k + h * d, L->k_norm, d, L->k_eps, style, k + h * d);
 }
 
-/* q and k rotated in place, as the layer's rope says (cos / sin bf16 or fp32 [d]). */
+/* The number of leading dims of each head that RoPE rotates (the width of cos / sin). */
+static inline int64_t rope_width(const hfd_layer *L) {
+    return L->rotary_dim ? L->rotary_dim : L->head_dim;
+}
+
+/* q and k rotated in place, as the layer's rope says (cos / sin bf16 or fp32 [rope_width]). */
 static void rope_qk(const hfd_layer *L, uint16_t *q, uint16_t *k, const void *cos, const void *sin) {
-    const int64_t d = L->head_dim;
+    const int64_t d = L->head_dim, r = rope_width(L);
     if (L->rope == ROPE_FP32) {
-        rotate_fp32(q, L->heads, d, (const float *)cos, (const float *)sin);
-        rotate_fp32(k, L->kv_heads, d, (const float *)cos, (const float *)sin);
+        rotate_fp32(q, L->heads, d, r, (const float *)cos, (const float *)sin);
+        rotate_fp32(k, L->kv_heads, d, r, (const float *)cos, (const float *)sin);
     } else if (L->rope) {
-        rotate_bf16(q, L->heads, d, (const uint16_t *)cos, (const uint16_t *)sin);
-        rotate_bf16(k, L->kv_heads, d, (const uint16_t *)cos, (const uint16_t *)sin);
+        rotate_bf16(q, L->heads, d, r, (const uint16_t *)cos, (const uint16_t *)sin);
+        rotate_bf16(k, L->kv_heads, d, r, (const uint16_t *)cos, (const uint16_t *)sin);
     }
 }
 
@@ -593,7 +601,8 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
     }
 }
 
-/* q [heads * d], k, v [kv_heads * d] (bf16) of one token from x [hidden]; cos, sin [d]. */
+/* q [heads * d], k, v [kv_heads * d] (bf16) of one token from x [hidden]; cos, sin
+   [rope_width]. */
 int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim;

@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 2
+#define HFD_ABI_VERSION 3
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -72,9 +72,14 @@ typedef struct {
     int64_t window;       /* sliding window: each query attends its last `window` keys; 0: all */
     int64_t qk_norm_full; /* q / k norms over the whole projection (weights [heads * d] and
                              [kv_heads * d], OLMo 2); 0: over each head (weights [d]) */
+    /* ABI 3 */
+    int64_t rotary_dim; /* partial rotary (Phi-3 / Phi-4-mini's partial_rotary_factor): only the
+                           first rotary_dim (even, <= head_dim) dims of each q / k head rotate,
+                           with cos / sin of rotary_dim values; the rest pass through; 0: all */
 } hfd_layer;
 
-/* cos / sin: bf16 [d], or fp32 [d] for a ROPE_FP32 layer (the same pointers). */
+/* cos / sin: bf16 [r], or fp32 [r] for a ROPE_FP32 layer (the same pointers); r: the layer's
+   rotary_dim, or head_dim where that is 0. */
 int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
 int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q,
