@@ -31,8 +31,8 @@ ISA tiers (TIERS, lowest first): generic (no -m flags: baseline x86-64, or aarch
 avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, VNNI), avx512_bf16 (+ BF16), amx (+ AMX tiles, used
 where Linux grants the tile state; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512). The kernels are
 written once with AVX-512 intrinsics; a tier without an instruction gets SIMDe's emulation of it
-(see csrc/hfd_simd.h), with the same numbers, except the int8 / int4 dot products of the avx2
-tier, which have 256-bit loops of their own (csrc/hfd_avx2.h), again with the same numbers. The best tier the CPU has is used;
+(see csrc/hfd_simd.h), with the same numbers, except the int8 / int4 / bf16 dot products of the
+avx2 tier, which have 256-bit loops of their own (csrc/hfd_avx2.h), again with the same numbers. The best tier the CPU has is used;
 HF_DSINFER_ISA=<tier> caps it (tests run every tier the machine has this way).
 
 `lib()` returns None, and callers use torch's kernels, when:

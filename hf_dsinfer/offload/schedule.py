@@ -180,6 +180,10 @@ class OffloadEngine:
                      "that fits.")
 
     def reset_stats(self) -> None:
+        # a prefetch still in flight belongs to the period before the reset: let it count there
+        # (otherwise it lands in the new period on one rank and not on another)
+        for _, future in list(self._pending.values()):
+            future.result()
         for key in self.stats:  # in place: a running BlockCache holds this dict
             self.stats[key] = 0 if key in ("loads", "kv_attend") else 0.0
 

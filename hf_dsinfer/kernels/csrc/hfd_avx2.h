@@ -1,4 +1,5 @@
-/* The int8 and int4 dot-product loops of the avx2 tier, in 256-bit AVX2 instructions.
+/* The int8, int4 and bf16 dot-product loops of the avx2 tier (and the attention's probabilities
+ * times V), in 256-bit AVX2 instructions.
  *
  * Included by hfd_simd.h. Elsewhere the kernels are written once with AVX-512 intrinsics, and on
  * AVX2 SIMDe runs each 512-bit op as two 256-bit ones; for the int8 and int4 dot products that
@@ -166,9 +167,8 @@ static inline __attribute__((always_inline)) void hfd_bf16_split(const uint16_t 
    K columns, those past the last multiple of 32 as zeros (the masked loads' zeros), reduced in
    _mm512_reduce_add_ps's order: the 4-row bf16 dot loops of cpu_decode.c, cpu_moe.c and
    cpu_experts.c on this tier, the same bits as their AVX-512 form. With one row of x the weight
-   rows are streamed one at a time: on a 2-core Zen 5 capped to this tier, 4 rows side by side
-   read 36-41 GB/s and one row 45-52 (a Llama-1.1B MLP-shaped bf16 GEMV, both cores; each row's
-   sums are the same either way). */
+   rows are streamed one at a time, which reads memory faster than 4 rows side by side
+   (docs/performance.md, "Behind the code"); each row's sums are the same either way. */
 static inline __attribute__((always_inline)) void bf16_dots_avx2(
         const uint16_t *w, int64_t ldw, int nw, const uint16_t *x, int64_t ldx, const int NX,
         int64_t K, int prefetch, float *out, int64_t ldo) {

@@ -13,8 +13,8 @@
  * product and a sum, two roundings). _native.py builds with -ffp-contract=off, so gcc never
  * fuses a product and a sum that the source keeps apart, whatever FMA unit the target has.
  * The one documented difference: vdpbf16ps flushes denormals, its emulation does not (below).
- * The int8 and int4 dot products, where the emulation was the bottleneck, have loops of their
- * own on the avx2 tier (hfd_avx2.h): 256-bit instructions, the same integer sums and the same
+ * The int8, int4 and bf16 dot products, where the emulation was the bottleneck, have loops of
+ * their own on the avx2 tier (hfd_avx2.h): 256-bit instructions, the same integer sums and the same
  * fp32 operations per lane, so the same bits.
  * AMX tile code is compiled only into the amx tier; elsewhere the tile intrinsics trap, and
  * amx_usable() (cpu_moe.c) is 0 there, so they are never reached.
