@@ -125,7 +125,8 @@ class NativeDecodeStep:
         if why is None:
             sk = int(kwargs["past_key_values"].get_seq_length()) + 1  # keys after the update
             rows = kwargs["input_ids"].shape[0]
-            embedded = self._embed(kwargs, sk)
+            raw = self.inner.embed_tokens(kwargs["input_ids"])  # once: its hooks run once
+            embedded = self._embed(kwargs, sk, raw)
             layers = None if embedded is None else self._native_layers(rows, embedded[1])
             keep = self._keep(kwargs.get("attention_mask"), rows, sk)
             if embedded is None:
@@ -138,6 +139,9 @@ class NativeDecodeStep:
             else:
                 self.last_reason = None
                 return self._step(layers, keep, sk, kwargs, embedded)
+            # refused after embedding: HF's forward takes the embeddings instead of the ids
+            # (it computes them from the ids only when none are given), not a second lookup
+            kwargs = {**kwargs, "input_ids": None, "inputs_embeds": raw}
         self.last_reason = why
         return self.hf_forward(*args, **kwargs)
 
@@ -216,18 +220,19 @@ class NativeDecodeStep:
                 return None
         return self._layer_chain
 
-    def _embed(self, kwargs: dict, sk: int):
-        """(x, cos, sin) of this step as the inner model's forward computes them, or None."""
+    def _embed(self, kwargs: dict, sk: int, raw: torch.Tensor):
+        """(x, cos, sin) of this step as the inner model's forward computes them from the token
+        embeddings `raw` (embed_tokens' output), or None."""
         if self._opt:
-            return self._embed_opt(kwargs, sk)
-        return self._embed_rope(kwargs, sk, self.blocks[0].spec.head_dim)
+            return self._embed_opt(kwargs, sk, raw)
+        return self._embed_rope(kwargs, sk, self.blocks[0].spec.head_dim, raw)
 
-    def _embed_rope(self, kwargs: dict, sk: int, d: int):
+    def _embed_rope(self, kwargs: dict, sk: int, d: int, raw: torch.Tensor):
         """Llama-family: the token embeddings (times Granite's multiplier) and the rotary cos /
         sin [rows or 1, r] (r <= d: partial rotary), bf16 or fp32 (OLMo 2), or None where
         they are not of those shapes and dtypes."""
         inner = self.inner
-        x = inner.embed_tokens(kwargs["input_ids"])
+        x = raw
         multiplier = EMBEDDING_MULTIPLIERS.get(type(inner).__name__)
         if multiplier is not None:
             x = x * getattr(inner, multiplier)
@@ -242,12 +247,12 @@ class NativeDecodeStep:
             return None
         return x.contiguous(), cos.reshape(-1, r).contiguous(), sin.reshape(-1, r).contiguous()
 
-    def _embed_opt(self, kwargs: dict, sk: int):
+    def _embed_opt(self, kwargs: dict, sk: int, raw: torch.Tensor):
         """OPT: embeddings (project_in) plus learned positions, as OPTDecoder.forward computes
         them for one token after sk - 1 cached ones (positions from the mask's cumsum)."""
         inner = self.inner
         ids = kwargs["input_ids"]
-        x = inner.embed_tokens(ids)
+        x = raw
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones(ids.shape[0], sk, device=x.device)

@@ -230,8 +230,14 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
         model(torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True)
         assert step.last_reason == "not one token of 1-256 sequences on the CPU"
         float_mask = torch.zeros(1, cache.get_seq_length() + 1)
+        lookups = []
+        handle = model.model.embed_tokens.register_forward_hook(lambda m, a, o: lookups.append(1))
+        before = model.model.layers[0].forward.calls
         model(tok, attention_mask=float_mask, past_key_values=cache, use_cache=True)
         assert step.last_reason == "an attention mask other than padding"
+        assert lookups == [1]  # refused after embedding: HF's forward reused the embeddings
+        handle.remove()
+        assert model.model.layers[0].forward.calls > before  # HF's loop ran the blocks
         with monkeypatch.context() as m:
             switch(m, native=False)
             model(tok, past_key_values=cache, use_cache=True)
