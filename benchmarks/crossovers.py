@@ -8,8 +8,9 @@ avx512), it times the candidate paths of an int8 and an int4 linear over a range
     int8: native GEMV (csrc/cpu_quant.c, on row tiles) | torch's _weight_int8pack_mm |
           dequantize 512 rows at a time + F.linear (the native dequantization where that tier
           runs it, else torch's element-wise ops)
-    int4: native int4 linear (csrc/cpu_decode.c, on row tiles) | torch's
-          _weight_int4pack_mm_for_cpu (where its probe passed) | dequantize + F.linear
+    int4: native int4 linear (csrc/cpu_decode.c, on row tiles) | the native panel kernel
+          (csrc/cpu_qgemm.c, on row tiles) | torch's _weight_int4pack_mm_for_cpu (where its
+          probe passed) | dequantize + F.linear
 
 Each path is checked against the torch reference before it is timed. The repeats are
 interleaved (every path and row count once per round, weights cycled past the L3 cache) and
@@ -41,7 +42,7 @@ import time
 
 import torch
 
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # torch's dispatch for a CPU of each tier (ATEN_CPU_CAPABILITY)
 ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512",
                    "avx512_bf16": "avx512", "amx": "avx512"}
@@ -52,7 +53,8 @@ ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512",
 COMPARISONS = {
     "int8_gemv_max_rows": ("int8", "native", ("int8pack", "dequant")),
     "int8_pack_max_rows": ("int8", "int8pack", ("dequant",)),
-    "int4_native_max_rows": ("int4", "native", ("dequant",)),
+    "int4_native_max_rows": ("int4", "native", ("gemm", "dequant")),
+    "int4_gemm_max_rows": ("int4", "gemm", ("dequant",)),
     "int4_pack_max_rows": ("int4", "int4pack", ("dequant",)),
 }
 
@@ -71,6 +73,7 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
     tiles8 = [w if w.tiled else w._replace(qweight=Q.tile_rows(w.qweight), tiled=True)
               for w in w8]
     w4 = [Q.quantize_int4(w, group, portable=True) for w in ws]
+    stored4 = [Q.quantize_int4(w, group) for w in ws]  # as this tier stores them (tiles, or not)
     tiles4 = [w._replace(packed=Q.tile_rows(Q.int4_super_order(w.packed)), tiled=True)
               for w in w4]
     torch4 = [Q._torch_int4_copy(Q.unpack_int4(w.packed), w.scales, w.mins) for w in w4]
@@ -82,8 +85,10 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
             x, out_f, functools.partial(Q._int8_rows, w8[i], x.dtype), None),
         ("int4", "native"): lambda x, i: Q._native_int4(x, tiles4[i]).to(x.dtype),
         ("int4", "dequant"): lambda x, i: Q._chunked_dequant_linear(
-            x, out_f, functools.partial(Q.dequantize_int4_rows, w4[i], x.dtype), None),
+            x, out_f, functools.partial(Q.dequantize_int4_rows, stored4[i], x.dtype), None),
     }
+    if _native.lib("int4_gemm") is not None:  # from its MIN_TIER on
+        paths["int4", "gemm"] = lambda x, i: Q._native_int4_gemm(x, tiles4[i]).to(x.dtype)
     if has8:  # as linear_int8_cpu calls it: on a row-major copy where the tier stores tiles
         paths["int8", "int8pack"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x, Q.int8_matrix(w8[i]).contiguous(), w8[i].scales)

@@ -11,6 +11,10 @@ file's hfd_linear_bf16 runs dense bf16 linears of 2-256 rows (batched decode, sh
 on AMX straight from the row-major weight, which oneDNN reorders on every call. torch has no
 such path and no maintained library adds one to torch, so they are ours.
 
+cpu_qgemm.c, 4-bit weights times many rows of bf16 x (batched decode, continuous batching's
+packed steps): a panel of weight rows dequantized to bf16 in cache at a time, where dequantizing
+the whole weight for a GEMM writes and reads it through memory.
+
 cpu_experts.c, bf16 products of a few rows of x with a weight stored [in, out] (gpt-oss's
 experts) or [out, in] (nn.Linear's), reading the weight once at the memory's pace, where torch's
 bf16 kernels for one row read it at a fraction of it (docs/performance.md).
@@ -64,7 +68,7 @@ AMX_ENV_VAR = settings.ENV["amx"]  # 0: the kernels that can use AMX tiles keep 
 ISA_ENV_VAR = settings.ENV["isa"]  # caps the tier: one of TIERS
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_quant.c", "cpu_moe.c", "cpu_decode.c",
-                                    "cpu_experts.c")]
+                                    "cpu_experts.c", "cpu_qgemm.c")]
 HEADERS = [CSRC / name for name in ("hfd_simd.h", "hfd_avx2.h", "hfd_api.h")]
 # -ffp-contract=off: a product and a sum stay two roundings on every target (hfd_simd.h)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
@@ -193,6 +197,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_layers.restype = i32
     lib.hfd_int4_linear.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_linear.restype = i32
+    lib.hfd_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
+    lib.hfd_int4_gemm_bf16.restype = i32
     lib.hfd_int8_amx.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
     lib.hfd_int8_amx.restype = i32
     lib.hfd_amx_int8_available.argtypes = []
@@ -244,10 +250,13 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 #   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c) against torch's bf16 kernels:
 #       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
+#   "int4_gemm": 4-bit weights times many bf16 rows, a panel dequantized in cache at a time
+#       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16); below
+#       it the bf16 dot products and the table look-ups are emulated, not measured
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
-            "codes": "generic", "bf16_gemv": "avx512_bf16"}
+            "codes": "generic", "bf16_gemv": "avx512_bf16", "int4_gemm": "avx512_bf16"}
 
 
 def _running() -> tuple[str, bool]:

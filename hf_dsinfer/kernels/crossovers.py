@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hf_dsinfer.kernels import _native
 
 
@@ -36,6 +38,16 @@ class Crossovers:
     # linear (kernels/linear.py). None: not measured on that tier's machine (the Xeon): torch.mv
     # for one row and the AMX linear above keep their rows there
     bf16_gemv_max_rows: int | None = None
+    # native int4 x bf16 kernel that dequantizes panels of the weight in cache (csrc/cpu_qgemm.c)
+    # for int4_native_max_rows + 1 .. this many bf16 rows (kernels/quant.py); None: not measured
+    # on that tier's machine, dequantize + GEMM there
+    int4_gemm_max_rows: int | None = None
+
+    def int4_codes_max_rows(self, dtype) -> int:
+        """The most rows of x in `dtype` that a kernel reading the 4-bit codes as stored takes
+        (more: dequantize + GEMM, which the offload engine does once per prefill)."""
+        gemm = self.int4_gemm_max_rows if dtype == torch.bfloat16 else None
+        return max(self.int4_native_max_rows, gemm or 0)
 
 
 # The 2-core Xeon with AMX-BF16/INT8 (480 MB L3) of NOTES.md, 2 threads, weights cycled past
@@ -59,7 +71,8 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #   avx512 (the same code for these paths; a separate run): GEMV 0.38 / 0.78 / 2.43 / 4.41,
 #       dequantize 3.71 / 2.89 / 4.67 / 4.08; int4 native 0.27 / 0.78 / 2.13 / 6.16, dequantize
 #       3.01 / 2.23 / 3.61 / 4.11. Crossovers: GEMV 24, int8 pack 24, int4 native 24, pack 32.
-#   Both avx512 tiers take the lower of the two runs (the differences are noise).
+#   Both avx512 tiers took the lower of the two runs (the differences are noise); avx512_bf16
+#   now takes the quiet run below.
 #   avx2 (SIMDe's emulation of the AVX-512 loops then): GEMV 1.23 / 6.46 at 1 / 4 rows against _weight_int8pack_mm 0.91 / 1.43 (the GEMV does
 #       not run here by default: MIN_TIER), which the chunked path passes after 12 rows (3.94
 #       vs 6.63 at 12, 6.47 vs 5.56 at 16); int4 native 4.00 / 13.10 / 55.5, dequantize
@@ -78,26 +91,45 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       (~0.37-0.39 ms) to those alternatives (the GEMV ~6 ms at 16 rows, where the quiet run
 #       above had _weight_int8pack_mm at 6.47 and dequantize + GEMM at 5.56); measure them
 #       again on a quiet machine.
+#   avx512_bf16 again, with the int4 panel kernel (csrc/cpu_qgemm.c), 2026-11-24 (evening),
+#       quiet machine (load < 1), 2 threads, the same weight (8 copies cycled), group 32,
+#       medians of 7 (`python benchmarks/crossovers.py --tiers avx512_bf16 --reps 7`; the int4
+#       dequantize path on the codes as this tier stores them, tiles). ms at 1 / 8 / 16 / 32 /
+#       64 / 256 / 512 rows: int4 native 0.20 / 0.71 / 1.18 / 2.15 / 4.04 / 18.8 / 44.0, panel
+#       kernel 0.54 / 0.73 / 0.88 / 1.37 / 2.18 / 7.63 / 15.3, dequantize + GEMM 2.05 / 2.10 /
+#       2.30 / 2.68 / 3.37 / 7.66 / 13.7, _weight_int4pack_mm_for_cpu 0.17 / 0.54 / 1.07 / 2.06
+#       / 4.11 / 16.5 / 33.4; int8 GEMV 0.30 / 0.66 / 1.09 / 1.93 / 3.65, dequantize + GEMM 2.02
+#       / 2.09 / 2.19 / 2.52 / 3.12, _weight_int8pack_mm 0.99 / 1.33 / 1.83 / 2.82 / 4.79.
+#       Crossovers: int8 GEMV 32, int8 pack 24, int4 native 8, panel kernel 256, int4 pack 32
+#       (the values below; the loaded run above had given 24 / 16 / 16 / - / 32).
 # A value a tier does not use by default is inherited: the generic tier's GEMV bound is
 # avx2's (MIN_TIER), used only when HF_DSINFER_ISA names the tier.
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
-ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16, int4_native_max_rows=16,
-                         int4_pack_max_rows=32, bf16_gemv_max_rows=4)
+ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=32, int8_pack_max_rows=24, int4_native_max_rows=8,
+                         int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=256)
+# avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
+# not measured
+ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
+                                 int4_native_max_rows=16, int4_pack_max_rows=32,
+                                 bf16_gemv_max_rows=4,
+                                 int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows)  # inherited
 
 ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
                        int4_pack_max_rows=32,
-                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows)  # inherited (MIN_TIER)
+                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited (MIN_TIER)
+                       int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows)  # inherited (MIN_TIER)
 
 TABLE: dict[str, Crossovers] = {
     "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
     "avx512_bf16": ZEN5_AVX512,
-    "avx512": ZEN5_AVX512,
+    "avx512": ZEN5_AVX512_NO_BF16,
     "avx2": ZEN5_AVX2,
     "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX2.int8_gemv_max_rows,  # inherited
                           int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,
-                          bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows),  # inherited
+                          bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited
+                          int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows),  # inherited
 }
 assert set(TABLE) == set(_native.TIERS)
 

@@ -636,27 +636,59 @@ def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
     return y
 
 
+def _native_int4_gemm(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
+    """x2 [M, in] (bf16) times the weight by csrc/cpu_qgemm.c's hfd_int4_gemm_bf16 in fp32: a
+    panel of weight rows dequantized to bf16 in cache at a time, every row of x multiplied with
+    it there (F.linear on dequantize_int4(W, bf16) up to the order of the fp32 sums). None where
+    it does not run: no library for "int4_gemm" (_native.MIN_TIER), x not bf16, or a shape it
+    does not take (out % 16, group % 32)."""
+    lib, dtypes = _native.lib("int4_gemm"), _native.DTYPE_CODES
+    scales, mins = qweight.scales, qweight.mins
+    if (lib is None or x2.device.type != "cpu" or x2.dtype != torch.bfloat16
+            or scales.dtype not in dtypes or mins.dtype != scales.dtype
+            or not (scales.is_contiguous() and mins.is_contiguous()
+                    and qweight.packed.is_contiguous())):
+        return None
+    m, k = x2.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    code = lib.hfd_int4_gemm_bf16(x2.data_ptr(), m, qweight.packed.data_ptr(), scales.data_ptr(),
+                                  mins.data_ptr(), dtypes[scales.dtype], qweight.group_size, n, k,
+                                  int(qweight.tiled), y.data_ptr(), torch.get_num_threads())
+    if code == -3:  # a shape the kernel does not take
+        return None
+    _native.check(code, "hfd_int4_gemm_bf16")
+    return y
+
+
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
-    as stored, tiles or row-major); else, up to int4_pack_max_rows rows (kernels/crossovers.py),
-    _weight_int4pack_mm_for_cpu on torch's layout where the weight has it and that kernel
-    passed its probe for x's dtype; chunked dequantize + GEMM otherwise. The product is rounded
-    to x's dtype, then the bias added, as torch's kernel and nn.Linear order it."""
+    as stored, tiles or row-major); then, up to int4_gemm_max_rows bf16 rows, the native kernel
+    that dequantizes panels of the weight in cache (where the tier has that bound); else, up to
+    int4_pack_max_rows rows (kernels/crossovers.py), _weight_int4pack_mm_for_cpu on torch's
+    layout where the weight has it and that kernel passed its probe for x's dtype; chunked
+    dequantize + GEMM otherwise. The product is rounded to x's dtype, then the bias added, as
+    torch's kernel and nn.Linear order it."""
     n, g = qweight.scales.shape[0], qweight.group_size
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     bounds = crossovers.rows()  # of this tier
-    y = _native_int4(x2, qweight) if x2.shape[0] <= bounds.int4_native_max_rows else None
+    rows = x2.shape[0]
+    y = None
+    if rows <= bounds.int4_native_max_rows:
+        y = _native_int4(x2, qweight)
+    elif bounds.int4_gemm_max_rows is not None and rows <= bounds.int4_gemm_max_rows:
+        y = _native_int4_gemm(x2, qweight)
     if y is not None:
         y = y.to(x.dtype)
         y = y if bias is None else y + bias
-    elif (x2.shape[0] <= bounds.int4_pack_max_rows and qweight.cpu_packed is not None
+    elif (rows <= bounds.int4_pack_max_rows and qweight.cpu_packed is not None
           and verified(INT4PACK_MM, x.dtype, _probe_int4pack_mm)):
         sz = qweight.cpu_scales_zeros.to(x.dtype)  # no-op when x has the weight's dtype
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight.cpu_packed, g, sz)
         y = y if bias is None else y + bias
     else:
-        rows = functools.partial(dequantize_int4_rows, qweight, x.dtype)
-        y = _chunked_dequant_linear(x2, n, rows, bias)
+        rows_of = functools.partial(dequantize_int4_rows, qweight, x.dtype)
+        y = _chunked_dequant_linear(x2, n, rows_of, bias)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -431,7 +431,9 @@ def _matmul_seconds(shape: ModelShape, hw: Hardware, batch: int, micro: int, pre
     a CPU decode step runs the whole block in one pass. 4-bit weights: on CUDA they are
     decompressed per use; on the CPU a decode step of at most int4_native_max_rows rows
     (kernels/crossovers.py) multiplies by the packed codes (int4_mm), and more rows (a prefill)
-    dequantize the layer once. A prefill measured on the model's own layer (`prefill_layer_s`, one sequence) is
+    dequantize the layer once (a decode step of more rows, up to the panel kernel's
+    int4_gemm_max_rows in bf16, also runs on the codes, at about dense GEMM speed: priced here as
+    dequantize + GEMM, which is slower, so the model errs against 4-bit weights there). A prefill measured on the model's own layer (`prefill_layer_s`, one sequence) is
     priced as that time per sequence: it includes the layer's attention and other work."""
     cuda = hw.device.startswith("cuda")
     passes = -(-batch // micro) if (prefill or cuda) else 1

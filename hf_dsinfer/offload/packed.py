@@ -9,8 +9,8 @@ builds of its dispatch, and a store read on another CPU, or code reading that la
 gave garbage). A decode step multiplies by the codes as they were read, through the project's
 CPU int4 path (kernels/quant.py: linear_int4_cpu): the native kernel where it runs (half a
 byte per weight), else torch's dequantize + matmul. A prefill (more rows than the tier's
-int4_native_max_rows, kernels/crossovers.py) dequantizes the whole layer once for all its
-micro-batches (materialize).
+kernels on codes take: int4_codes_max_rows, kernels/crossovers.py) dequantizes the whole layer
+once for all its micro-batches (materialize).
 
 `PackedInt4Linear` replaces such an nn.Linear in its parent; the offload engine binds its codes
 (`bind`) while the layer runs and drops them after (`unbind`). It subclasses QuantizedLinear so

@@ -247,7 +247,7 @@ class OffloadedLayer:
     def _materialize_packed(self, hidden: torch.Tensor, rows: int) -> None:
         """Prefill: packed 4-bit linears are dequantized once for all micro-batches (release()
         drops the dense copies with the codes)."""
-        if rows * hidden.shape[1] <= crossovers.rows().int4_native_max_rows:
+        if rows * hidden.shape[1] <= crossovers.rows().int4_codes_max_rows(hidden.dtype):
             return
         for module in self.engine.packed[self.index]:
             module.materialize(hidden.dtype)

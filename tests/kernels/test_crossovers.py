@@ -25,6 +25,9 @@ def test_every_tier_has_a_row():
         amx = [values.pop(name) for name in AMX_FIELDS]
         gemv = values.pop("bf16_gemv_max_rows")  # None where not measured: torch's path
         assert gemv is None if tier == "amx" else isinstance(gemv, int) and gemv >= 1, tier
+        panel = values.pop("int4_gemm_max_rows")  # likewise: dequantize + GEMM there
+        assert (panel is None if tier == "amx"
+                else isinstance(panel, int) and panel > row.int4_native_max_rows), tier
         assert all(isinstance(v, int) and v >= 1 for v in values.values()), (tier, row)
         if tier == "amx":  # the only tier with AMX tiles
             assert all(isinstance(v, int) and v >= 1 for v in amx) and amx[1] <= amx[2]
@@ -60,12 +63,13 @@ def test_rows_follow_the_cpu(monkeypatch):
 
 @pytest.mark.skipif(not _native.builds(), reason=f"native kernels: {_native.why_unavailable()}")
 def test_linears_dispatch_on_the_row(monkeypatch):
-    """Pinned bounds of 2 rows (int8 GEMV) and 1 row (int4): the native kernels take exactly
-    that many rows, the next row count goes to the next path (and gives the same numbers within
+    """Pinned bounds of 2 rows (int8 GEMV), 1 row (int4) and 2 rows (the int4 panel kernel): the
+    native kernels take exactly that many rows, the next row count goes to the next path (and gives the same numbers within
     the tolerance of the other path's roundings)."""
     switch(monkeypatch, isa=BEST)  # a named tier runs every kernel
     switch(monkeypatch, amx=False)
-    pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=1)
+    pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=1,
+                   int4_gemm_max_rows=2)
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(64, 256, generator=gen) * 0.05).bfloat16()
     x = torch.randn(3, 256, generator=gen).bfloat16()
@@ -77,8 +81,10 @@ def test_linears_dispatch_on_the_row(monkeypatch):
         out = Q.linear_int8(x[:rows], q8, backend="cpu")
         assert gemv == want, rows
         torch.testing.assert_close(out, Q.linear_int8_ref(x[:rows], q8), atol=2e-2, rtol=2e-2)
-    for rows, want in ((1, [1]), (2, [])):
+    panel = count_calls(monkeypatch, Q, "_native_int4_gemm")
+    for rows, want, want_panel in ((1, [1], []), (2, [], [1]), (3, [], [])):
         int4.clear()
+        panel.clear()
         out = Q.linear_int4(x[:rows], q4, backend="cpu")
-        assert int4 == want, rows
+        assert (int4, panel) == (want, want_panel), rows
         torch.testing.assert_close(out, Q.linear_int4_ref(x[:rows], q4), atol=2e-2, rtol=2e-2)

@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 3
+#define HFD_ABI_VERSION 4
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -101,6 +101,12 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
 int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                     float *y, int nthreads);
+
+/* ---- cpu_qgemm.c: 4-bit weights times many bf16 rows (a panel dequantized in cache) ---- */
+
+int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
+                       const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                       float *y, int nthreads);
 
 /* ---- cpu_moe.c: MoE experts and the AMX linears ---- */
 

@@ -1,0 +1,198 @@
+/* 4-bit weights times many rows of bf16 x, without a dequantized copy of the weight in memory:
+ * batched decode (16-64 sequences), continuous batching's packed steps and short prefills.
+ *
+ * Where the dot-product kernel of cpu_decode.c (hfd_int4_linear: x as fixed point in byte
+ * planes, integer sums) pays its fixed-point set-up per row of x, and dequantizing the whole
+ * weight for a GEMM (quant.py's chunked path) writes and reads the bf16 weight through memory,
+ * this dequantizes a panel of HFD_QP weight rows at a time into a thread's own bf16 buffer (in
+ * L2) and multiplies every row of x with it there: the 4-bit codes are read from memory once,
+ * the panel's bf16 values once per HFD_QR rows of x from cache.
+ *
+ * Dequantization by table: within a group (32-256 columns) a code c means bf16(c * scale + min),
+ * so each group's 16 values are computed once (fp32 product, rounded, then the sum, rounded to
+ * bf16 to nearest even: quant.py's dequantize_int4 to bf16, bit for bit) and every 32 codes are
+ * looked up in one permute. Tiled codes (quant.py's row tiles in the super-chunk column order,
+ * hfd_simd.h: tile_row, int4_order) are put back in column order per row first.
+ *
+ * Numerics, the same on every tier: w = the bf16 dequantized weight above; each y[m, n] is the
+ * sum of x[m, k] * w[n, k] (exact bf16 products) in fp32 in vdpbf16ps's order (16 lanes, a pair
+ * of columns per lane per step of 32, the odd one first; hfd_simd.h emulates the instruction
+ * with the same bits below avx512_bf16), the lanes reduced in _mm512_reduce_add_ps's order. So
+ * y is what F.linear(x, dequantize_int4(W, bf16)) computes in fp32 up to the order of its sums.
+ * Each output is computed by one thread whatever their number or the position of its row in a
+ * block: the result depends on neither. y is fp32; the caller rounds (quant.py).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hfd_api.h"
+#include "hfd_simd.h"
+
+#define HFD_QP 16 /* weight rows dequantized per panel */
+#define HFD_QR 6  /* rows of x per register block */
+#define HFD_QN 4  /* panel rows per register block (HFD_QR x HFD_QN accumulators) */
+
+/* The 16 values bf16(c * s[0] + m[0]), c = 0..15, as the low 16 words of a vector (a permute
+   table): the product rounded, then the sum (fp-contract off), then to bf16 to nearest even
+   (bf16_bits_q: these are arithmetic results, never signalling NaNs) */
+static inline __m512i group_table(const float *s, const float *m) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(*s)), _mm512_set1_ps(*m));
+    return _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits_q(v)));
+}
+
+/* Rows r .. r + TILE_ROWS of the codes in column order (two per byte, column 2b in the low
+   nibble of byte b) at rows[i]: the rows themselves when row-major, else gathered from their
+   tile into tmp (TILE_ROWS x row_bytes bytes), reading the tile as the one sequential stream it
+   is, prefetched TILE_PREFETCH bytes ahead. */
+static void tile_codes(const uint8_t *packed, int64_t r, int64_t row_bytes, int tiled,
+                       uint8_t *tmp, const uint8_t *rows[TILE_ROWS]) {
+    if (!tiled) {
+        for (int i = 0; i < TILE_ROWS; i++) rows[i] = packed + (r + i) * row_bytes;
+        return;
+    }
+    const uint8_t *tile = tile_row(packed, r, row_bytes, 1), *end = tile + TILE_ROWS * row_bytes;
+    for (int i = 0; i < TILE_ROWS; i++) rows[i] = tmp + i * row_bytes;
+    const int64_t whole = row_bytes / INT4_SUPER * INT4_SUPER;
+    for (int64_t s = 0; s < whole; s += INT4_SUPER) {
+        for (int q = 0; q < 4; q++) /* the run's 1 KiB: 16 lines */
+            prefetch_tiles(tile + tile_at(s + 64 * q, 1), end);
+        for (int t = 0; t < TILE_ROWS; t++) {
+            /* stored byte 64i + 4j + b of the run holds row byte 16j + 4i + b: dword j of load i
+               goes to dword 4j + i, a 4 x 16 transpose of dwords */
+            const uint8_t *at = tile + tile_at(s, 1) + 64 * t;
+            __m512i a0 = _mm512_loadu_si512(at), a1 = _mm512_loadu_si512(at + 64 * TILE_ROWS);
+            __m512i a2 = _mm512_loadu_si512(at + 128 * TILE_ROWS);
+            __m512i a3 = _mm512_loadu_si512(at + 192 * TILE_ROWS);
+            /* per 128-bit lane l: (a0[4l + u], a1[4l + u], a2[4l + u], a3[4l + u]) in d_u */
+            __m512i b0 = _mm512_unpacklo_epi32(a0, a1), b1 = _mm512_unpackhi_epi32(a0, a1);
+            __m512i c0 = _mm512_unpacklo_epi32(a2, a3), c1 = _mm512_unpackhi_epi32(a2, a3);
+            __m512i d0 = _mm512_unpacklo_epi64(b0, c0), d1 = _mm512_unpackhi_epi64(b0, c0);
+            __m512i d2 = _mm512_unpacklo_epi64(b1, c1), d3 = _mm512_unpackhi_epi64(b1, c1);
+            /* output o = 128-bit lane o of d0, d1, d2, d3: a 4 x 4 transpose of 128-bit lanes */
+            __m512i e0 = _mm512_shuffle_i32x4(d0, d1, 0x44), e1 = _mm512_shuffle_i32x4(d0, d1, 0xEE);
+            __m512i f0 = _mm512_shuffle_i32x4(d2, d3, 0x44), f1 = _mm512_shuffle_i32x4(d2, d3, 0xEE);
+            uint8_t *out = tmp + t * row_bytes + s;
+            _mm512_storeu_si512(out, _mm512_shuffle_i32x4(e0, f0, 0x88));
+            _mm512_storeu_si512(out + 64, _mm512_shuffle_i32x4(e0, f0, 0xDD));
+            _mm512_storeu_si512(out + 128, _mm512_shuffle_i32x4(e1, f1, 0x88));
+            _mm512_storeu_si512(out + 192, _mm512_shuffle_i32x4(e1, f1, 0xDD));
+        }
+    }
+    for (int64_t o = whole; o < row_bytes; o += 64)
+        for (int t = 0; t < TILE_ROWS; t++)
+            memcpy(tmp + t * row_bytes + o, tile + tile_at(o, 1) + 64 * t, 64);
+}
+
+/* sf[0 .. G), mf[0 .. G) = row r's scales and mins as fp32 */
+static void row_scales(const void *scales, const void *mins, int s_dt, int64_t r, int64_t G,
+                       float *sf, float *mf) {
+    for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 mk = mask16(G - g);
+        _mm512_mask_storeu_ps(sf + g, mk, load16(scales, r * G + g, s_dt, mk));
+        _mm512_mask_storeu_ps(mf + g, mk, load16(mins, r * G + g, s_dt, mk));
+    }
+}
+
+/* out[0 .. K) = the bf16 weight of a row: codes in column order, sf / mf its groups' scales and
+   mins (fp32) */
+static void dequant_row(const uint8_t *codes, const float *sf, const float *mf, int64_t group,
+                        int64_t K, uint16_t *out) {
+    const int64_t G = K / group;
+    const __m512i nib = _mm512_set1_epi32(0x000F000F);
+    for (int64_t g = 0; g < G; g++) {
+        const __m512i table = group_table(sf + g, mf + g);
+        for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
+            /* dword b: byte b of the 16; its words: low nibble (column 2b), high (2b + 1) */
+            __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + c / 2)));
+            __m512i idx = _mm512_and_si512(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), nib);
+            _mm512_storeu_si512(out + c, _mm512_permutexvar_epi16(idx, table));
+        }
+    }
+}
+
+/* y[i * ldy + r] = sum_k x[i, k] w[r, k] for i < NX (a literal at each call site), r < HFD_QN */
+static inline __attribute__((always_inline)) void block_dots(const uint16_t *x, int64_t ldx,
+                                                             const int NX, const uint16_t *w,
+                                                             int64_t K, float *y, int64_t ldy) {
+    __m512 acc[HFD_QR][HFD_QN];
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < HFD_QN; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i wv[HFD_QN];
+        for (int r = 0; r < HFD_QN; r++) wv[r] = _mm512_loadu_si512(w + r * K + k);
+        for (int i = 0; i < NX; i++) {
+            const __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
+            for (int r = 0; r < HFD_QN; r++)
+                acc[i][r] = _mm512_dpbf16_ps(acc[i][r], as_bh(xv), as_bh(wv[r]));
+        }
+    }
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < HFD_QN; r++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+/* y[:, n0 .. n0 + HFD_QP) for every row of x, from the panel's bf16 rows */
+static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panel,
+                          float *y, int64_t N, int64_t n0) {
+    int64_t m = 0;
+    for (; m + HFD_QR <= M; m += HFD_QR)
+        for (int r = 0; r < HFD_QP; r += HFD_QN)
+            block_dots(x + m * K, K, HFD_QR, panel + r * K, K, y + m * N + n0 + r, N);
+    for (int r = 0; r < HFD_QP && m < M; r += HFD_QN) {
+        const uint16_t *w = panel + r * K;
+        float *yo = y + m * N + n0 + r;
+        switch (M - m) {
+            case 1: block_dots(x + m * K, K, 1, w, K, yo, N); break;
+            case 2: block_dots(x + m * K, K, 2, w, K, yo, N); break;
+            case 3: block_dots(x + m * K, K, 3, w, K, yo, N); break;
+            case 4: block_dots(x + m * K, K, 4, w, K, yo, N); break;
+            default: block_dots(x + m * K, K, 5, w, K, yo, N); break;
+        }
+    }
+}
+
+/* y [M, N] (fp32) = x [M, K] (bf16) times the 4-bit weight [N, K] (packed two per byte, groups of
+ * `group` columns with a scale and a min each, dtype s_dt; row-major, or tiles: tiled = 1) as
+ * dequantized to bf16, transposed. Threads split the weight in panels of HFD_QP rows. Returns 0;
+ * -3 for a shape this kernel does not take (N not a multiple of HFD_QP, group not a multiple of
+ * 32 or not dividing K); -2 when its buffers cannot be allocated. */
+int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
+                       const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                       float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % HFD_QP || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
+    if (tiled && (K / 2) % 64) return -3;
+    const int64_t panels = N / HFD_QP;
+    int nt = nthreads > 0 ? nthreads : 1;
+    if (nt > panels) nt = (int)panels;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
+    {
+        const int64_t G = K / group;
+        const size_t bytes = ((size_t)(HFD_QP * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63) & ~(size_t)63;
+        uint16_t *panel = aligned_alloc(64, bytes);
+        if (!panel) {
+            failed = 1;
+        } else {
+            uint8_t *tmp = (uint8_t *)(panel + HFD_QP * K);
+            float *sf = (float *)(tmp + TILE_ROWS * K / 2), *mf = sf + G + 16;
+            int me = omp_get_thread_num(), nth = omp_get_num_threads();
+            for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
+                const int64_t n0 = p * HFD_QP;
+                for (int r = 0; r < HFD_QP; r += TILE_ROWS) {
+                    const uint8_t *rows[TILE_ROWS];
+                    tile_codes(packed, n0 + r, K / 2, tiled, tmp, rows);
+                    for (int t = 0; t < TILE_ROWS; t++) {
+                        row_scales(scales, mins, s_dt, n0 + r + t, G, sf, mf);
+                        dequant_row(rows[t], sf, mf, group, K, panel + (r + t) * K);
+                    }
+                }
+                panel_product(x, M, K, panel, y, N, n0);
+            }
+            free(panel);
+        }
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,127 @@
+"""The native 4-bit x bf16 panel kernel (csrc/cpu_qgemm.c: hfd_int4_gemm_bf16, via
+kernels/quant.py): many rows of x (batched decode, continuous batching's packed steps) times a
+4-bit weight dequantized in cache, a panel of 16 rows at a time.
+
+Its dequantization must be quant.py's (dequantize_int4 to bf16) bit for bit, its products
+F.linear's on that weight up to the order of the fp32 sums, its result independent of the rows
+around a row, the thread count and the ISA tier, and linear_int4 must call it for the rows its
+crossover gives it (counted), not for others.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from switches import switch
+
+from hf_dsinfer.kernels import _native, crossovers
+from hf_dsinfer.kernels import quant as Q
+from tests.kernels.conftest import count_calls, pin_crossovers
+
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
+
+
+def _gaussian(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _weight(n, k, group, s_dt=torch.bfloat16, portable=False, seed=0):
+    w = (_gaussian(n, k, seed=seed) * 0.05).to(s_dt)
+    return Q.quantize_int4(w, group, portable=portable)
+
+
+# (n, k, group, portable): tiles with whole 512-column runs and a rest (1152), tiles without a
+# run (384), row-major codes (portable: the offload engine's), a row-major weight whose row is
+# not whole tiles (96 columns)
+SHAPES = [(48, 1152, 32, False), (32, 384, 128, False), (16, 1024, 256, True),
+          (64, 512, 64, True), (16, 96, 32, False)]
+
+
+@pytest.mark.parametrize("s_dt", (torch.bfloat16, torch.float32, torch.float16))
+@pytest.mark.parametrize("n,k,group,portable", SHAPES)
+def test_dequantization_is_quants_to_the_bit(n, k, group, portable, s_dt):
+    """x = the identity (one-hot rows): each output is one exact product, so y.T is the
+    dequantized weight the kernel multiplied by, which must equal dequantize_int4(W, bf16)."""
+    qw = _weight(n, k, group, s_dt, portable)
+    assert qw.tiled == (not portable and n % 4 == 0 and k % 128 == 0)
+    y = Q._native_int4_gemm(torch.eye(k, dtype=torch.bfloat16), qw)
+    assert y is not None and y.dtype == torch.float32
+    assert torch.equal(y.t(), Q.dequantize_int4(qw, torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("n,k,group,portable", SHAPES)
+@pytest.mark.parametrize("rows", (1, 5, 6, 13))
+def test_products_within_the_fp32_sum_bound(n, k, group, portable, rows):
+    """Random x (groups spanning 4 decades) against float64 on the bf16 weight: within the
+    worst case of any order of fp32 sums, (k - 1) * 2^-24 * sum |x w| per output."""
+    qw = _weight(n, k, group, portable=portable)
+    x = _gaussian(rows, k, seed=1)
+    x[:, ::7] *= 100.0
+    x = x.bfloat16()
+    y = Q._native_int4_gemm(x, qw)
+    w = Q.dequantize_int4(qw, torch.bfloat16).double()
+    ref = x.double() @ w.t()
+    bound = (k - 1) * 2.0**-24 * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_a_row_does_not_depend_on_its_batch_or_the_threads():
+    """13 rows at once, each row alone, and 1 thread against 2: the same bits (each output is
+    summed the same way wherever its row falls in the register blocks)."""
+    qw = _weight(32, 1152, 32)
+    x = _gaussian(13, 1152, seed=3).bfloat16()
+    many = Q._native_int4_gemm(x, qw)
+    alone = torch.cat([Q._native_int4_gemm(x[i:i + 1], qw) for i in range(13)])
+    assert torch.equal(many, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = Q._native_int4_gemm(x, qw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(many, one)
+
+
+def test_every_tier_computes_the_same_bits(monkeypatch):
+    """The tiers below avx512_bf16 emulate vdpbf16ps and the word permute (hfd_simd.h): the
+    same bits at every tier this CPU has."""
+    qw = _weight(32, 384, 64)
+    x = _gaussian(7, 384, seed=4).bfloat16()
+    best = _native.cpu_tier()
+    outs = {}
+    for tier in _native.TIERS[: _native.TIERS.index(best) + 1]:
+        switch(monkeypatch, isa=tier)
+        outs[tier] = Q._native_int4_gemm(x, qw)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(first, out) for out in outs.values()), list(outs)
+
+
+def test_shapes_it_does_not_take_fall_back():
+    """out % 16 != 0 or x not bf16: None (the caller's other paths)."""
+    assert Q._native_int4_gemm(torch.ones(3, 256, dtype=torch.bfloat16), _weight(20, 256, 32)) \
+        is None
+    assert Q._native_int4_gemm(torch.ones(3, 256), _weight(16, 256, 32)) is None
+
+
+@pytest.mark.parametrize("rows", (9, 40))
+def test_linear_int4_runs_it_for_its_rows(monkeypatch, rows):
+    """linear_int4 on the CPU takes the panel kernel from int4_native_max_rows + 1 to
+    int4_gemm_max_rows bf16 rows (pinned here, whatever the tier measured): counted, its result
+    rounded to bf16 and the bias added after; an fp32 x and more rows go elsewhere."""
+    pin_crossovers(monkeypatch, int4_native_max_rows=8, int4_gemm_max_rows=40)
+    calls = count_calls(monkeypatch, Q, "_native_int4_gemm")
+    native = count_calls(monkeypatch, Q, "_native_int4")
+    qw = _weight(48, 1152, 32)
+    x = _gaussian(rows, 1152, seed=5).bfloat16()
+    bias = _gaussian(48, seed=6).bfloat16()
+    out = Q.linear_int4(x, qw, bias, backend="cpu")
+    assert len(calls) == 1 and not native
+    want = Q._native_int4_gemm(x, qw).to(torch.bfloat16) + bias
+    assert torch.equal(out, want)
+    Q.linear_int4(x.float(), qw, backend="cpu")  # fp32 x: asked, declines
+    Q.linear_int4(_gaussian(41, 1152).bfloat16(), qw, backend="cpu")  # past its bound: not asked
+    assert len(calls) == 3  # with the call that made `want`
+    assert crossovers.rows().int4_codes_max_rows(torch.bfloat16) == 40
+    assert crossovers.rows().int4_codes_max_rows(torch.float32) == 8
