@@ -34,9 +34,10 @@ def _weight(n, k, group, s_dt=torch.bfloat16, portable=False, seed=0):
 
 # (n, k, group, portable): tiles with whole 512-column runs and a rest (1152), tiles without a
 # run (384), row-major codes (portable: the offload engine's), a row-major weight whose row is
-# not whole tiles (96 columns)
+# not whole tiles (96 columns), and 144 rows of 2048 columns: a full panel of 128 rows and a
+# last one of 16
 SHAPES = [(48, 1152, 32, False), (32, 384, 128, False), (16, 1024, 256, True),
-          (64, 512, 64, True), (16, 96, 32, False)]
+          (64, 512, 64, True), (16, 96, 32, False), (144, 2048, 32, False)]
 
 
 @pytest.mark.parametrize("s_dt", (torch.bfloat16, torch.float32, torch.float16))

@@ -4,9 +4,9 @@
  * Where the dot-product kernel of cpu_decode.c (hfd_int4_linear: x as fixed point in byte
  * planes, integer sums) pays its fixed-point set-up per row of x, and dequantizing the whole
  * weight for a GEMM (quant.py's chunked path) writes and reads the bf16 weight through memory,
- * this dequantizes a panel of HFD_QP weight rows at a time into a thread's own bf16 buffer (in
- * L2) and multiplies every row of x with it there: the 4-bit codes are read from memory once,
- * the panel's bf16 values once per HFD_QR rows of x from cache.
+ * this dequantizes a panel of weight rows (16 to HFD_QP) at a time into a thread's own bf16
+ * buffer (in L2) and multiplies every row of x with it there: the 4-bit codes are read from
+ * memory once, the panel's bf16 values once per HFD_QR rows of x from cache, x once per panel.
  *
  * Dequantization by table: within a group (32-256 columns) a code c means bf16(c * scale + min),
  * so each group's 16 values are computed once (fp32 product, rounded, then the sum, rounded to
@@ -30,7 +30,10 @@
 #include "hfd_api.h"
 #include "hfd_simd.h"
 
-#define HFD_QP 16 /* weight rows dequantized per panel */
+#define HFD_QP 128 /* most weight rows dequantized per panel (a multiple of 16) */
+/* A panel's bf16 bytes at most (it stays in L2 with the rows of x read against it): each row of
+   x is read once per panel, so the taller the panel, the fewer passes over x */
+#define HFD_QP_BYTES (512 * 1024)
 #define HFD_QR 6  /* rows of x per register block */
 #define HFD_QN 4  /* panel rows per register block (HFD_QR x HFD_QN accumulators) */
 
@@ -133,14 +136,14 @@ static inline __attribute__((always_inline)) void block_dots(const uint16_t *x, 
         for (int r = 0; r < HFD_QN; r++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-/* y[:, n0 .. n0 + HFD_QP) for every row of x, from the panel's bf16 rows */
+/* y[:, n0 .. n0 + P) for every row of x, from the panel's P bf16 rows */
 static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panel,
-                          float *y, int64_t N, int64_t n0) {
+                          int64_t P, float *y, int64_t N, int64_t n0) {
     int64_t m = 0;
     for (; m + HFD_QR <= M; m += HFD_QR)
-        for (int r = 0; r < HFD_QP; r += HFD_QN)
+        for (int r = 0; r < P; r += HFD_QN)
             block_dots(x + m * K, K, HFD_QR, panel + r * K, K, y + m * N + n0 + r, N);
-    for (int r = 0; r < HFD_QP && m < M; r += HFD_QN) {
+    for (int r = 0; r < P && m < M; r += HFD_QN) {
         const uint16_t *w = panel + r * K;
         float *yo = y + m * N + n0 + r;
         switch (M - m) {
@@ -155,33 +158,36 @@ static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_
 
 /* y [M, N] (fp32) = x [M, K] (bf16) times the 4-bit weight [N, K] (packed two per byte, groups of
  * `group` columns with a scale and a min each, dtype s_dt; row-major, or tiles: tiled = 1) as
- * dequantized to bf16, transposed. Threads split the weight in panels of HFD_QP rows. Returns 0;
- * -3 for a shape this kernel does not take (N not a multiple of HFD_QP, group not a multiple of
- * 32 or not dividing K); -2 when its buffers cannot be allocated. */
+ * dequantized to bf16, transposed. Threads split the weight in panels of 16 to HFD_QP rows (as
+ * many as HFD_QP_BYTES hold). Returns 0; -3 for a shape this kernel does not take (N not a
+ * multiple of 16, group not a multiple of 32 or not dividing K); -2 when its buffers cannot be
+ * allocated. */
 int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
                        const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                        float *y, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    if (N % HFD_QP || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
+    if (N % 16 || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
     if (tiled && (K / 2) % 64) return -3;
-    const int64_t panels = N / HFD_QP;
+    int64_t P = HFD_QP_BYTES / (2 * K) / 16 * 16;
+    P = P < 16 ? 16 : P > HFD_QP ? HFD_QP : P;
+    const int64_t panels = (N + P - 1) / P;
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > panels) nt = (int)panels;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
         const int64_t G = K / group;
-        const size_t bytes = ((size_t)(HFD_QP * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63) & ~(size_t)63;
+        const size_t bytes = ((size_t)(P * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63) & ~(size_t)63;
         uint16_t *panel = aligned_alloc(64, bytes);
         if (!panel) {
             failed = 1;
         } else {
-            uint8_t *tmp = (uint8_t *)(panel + HFD_QP * K);
+            uint8_t *tmp = (uint8_t *)(panel + P * K);
             float *sf = (float *)(tmp + TILE_ROWS * K / 2), *mf = sf + G + 16;
             int me = omp_get_thread_num(), nth = omp_get_num_threads();
             for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
-                const int64_t n0 = p * HFD_QP;
-                for (int r = 0; r < HFD_QP; r += TILE_ROWS) {
+                const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
+                for (int r = 0; r < rows; r += TILE_ROWS) {
                     const uint8_t *rows[TILE_ROWS];
                     tile_codes(packed, n0 + r, K / 2, tiled, tmp, rows);
                     for (int t = 0; t < TILE_ROWS; t++) {
@@ -189,7 +195,7 @@ int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, cons
                         dequant_row(rows[t], sf, mf, group, K, panel + (r + t) * K);
                     }
                 }
-                panel_product(x, M, K, panel, y, N, n0);
+                panel_product(x, M, K, panel, rows, y, N, n0);
             }
             free(panel);
         }
