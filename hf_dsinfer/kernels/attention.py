@@ -41,7 +41,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels import _dispatch, _native
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -349,10 +349,83 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (q0, q1, k0, k1) says that queries q0:q1 read only keys k0:k1 (mask [1, 1, T, K] masks every
     other key of those rows: the caller checked it). Each segment is one `attention` call with
     its block of the mask, so the work is the sum of the segments' q x k instead of T x K.
-    Every query row must be in one segment."""
+    Every query row must be in one segment.
+
+    On the CPU path, the segments of one query (continuous batching's decode rows) are attended
+    in one call of the native kernel (`attend_rows_native`) where it takes them (bf16, no
+    sinks, a mask of keep / masked only), instead of one torch call per request."""
     out = q.new_empty(q.shape)
-    for q0, q1, k0, k1 in segments:
+    rest = segments
+    if _dispatch.resolve(backend, q.device) == "cpu":
+        plan = _rows_plan(q, k, v, segments, mask, sinks)
+        if plan is not None:
+            spans, keep, rest = plan
+            attend_rows_native(q, k, v, spans, keep, scale, softcap, out)
+    for q0, q1, k0, k1 in rest:
         out[:, :, q0:q1] = attention(
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale=scale,
             mask=mask[..., q0:q1, k0:k1], backend=backend, softcap=softcap, sinks=sinks)
     return out
+
+
+# The last (mask, segments) planned and its plan: every layer of a forward gets the same mask and
+# segments objects (injection/paged.py), so the rows are planned once per forward. One tuple,
+# read once and replaced whole (two managers' threads never see each other's halves).
+_last_plan: tuple = (None, None, None)
+
+
+def _rows_plan(q, k, v, segments, mask, sinks):
+    """(spans [n, 3] int64 of (t, k0, k1), keep [n, K] uint8 or None, the other segments) for
+    the single-query segments the native kernel takes; None where it takes none of them."""
+    if (sinks is not None or torch.compiler.is_compiling() or q.device.type != "cpu"
+            or not (q.dtype == k.dtype == v.dtype == torch.bfloat16)
+            or q.shape[0] != 1 or q.shape[-1] % 32 or q.shape[-1] > NATIVE_ROWS_MAX_D
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad))
+            or _native.lib() is None):
+        return None
+    global _last_plan
+    last = _last_plan
+    if last[0] is mask and last[1] is segments:
+        return last[2]
+    plan = _plan_rows(segments, mask)
+    _last_plan = (mask, segments, plan)
+    return plan
+
+
+def _plan_rows(segments, mask):
+    single = [seg for seg in segments if seg[1] - seg[0] == 1]
+    if len(single) < 2 or mask.dim() != 4 or mask.shape[:2] != (1, 1):
+        return None
+    spans = torch.tensor([(q0, k0, k1) for q0, _, k0, k1 in single], dtype=torch.int64)
+    block = mask[0, 0, spans[:, 0]]  # [n, K]
+    if block.dtype == torch.bool:
+        keep = block
+    else:  # 0 (attend) or "masked" only: a bias the kernel does not add
+        masked = block <= torch.finfo(block.dtype).min
+        if not bool(((block == 0) | masked).all()):
+            return None
+        keep = ~masked
+    keep = None if bool(keep.all()) else keep.to(torch.uint8).contiguous()
+    rest = [seg for seg in segments if seg[1] - seg[0] != 1]
+    return spans, keep, rest
+
+
+# head_dim the native rows take (csrc/cpu_decode.c: MAX_D)
+NATIVE_ROWS_MAX_D = 256
+
+
+def attend_rows_native(q, k, v, spans, keep, scale, softcap, out) -> None:
+    """out[0, :, t] = attention of q[0, :, t] over keys k0:k1 of k / v for each (t, k0, k1) of
+    spans, by the native kernel (csrc/cpu_decode.c: hfd_attend_rows, the numerics of the native
+    decode layer's attention: torch's CPU flash attention's without a soft-cap, the torch path's
+    eager ones with it)."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    code = _native.lib().hfd_attend_rows(
+        q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(1), v.stride(2), spans.data_ptr(), spans.shape[0], hq, hkv, d,
+        None if keep is None else keep.data_ptr(), 0 if keep is None else keep.stride(0),
+        float(scale), float(softcap or 0.0), out.data_ptr(), out.stride(1), out.stride(2),
+        torch.get_num_threads())
+    _native.check(code, "hfd_attend_rows")

@@ -207,11 +207,17 @@ def test_calls_without_mask_or_with_alibi_go_to_hf():
 
 
 @pytest.mark.parametrize("extra", [{}, {"compile": True}, {"quant": {"bits": 4, "group_size": 32}}])
-def test_bf16_native_step_and_compiled_decode_hand_over(extra):
+def test_bf16_native_step_and_compiled_decode_hand_over(monkeypatch, extra):
     """bf16 Llama with the native one-loop decode step installed (and compiled decode, and
     int4 weights): continuous batching's calls go through HF's layer loop to the fused blocks'
     paged path, the step refuses them, and the model's generation_config (static cache and
-    compile config under compile=True) does not break generate_batch."""
+    compile config under compile=True) does not break generate_batch. Where the native kernels
+    run, the decode rows of a packed step are attended in one native call per layer."""
+    from hf_dsinfer.kernels import _native
+    from hf_dsinfer.kernels import attention as A
+    from tests.kernels.conftest import count_calls
+
+    rows = count_calls(monkeypatch, A, "attend_rows_native")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
     model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16, **extra)
@@ -223,6 +229,7 @@ def test_bf16_native_step_and_compiled_decode_hand_over(extra):
     assert all(len(r.generated_tokens) == NEW_TOKENS for r in out.values())
     assert report.step.calls == 0 and report.step.last_reason == "arguments other than HF generate's"
     assert all(f.paged.calls > 0 for f in report.blocks.values())
+    assert bool(rows) == (_native.lib() is not None)
 
 
 def _packed_mask(q_lens, k_lens, window=None, leak=False):

@@ -1120,3 +1120,43 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     free(a); free(x1); free(h); free(g); free(u); free(sc);
     return rc;
 }
+
+/* Single-query rows of packed requests (continuous batching's decode rows), each over keys of
+   its own: for row i, spans[3i .. 3i + 3) = (t, k0, k1), query position t of q attends keys
+   k0 .. k1 of k / v with every query head (head h reads kv head h / (heads / kv_heads)), by
+   `attend` (the numerics of the decode layer's attention, above). Element (h, t, c) of q at
+   q[h * qhs + t * qts + c], of k at k[h * khs + t * kss + c] (likewise v, out); keep (uint8,
+   NULL: every key) masks key k0 + s of row i where keep[i * keep_stride + k0 + s] is 0. d a
+   multiple of 32, at most MAX_D. Returns 0, -1 for bad arguments, -2 out of memory. */
+int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t *k,
+                    int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
+                    const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
+                    const uint8_t *keep, int64_t keep_stride, float scale, float softcap,
+                    uint16_t *out, int64_t ohs, int64_t ots, int nthreads) {
+    if (n <= 0) return 0;
+    if (d % 32 || d > MAX_D || kv_heads <= 0 || heads % kv_heads) return -1;
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t sk = spans[3 * i + 2] - spans[3 * i + 1];
+        if (sk < 0) return -1;
+        if (sk > most) most = sk;
+    }
+    const int64_t rep = heads / kv_heads;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    float *sc = (float *)malloc((size_t)(nt * (most + 16)) * sizeof(float));
+    if (!sc) return -2;
+#pragma omp parallel num_threads(nt)
+    {
+        float *mine = sc + (int64_t)omp_get_thread_num() * (most + 16);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t w = 0; w < n * heads; w++) {
+            const int64_t i = w / heads, h = w % heads, g = h / rep;
+            const int64_t t = spans[3 * i], k0 = spans[3 * i + 1], sk = spans[3 * i + 2] - k0;
+            attend(q + h * qhs + t * qts, k + g * khs + k0 * kss, kss, v + g * vhs + k0 * vss,
+                   vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
+                   mine, out + h * ohs + t * ots);
+        }
+    }
+    free(sc);
+    return 0;
+}

@@ -98,6 +98,11 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
                              int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
                              uint16_t *out, int nthreads);
+int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t *k,
+                    int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
+                    const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
+                    const uint8_t *keep, int64_t keep_stride, float scale, float softcap,
+                    uint16_t *out, int64_t ohs, int64_t ots, int nthreads);
 int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                     float *y, int nthreads);

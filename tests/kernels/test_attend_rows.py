@@ -1,0 +1,99 @@
+"""Continuous batching's single-query rows in one native call (kernels/attention.py:
+attention_segments -> attend_rows_native, csrc/cpu_decode.c: hfd_attend_rows).
+
+A packed row's decode requests (one query each, over keys of their own) are attended together
+by the native decode layer's attention instead of one torch call per request. Against the
+per-request torch path (the same segments, the native rows switched off): bf16 close, with the
+keys a mask masks (sliding window), a soft-cap, GQA; counted; one plan per forward; and the
+calls it does not take (fp32, sinks, a bias in the mask, head_dim) keep the torch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dsinfer.injection import paged
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import attention as A
+from tests.injection.test_continuous_batching import _packed_mask
+from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, count_calls
+
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+               reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("native_tier")]
+
+# three decode requests (one query) and two prefill chunks, one of them longer than its window
+Q_LENS, K_LENS = (1, 4, 1, 2, 1), (9, 4, 3, 12, 40)
+
+
+def _packed(window=None, d=32, dtype=torch.bfloat16, bool_mask=False):
+    mask, cu_q, cu_k = _packed_mask(Q_LENS, K_LENS, window)
+    found = paged.segments(mask, cu_q, cu_k)
+    assert found is not None and sum(q1 - q0 == 1 for q0, q1, _, _ in found) == 3
+    if bool_mask:
+        mask = mask == 0
+    gen = torch.Generator().manual_seed(0)
+    t, k = sum(Q_LENS), sum(K_LENS)
+    q = torch.randn(1, t, 4, d, generator=gen).to(dtype).transpose(1, 2)  # as the block's q
+    kv = [torch.randn(1, 2, k, d, generator=gen).to(dtype) for _ in range(2)]
+    return q, kv[0], kv[1], found, mask.to(dtype) if not bool_mask else mask
+
+
+def _torch_path(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(A, "_rows_plan", lambda *a: None)
+        return A.attention_segments(*args, **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("bool_mask", [False, True])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_rows_attend_like_the_segments(monkeypatch, window, bool_mask, softcap):
+    q, k, v, found, mask = _packed(window, bool_mask=bool_mask)
+    want = _torch_path(monkeypatch, q, k, v, found, scale=0.2, mask=mask, softcap=softcap)
+    calls = count_calls(monkeypatch, A, "attend_rows_native")
+    got = A.attention_segments(q, k, v, found, scale=0.2, mask=mask, softcap=softcap)
+    assert len(calls) == 1
+    assert_close_tol(got, want, table=REDUCTION_TOL)
+    prefill = [seg for seg in found if seg[1] - seg[0] > 1]
+    for q0, q1, _, _ in prefill:  # the torch path's own rows: its bits
+        assert torch.equal(got[:, :, q0:q1], want[:, :, q0:q1])
+
+
+def test_a_row_with_no_key_is_zeros(monkeypatch):
+    """A decode row whose keys are all masked (padding) gives zeros, as the torch path."""
+    q, k, v, found, mask = _packed(bool_mask=True)
+    mask = mask.clone()
+    mask[0, 0, 0] = False  # request 0's one query reads nothing
+    got = A.attention_segments(q, k, v, found, scale=0.2, mask=mask)
+    assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))
+    want = _torch_path(monkeypatch, q, k, v, found, scale=0.2, mask=mask)
+    assert torch.equal(want[:, :, 0], got[:, :, 0])
+
+
+def test_planned_once_per_mask_and_segments(monkeypatch):
+    q, k, v, found, mask = _packed()
+    plans = count_calls(monkeypatch, A, "_plan_rows")
+    for _ in range(3):  # the layers of one forward
+        A.attention_segments(q, k, v, found, scale=0.2, mask=mask)
+    assert len(plans) == 1
+    A.attention_segments(q, k, v, list(found), scale=0.2, mask=mask)  # the next forward's
+    assert len(plans) == 2
+
+
+def test_calls_it_does_not_take_keep_the_torch_path(monkeypatch):
+    calls = count_calls(monkeypatch, A, "attend_rows_native")
+    q, k, v, found, mask = _packed(dtype=torch.float32)
+    A.attention_segments(q, k, v, found, scale=0.2, mask=mask)  # fp32
+    q, k, v, found, mask = _packed(d=16)
+    A.attention_segments(q, k, v, found, scale=0.2, mask=mask)  # head_dim not a multiple of 32
+    q, k, v, found, mask = _packed()
+    A.attention_segments(q, k, v, found, scale=0.2, mask=mask, sinks=torch.zeros(4))  # sinks
+    biased = mask.clone()
+    biased[0, 0, 0, 0] = 0.5  # a bias the kernel does not add
+    out = A.attention_segments(q, k, v, found, scale=0.2, mask=biased)
+    assert not calls
+    assert_close_tol(out, _torch_path(monkeypatch, q, k, v, found, scale=0.2, mask=biased))
+    A.attention_segments(q, k, v, found, scale=0.2, mask=mask, backend="ref")  # not the CPU path
+    assert not calls
