@@ -42,6 +42,9 @@ class Crossovers:
     # for int4_native_max_rows + 1 .. this many bf16 rows (kernels/quant.py); None: not measured
     # on that tier's machine, dequantize + GEMM there
     int4_gemm_max_rows: int | None = None
+    # native bf16 panel kernel (csrc/cpu_qgemm.c, hfd_gemm_bf16) for bf16_gemv_max_rows + 1 ..
+    # this many bf16 rows of a linear (kernels/linear.py); None: not measured there
+    bf16_gemm_max_rows: int | None = None
 
     def int4_codes_max_rows(self, dtype) -> int:
         """The most rows of x in `dtype` that a kernel reading the 4-bit codes as stored takes
@@ -104,22 +107,29 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       (the values below; the loaded run above had given 24 / 16 / 16 / - / 32).
 # A value a tier does not use by default is inherited: the generic tier's GEMV bound is
 # avx2's (MIN_TIER), used only when HF_DSINFER_ISA names the tier.
+# bf16 panel kernel (csrc/cpu_qgemm.c) against F.linear, the same weight (8 copies cycled, on
+# huge pages as the model stores them), 2 threads, quiet, medians of 7, ms at 5 / 8 / 16 / 32 /
+# 64 / 256 rows: 0.60 / 0.71 / 0.88 / 1.37 / 2.22 / 7.56 against 0.77 / 0.83 / 0.99 / 1.37 /
+# 2.05 / 6.37: bf16_gemm_max_rows 16.
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=32, int8_pack_max_rows=24, int4_native_max_rows=8,
-                         int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=256)
+                         int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=256,
+                         bf16_gemm_max_rows=16)
 # avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
 # not measured
 ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
                                  int4_native_max_rows=16, int4_pack_max_rows=32,
                                  bf16_gemv_max_rows=4,
-                                 int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows)  # inherited
+                                 int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
+                                 bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited
 
 ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
                        int4_pack_max_rows=32,
                        bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited (MIN_TIER)
-                       int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows)  # inherited (MIN_TIER)
+                       int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited (MIN_TIER)
+                       bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited (MIN_TIER)
 
 TABLE: dict[str, Crossovers] = {
     "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
@@ -129,7 +139,8 @@ TABLE: dict[str, Crossovers] = {
     "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX2.int8_gemv_max_rows,  # inherited
                           int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,
                           bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited
-                          int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows),  # inherited
+                          int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
+                          bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows),  # inherited
 }
 assert set(TABLE) == set(_native.TIERS)
 

@@ -16,6 +16,11 @@ Numerics: products accumulate in fp32 in every path (F.linear / torch.mv do so f
 fp16 on CPU; the Triton kernels use an fp32 accumulator) and round once to x.dtype, as HF's
 nn.Linear does.
 
+From there to `bf16_gemm_max_rows` rows (batched decode of a few sequences), the native panel
+kernel of csrc/cpu_qgemm.c (hfd_gemm_bf16: the same dot products, 6 rows of x by 4 weight rows
+in registers; Llama-1.1B's MLP weight on Zen 5, 2 threads: 8 rows 0.66-0.74 ms against
+F.linear's 0.83-0.87, 16 rows 0.86-0.89 against 0.99-1.03, level at 32, slower from 64).
+
 CPU fast path: on tiers whose crossover row has `bf16_gemv_max_rows` (Zen 5's AVX-512 BF16,
 kernels/crossovers.py), 1 to 4 bf16 rows run the native GEMV of csrc/cpu_experts.c
 (hfd_gemv_bf16: vdpbf16ps dot products streaming the row-major weight once; 1024 x 1024 at one
@@ -218,16 +223,47 @@ def _native_gemv(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.reshape(*x.shape[:-1], n)
 
 
+def _native_gemm_lib(rows: int, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None):
+    """The native library when its bf16 panel kernel (csrc/cpu_qgemm.c: hfd_gemm_bf16) takes
+    this call, else None: bf16_gemv_max_rows + 1 .. bf16_gemm_max_rows bf16 rows (the running
+    tier's crossovers; None: never), in features a multiple of 32, out features of 4, otherwise
+    as the GEMV (_native_gemv_lib)."""
+    bounds = crossovers.rows()
+    n, k = weight.shape
+    fits = (bounds.bf16_gemm_max_rows is not None and rows <= bounds.bf16_gemm_max_rows
+            and rows > (bounds.bf16_gemv_max_rows or 0) and k % 32 == 0 and n % 4 == 0)
+    return _native_gemv_lib(1, x, weight, bias) if fits else None
+
+
+def _native_gemm(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y = x @ weight.T + bias by csrc/cpu_qgemm.c's hfd_gemm_bf16 (one rounding, as F.linear's;
+    the fp32 sums in another order)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    code = lib.hfd_gemm_bf16(x2.data_ptr(), weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), y.data_ptr(),
+                             x2.shape[0], n, k, torch.get_num_threads())
+    if code:
+        _native.check(code, "hfd_gemm_bf16")
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The native bf16 GEMV for up to bf16_gemv_max_rows bf16 rows where the tier's crossover
-    has one; else torch.mv for a single bf16 row on a row-major weight; the native AMX kernel
-    for 2 to CPU_AMX_MAX_ROWS bf16 rows; F.linear (addmm / oneDNN) else."""
+    has one, then its panel kernel up to bf16_gemm_max_rows; else torch.mv for a single bf16
+    row on a row-major weight; the native AMX kernel for 2 to CPU_AMX_MAX_ROWS bf16 rows;
+    F.linear (addmm / oneDNN) else."""
     k = weight.shape[1]
     rows = x.numel() // k if k else 0
     if x.device.type == "cpu" and rows >= 1:
         lib = _native_gemv_lib(rows, x, weight, bias)
         if lib is not None:
             return _native_gemv(lib, x, weight, bias)
+        lib = _native_gemm_lib(rows, x, weight, bias)
+        if lib is not None:
+            return _native_gemm(lib, x, weight, bias)
     if x.device.type == "cpu" and rows >= 2:
         lib = _native_amx_lib(rows, x, weight, bias)
         if lib is not None:

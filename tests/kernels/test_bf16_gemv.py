@@ -1,7 +1,8 @@
 """The bf16 products of a few rows (csrc/cpu_experts.c): hfd_gemv_bf16 under kernels.linear
 (nn.Linear's [out, in] weight) and hfd_matmul_kn_bf16 under kernels.matmul_kn (a weight stored
 [in, out], gpt-oss's experts), against torch on odd shapes; the same bits at every ISA tier; the
-dispatch (which calls take them, counted); a bf16 gpt-oss decode running them."""
+dispatch (which calls take them, counted); a bf16 gpt-oss decode running them. And the panel
+kernel that takes over after the GEMV's rows (csrc/cpu_qgemm.c: hfd_gemm_bf16)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,40 @@ def _gemv_runs() -> bool:
             and _native.lib("bf16_gemv") is not None)
 
 
+def _gemm_runs() -> bool:
+    return (crossovers.rows().bf16_gemm_max_rows is not None
+            and _native.lib("bf16_gemv") is not None)
+
+
+# rows (past the GEMV's 4), out (a multiple of 4, not of the 16-row panels), in (of 32)
+GEMM_SHAPES = [(5, 48, 64), (13, 36, 320), (16, 132, 1024), (7, 4, 32)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "n", "k"), GEMM_SHAPES)
+def test_linear_gemm_matches_f_linear(monkeypatch, rows, n, k, bias):
+    x, w = _gaussian(rows, k, seed=21), _gaussian(n, k, seed=22)
+    b = _gaussian(n, seed=23) if bias else None
+    calls = _counting(monkeypatch, lin, "_native_gemm")
+    _close_to(lin.linear(x, w, b, backend="cpu"), F.linear(x, w, b))
+    assert calls == ([1] if _gemm_runs() else [])
+
+
+@pytest.mark.skipif(not _gemm_runs(), reason="the bf16 panel kernel does not run at this tier")
+def test_gemm_rows_do_not_depend_on_their_batch_or_the_threads():
+    lib = _native.lib("bf16_gemv")
+    x, w, b = _gaussian(13, 320, seed=24), _gaussian(36, 320, seed=25), _gaussian(36, seed=26)
+    many = lin._native_gemm(lib, x, w, b)
+    assert torch.equal(many, torch.cat([lin._native_gemm(lib, x[i:i + 1], w, b)
+                                        for i in range(13)]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(many, lin._native_gemm(lib, x, w, b))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "n", "k"), LINEAR_SHAPES)
 def test_linear_gemv_matches_f_linear(monkeypatch, rows, n, k, bias):
@@ -81,12 +116,18 @@ def test_matmul_kn_matches_torch(monkeypatch, rows, k, n, bias):
 def test_what_stays_on_torch(monkeypatch):
     """fp32, too many rows, a strided weight, out % 16 != 0, grad: torch's ops, exactly."""
     calls = _counting(monkeypatch, lin, "_native_gemv")
+    gemm_calls = _counting(monkeypatch, lin, "_native_gemm")
     x, w = _gaussian(2, 64, seed=7), _gaussian(48, 64, seed=8)
     assert torch.equal(lin.linear(x.float(), w.float(), backend="cpu"), F.linear(x.float(),
                                                                                   w.float()))
-    assert torch.equal(lin.linear(torch.cat([x] * 4), w, backend="cpu"),
-                       F.linear(torch.cat([x] * 4), w))  # 8 rows
-    assert calls == []
+    bounds = crossovers.rows()
+    many = torch.cat([x] * ((bounds.bf16_gemm_max_rows or bounds.bf16_gemv_max_rows or 4) // 2
+                            + 1))  # more rows than the native kernels take
+    assert torch.equal(lin.linear(many, w, backend="cpu"), F.linear(many, w))
+    odd = _gaussian(8, 300, seed=27)  # in features not a multiple of 32: not the panel kernel
+    assert torch.equal(lin.linear(odd, _gaussian(48, 300), backend="cpu"),
+                       F.linear(odd, _gaussian(48, 300)))
+    assert calls == [] and gemm_calls == []
     kn_calls = _counting(monkeypatch, kn, "_native_matmul_kn")
     wk = _gaussian(64, 40, seed=9)
     for args in ((x, wk), (torch.cat([x] * 4), _gaussian(64, 48)), (x, _gaussian(48, 64).t())):
@@ -114,9 +155,11 @@ def test_below_its_tier_torch_computes(monkeypatch):
 def test_every_tier_gives_the_same_bits(monkeypatch, tier):
     x, w, b = _gaussian(3, 300, seed=12), _gaussian(37, 300, seed=13), _gaussian(37, seed=14)
     xk, wk, bk = _gaussian(2, 37, seed=15), _gaussian(37, 64, seed=16), _gaussian(64, seed=17)
+    xg, wg, bg = _gaussian(13, 320, seed=18), _gaussian(36, 320, seed=19), _gaussian(36, seed=20)
     _same(monkeypatch, tier, lambda: (
         lin._native_gemv(_native.lib("bf16_gemv"), x, w, b),
-        kn._native_matmul_kn(_native.lib("bf16_gemv"), xk, wk, bk)))
+        kn._native_matmul_kn(_native.lib("bf16_gemv"), xk, wk, bk),
+        lin._native_gemm(_native.lib("bf16_gemv"), xg, wg, bg)))
 
 
 def test_gpt_oss_bf16_decode_runs_them(monkeypatch):

@@ -28,6 +28,8 @@ def test_every_tier_has_a_row():
         panel = values.pop("int4_gemm_max_rows")  # likewise: dequantize + GEMM there
         assert (panel is None if tier == "amx"
                 else isinstance(panel, int) and panel > row.int4_native_max_rows), tier
+        bf16 = values.pop("bf16_gemm_max_rows")  # likewise: F.linear there
+        assert bf16 is None if tier == "amx" else isinstance(bf16, int) and bf16 > gemv, tier
         assert all(isinstance(v, int) and v >= 1 for v in values.values()), (tier, row)
         if tier == "amx":  # the only tier with AMX tiles
             assert all(isinstance(v, int) and v >= 1 for v in amx) and amx[1] <= amx[2]

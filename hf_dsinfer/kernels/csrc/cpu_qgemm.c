@@ -116,10 +116,21 @@ static void dequant_row(const uint8_t *codes, const float *sf, const float *mf, 
     }
 }
 
-/* y[i * ldy + r] = sum_k x[i, k] w[r, k] for i < NX (a literal at each call site), r < HFD_QN */
+/* Where the products go: y [M, N] of dtype y_dt (DT_F32, or DT_BF16 rounded to nearest even),
+   plus bias [N] (bf16, NULL: none) added to the fp32 sum before that rounding */
+typedef struct {
+    void *y;
+    int y_dt;
+    const uint16_t *bias;
+    int64_t N;
+} out_t;
+
+/* y[m + i, n + r] = sum_k x[i, k] w[r, k] (+ bias[n + r]) for i < NX (a literal at each call
+   site), r < HFD_QN; x rows ldx apart, weight rows K apart */
 static inline __attribute__((always_inline)) void block_dots(const uint16_t *x, int64_t ldx,
                                                              const int NX, const uint16_t *w,
-                                                             int64_t K, float *y, int64_t ldy) {
+                                                             int64_t K, const out_t *o, int64_t m,
+                                                             int64_t n) {
     __m512 acc[HFD_QR][HFD_QN];
     for (int i = 0; i < NX; i++)
         for (int r = 0; r < HFD_QN; r++) acc[i][r] = _mm512_setzero_ps();
@@ -133,27 +144,37 @@ static inline __attribute__((always_inline)) void block_dots(const uint16_t *x, 
         }
     }
     for (int i = 0; i < NX; i++)
-        for (int r = 0; r < HFD_QN; r++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][r]);
+        for (int r = 0; r < HFD_QN; r++) {
+            float sum = _mm512_reduce_add_ps(acc[i][r]);
+            if (o->bias) sum += load_f32(o->bias, n + r, DT_BF16);
+            store_f32(o->y, (m + i) * o->N + n + r, o->y_dt, sum);
+        }
 }
 
-/* y[:, n0 .. n0 + P) for every row of x, from the panel's P bf16 rows */
-static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panel,
-                          int64_t P, float *y, int64_t N, int64_t n0) {
+/* y[:, n0 .. n0 + P) for every row of x, from P bf16 weight rows (K apart) at w */
+static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t P,
+                          const out_t *o, int64_t n0) {
     int64_t m = 0;
     for (; m + HFD_QR <= M; m += HFD_QR)
         for (int r = 0; r < P; r += HFD_QN)
-            block_dots(x + m * K, K, HFD_QR, panel + r * K, K, y + m * N + n0 + r, N);
+            block_dots(x + m * K, K, HFD_QR, w + r * K, K, o, m, n0 + r);
     for (int r = 0; r < P && m < M; r += HFD_QN) {
-        const uint16_t *w = panel + r * K;
-        float *yo = y + m * N + n0 + r;
+        const uint16_t *wr = w + r * K, *xm = x + m * K;
         switch (M - m) {
-            case 1: block_dots(x + m * K, K, 1, w, K, yo, N); break;
-            case 2: block_dots(x + m * K, K, 2, w, K, yo, N); break;
-            case 3: block_dots(x + m * K, K, 3, w, K, yo, N); break;
-            case 4: block_dots(x + m * K, K, 4, w, K, yo, N); break;
-            default: block_dots(x + m * K, K, 5, w, K, yo, N); break;
+            case 1: block_dots(xm, K, 1, wr, K, o, m, n0 + r); break;
+            case 2: block_dots(xm, K, 2, wr, K, o, m, n0 + r); break;
+            case 3: block_dots(xm, K, 3, wr, K, o, m, n0 + r); break;
+            case 4: block_dots(xm, K, 4, wr, K, o, m, n0 + r); break;
+            default: block_dots(xm, K, 5, wr, K, o, m, n0 + r); break;
         }
     }
+}
+
+/* Rows in a panel of K columns: as many as HFD_QP_BYTES of bf16 hold, a multiple of 16 from 16
+   to HFD_QP */
+static int64_t panel_rows(int64_t K) {
+    int64_t P = HFD_QP_BYTES / (2 * K) / 16 * 16;
+    return P < 16 ? 16 : P > HFD_QP ? HFD_QP : P;
 }
 
 /* y [M, N] (fp32) = x [M, K] (bf16) times the 4-bit weight [N, K] (packed two per byte, groups of
@@ -168,9 +189,8 @@ int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, cons
     if (M <= 0 || N <= 0) return 0;
     if (N % 16 || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
     if (tiled && (K / 2) % 64) return -3;
-    int64_t P = HFD_QP_BYTES / (2 * K) / 16 * 16;
-    P = P < 16 ? 16 : P > HFD_QP ? HFD_QP : P;
-    const int64_t panels = (N + P - 1) / P;
+    const int64_t P = panel_rows(K), panels = (N + P - 1) / P;
+    const out_t o = {y, DT_F32, NULL, N};
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > panels) nt = (int)panels;
     int failed = 0;
@@ -195,10 +215,38 @@ int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, cons
                         dequant_row(rows[t], sf, mf, group, K, panel + (r + t) * K);
                     }
                 }
-                panel_product(x, M, K, panel, rows, y, N, n0);
+                panel_product(x, M, K, panel, rows, &o, n0);
             }
             free(panel);
         }
     }
     return failed ? -2 : 0;
+}
+
+/* y [M, N] = bf16(x [M, K] @ w [N, K]^T + bias [N]) for bf16 x, w, bias (optional) and y: the
+ * bias added to the fp32 sum, one rounding, as F.linear; the sums in vdpbf16ps's order (see the
+ * header; oneDNN's differ in their last bits, so a bf16 output may differ from F.linear's by one
+ * unit in the last place). The weight is read where it is, in panels of panel_rows(K) rows
+ * (from memory once, then from L2 for each block of HFD_QR rows of x); threads split the panels.
+ * Measured on Zen 5 against F.linear (kernels/crossovers.py): faster from 5 to 16 rows, level at
+ * 32, slower from 64 (oneDNN's blocking), so linear.py takes it for a few rows only.
+ * Returns 0, or -3 for a shape this kernel does not take (K not a multiple of 32, N not a
+ * multiple of HFD_QN). */
+int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                  int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0 || K % 32 || N % HFD_QN) return -3;
+    const int64_t P = panel_rows(K), panels = (N + P - 1) / P;
+    const out_t o = {y, DT_BF16, bias, N};
+    int nt = nthreads > 0 ? nthreads : 1;
+    if (nt > panels) nt = (int)panels;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int me = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
+            const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
+            panel_product(x, M, K, w + n0 * K, rows, &o, n0);
+        }
+    }
+    return 0;
 }
