@@ -5,7 +5,8 @@ For each tier this CPU runs, in a process of its own that pretends a CPU whose b
 with torch's own kernels capped to match (ATEN_CPU_CAPABILITY: default below avx2, avx2,
 avx512), it times the candidate paths of an int8 and an int4 linear over a range of row counts:
 
-    int8: native GEMV (csrc/cpu_quant.c, on row tiles) | torch's _weight_int8pack_mm |
+    int8: native GEMV (csrc/cpu_quant.c, on row tiles) | the native panel kernel
+          (csrc/cpu_qgemm.c, on row tiles) | torch's _weight_int8pack_mm |
           dequantize 512 rows at a time + F.linear (the native dequantization where that tier
           runs it, else torch's element-wise ops)
     int4: native int4 linear (csrc/cpu_decode.c, on row tiles) | the native panel kernel
@@ -50,8 +51,12 @@ ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512",
 # kernels/crossovers.py. The native int4 kernel reads codes of which torch's kernel has no copy
 # (tiles where it runs by default, the offload engine's portable codes everywhere), so its only
 # alternative is dequantize + GEMM.
+# The panel kernels take over where the dot-product kernels stop: their bound is found over the
+# row counts past that one (field: the field it follows).
+AFTER = {"int8_gemm_max_rows": "int8_gemv_max_rows", "int4_gemm_max_rows": "int4_native_max_rows"}
 COMPARISONS = {
-    "int8_gemv_max_rows": ("int8", "native", ("int8pack", "dequant")),
+    "int8_gemv_max_rows": ("int8", "native", ("gemm", "int8pack", "dequant")),
+    "int8_gemm_max_rows": ("int8", "gemm", ("int8pack", "dequant")),
     "int8_pack_max_rows": ("int8", "int8pack", ("dequant",)),
     "int4_native_max_rows": ("int4", "native", ("gemm", "dequant")),
     "int4_gemm_max_rows": ("int4", "gemm", ("dequant",)),
@@ -87,8 +92,9 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
         ("int4", "dequant"): lambda x, i: Q._chunked_dequant_linear(
             x, out_f, functools.partial(Q.dequantize_int4_rows, stored4[i], x.dtype), None),
     }
-    if _native.lib("int4_gemm") is not None:  # from its MIN_TIER on
+    if _native.lib("panel") is not None:  # from its MIN_TIER on
         paths["int4", "gemm"] = lambda x, i: Q._native_int4_gemm(x, tiles4[i]).to(x.dtype)
+        paths["int8", "gemm"] = lambda x, i: Q._native_int8_gemm(x, tiles8[i]).to(x.dtype)
     if has8:  # as linear_int8_cpu calls it: on a row-major copy where the tier stores tiles
         paths["int8", "int8pack"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x, Q.int8_matrix(w8[i]).contiguous(), w8[i].scales)
@@ -194,10 +200,14 @@ def main() -> None:
     result = {}
     for tier in tiers:
         times = _tier_times(tier, args)
-        found = {name: crossover(times[op][path], [times[op][o] for o in others
-                                                   if o in times[op]])
-                 for name, (op, path, others) in COMPARISONS.items()
-                 if path in times[op] and any(o in times[op] for o in others)}
+        found = {}
+        for name, (op, path, others) in COMPARISONS.items():
+            if path not in times[op] or not any(o in times[op] for o in others):
+                continue
+            faster = times[op][path]
+            if (before := AFTER.get(name)) in found:  # a middle path: from where it takes over
+                faster = {r: t for r, t in faster.items() if int(r) > found[before]}
+            found[name] = crossover(faster, [times[op][o] for o in others if o in times[op]])
         _print_tier(tier, times, found)
         result[tier] = {"times_ms": times, "crossovers": found}
     print("\n| tier | " + " | ".join(COMPARISONS) + " |")

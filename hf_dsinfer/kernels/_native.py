@@ -203,6 +203,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_attend_rows.restype = i32
     lib.hfd_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_gemm_bf16.restype = i32
+    lib.hfd_int8_gemm_bf16.argtypes = [p, i64, p, p, i32, i64, i64, i32, p, i32]
+    lib.hfd_int8_gemm_bf16.restype = i32
     lib.hfd_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.hfd_gemm_bf16.restype = i32
     lib.hfd_int8_amx.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
@@ -256,13 +258,13 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 #   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c) against torch's bf16 kernels:
 #       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
-#   "int4_gemm": 4-bit weights times many bf16 rows, a panel dequantized in cache at a time
+#   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
 #       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16); below
 #       it the bf16 dot products and the table look-ups are emulated, not measured
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
-            "codes": "generic", "bf16_gemv": "avx512_bf16", "int4_gemm": "avx512_bf16"}
+            "codes": "generic", "bf16_gemv": "avx512_bf16", "panel": "avx512_bf16"}
 
 
 def _running() -> tuple[str, bool]:

@@ -42,6 +42,9 @@ class Crossovers:
     # for int4_native_max_rows + 1 .. this many bf16 rows (kernels/quant.py); None: not measured
     # on that tier's machine, dequantize + GEMM there
     int4_gemm_max_rows: int | None = None
+    # native int8 x bf16 panel kernel (csrc/cpu_qgemm.c, hfd_int8_gemm_bf16) after the GEMV's
+    # rows up to this many bf16 rows (kernels/quant.py); None: not measured there
+    int8_gemm_max_rows: int | None = None
     # native bf16 panel kernel (csrc/cpu_qgemm.c, hfd_gemm_bf16) for bf16_gemv_max_rows + 1 ..
     # this many bf16 rows of a linear (kernels/linear.py); None: not measured there
     bf16_gemm_max_rows: int | None = None
@@ -94,17 +97,22 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 #       (~0.37-0.39 ms) to those alternatives (the GEMV ~6 ms at 16 rows, where the quiet run
 #       above had _weight_int8pack_mm at 6.47 and dequantize + GEMM at 5.56); measure them
 #       again on a quiet machine.
-#   avx512_bf16 again, with the int4 panel kernel (csrc/cpu_qgemm.c), 2026-11-24 (evening),
-#       quiet machine (load < 1), 2 threads, the same weight (8 copies cycled), group 32,
-#       medians of 7 (`python benchmarks/crossovers.py --tiers avx512_bf16 --reps 7`; the int4
-#       dequantize path on the codes as this tier stores them, tiles). ms at 1 / 8 / 16 / 32 /
-#       64 / 256 / 512 rows: int4 native 0.20 / 0.71 / 1.18 / 2.15 / 4.04 / 18.8 / 44.0, panel
-#       kernel 0.54 / 0.73 / 0.88 / 1.37 / 2.18 / 7.63 / 15.3, dequantize + GEMM 2.05 / 2.10 /
-#       2.30 / 2.68 / 3.37 / 7.66 / 13.7, _weight_int4pack_mm_for_cpu 0.17 / 0.54 / 1.07 / 2.06
-#       / 4.11 / 16.5 / 33.4; int8 GEMV 0.30 / 0.66 / 1.09 / 1.93 / 3.65, dequantize + GEMM 2.02
-#       / 2.09 / 2.19 / 2.52 / 3.12, _weight_int8pack_mm 0.99 / 1.33 / 1.83 / 2.82 / 4.79.
-#       Crossovers: int8 GEMV 32, int8 pack 24, int4 native 8, panel kernel 256, int4 pack 32
-#       (the values below; the loaded run above had given 24 / 16 / 16 / - / 32).
+#   avx512_bf16 again, with the panel kernels (csrc/cpu_qgemm.c), 2026-11-24 (evening), quiet
+#       machine (load ~1), 2 threads, the same weight (8 copies cycled), group 32, medians of 7
+#       (`python benchmarks/crossovers.py --tiers avx512_bf16 --reps 7 --rows 1 2 4 6 8 12 16
+#       24 32 48 64 128 256 384 512`; the dequantize paths on the codes as this tier stores
+#       them, tiles). ms at 1 / 8 / 16 / 24 / 32 / 64 / 256 / 512 rows:
+#       int8 GEMV 0.32 / 0.70 / 1.17 / 1.62 / 2.06 / 3.88 / 15.9 / 34.3, panel kernel 1.57 /
+#       1.32 / 1.51 / 1.65 / 1.90 / 2.68 / 7.70 / 14.3, dequantize + GEMM 2.33 / 2.30 / 2.56 /
+#       2.78 / 2.76 / 3.49 / 7.98 / 14.4, _weight_int8pack_mm 1.11 / 1.47 / 2.02 / 2.55 / 3.05
+#       / 5.12 / 17.7 / 34.0; int4 native 0.21 / 0.74 / 1.24 / 1.74 / 2.24 / 4.20 / 20.4 / 40.0,
+#       panel kernel 0.59 / 0.75 / 0.93 / 1.13 / 1.38 / 2.15 / 7.11 / 13.8, dequantize + GEMM
+#       2.27 / 2.31 / 2.46 / 2.69 / 2.94 / 3.70 / 8.22 / 14.4, _weight_int4pack_mm_for_cpu 0.19
+#       / 0.57 / 1.11 / 1.64 / 2.20 / 4.34 / 17.3 / 34.3. Past 512 rows dequantize + GEMM wins
+#       (2048 rows: int4 panel 65 ms against 52: the panels read all of x each).
+#       Crossovers: int8 GEMV 24, int8 panel 512, int8 pack 24, int4 native 8, int4 panel 512,
+#       int4 pack 32 (the values below; the loaded run above had given 48 / - / 16 / 16 / - /
+#       32).
 # A value a tier does not use by default is inherited: the generic tier's GEMV bound is
 # avx2's (MIN_TIER), used only when HF_DSINFER_ISA names the tier.
 # bf16 panel kernel (csrc/cpu_qgemm.c) against F.linear, the same weight (8 copies cycled, on
@@ -114,21 +122,23 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
-ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=32, int8_pack_max_rows=24, int4_native_max_rows=8,
-                         int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=256,
-                         bf16_gemm_max_rows=16)
+ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=24, int4_native_max_rows=8,
+                         int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
+                         int8_gemm_max_rows=512, bf16_gemm_max_rows=16)
 # avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
 # not measured
 ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
                                  int4_native_max_rows=16, int4_pack_max_rows=32,
                                  bf16_gemv_max_rows=4,
                                  int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
+                                 int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited
                                  bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited
 
 ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
                        int4_pack_max_rows=32,
                        bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited (MIN_TIER)
                        int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited (MIN_TIER)
+                       int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited (MIN_TIER)
                        bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited (MIN_TIER)
 
 TABLE: dict[str, Crossovers] = {
@@ -140,6 +150,7 @@ TABLE: dict[str, Crossovers] = {
                           int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,
                           bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited
                           int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
+                          int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited
                           bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows),  # inherited
 }
 assert set(TABLE) == set(_native.TIERS)

@@ -555,11 +555,38 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
     return y
 
 
+def _native_int8_gemm(x2: torch.Tensor, qweight: Int8Weight) -> torch.Tensor | None:
+    """x2 [M, in] (bf16, the input scale already folded in) times the int8 weight by
+    csrc/cpu_qgemm.c's hfd_int8_gemm_bf16 in fp32: panels of weight rows dequantized to bf16 in
+    cache (F.linear on dequantize_int8(W, bf16) up to the order of the fp32 sums). None where it
+    does not run: no library for "panel" (_native.MIN_TIER), x not bf16, an input
+    scale left, or a shape it does not take (out % 16, in % 32)."""
+    lib, dtypes = _native.lib("panel"), _native.DTYPE_CODES
+    q, scales = qweight.qweight, qweight.scales
+    if (lib is None or x2.device.type != "cpu" or x2.dtype != torch.bfloat16
+            or qweight.in_scale is not None or scales.dtype not in dtypes
+            or not (scales.is_contiguous() and q.is_contiguous())):
+        return None
+    m, k = x2.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    code = lib.hfd_int8_gemm_bf16(x2.data_ptr(), m, q.data_ptr(), scales.data_ptr(),
+                                  dtypes[scales.dtype], n, k, int(qweight.tiled), y.data_ptr(),
+                                  torch.get_num_threads())
+    if code == -3:  # a shape the kernel does not take
+        return None
+    _native.check(code, "hfd_int8_gemm_bf16")
+    return y
+
+
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
     """AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows: the AMX-INT8 kernel where it runs; else the
-    native GEMV up to int8_gemv_max_rows rows where it runs; else torch's _weight_int8pack_mm
-    up to int8_pack_max_rows rows where it passed its probe (on a row-major copy of tiles: the
-    same numerics whichever layout the weight has), else chunked dequantize + GEMM."""
+    native GEMV up to int8_gemv_max_rows rows where it runs; else, up to int8_gemm_max_rows bf16
+    rows, the native kernel that dequantizes panels of the weight in cache (where the tier has
+    that bound; the product rounded to bf16, then the bias added); else torch's
+    _weight_int8pack_mm up to int8_pack_max_rows rows where it passed its probe (on a row-major
+    copy of tiles: the same numerics whichever layout the weight has), else chunked dequantize
+    + GEMM."""
     n = qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     y = _native_int8_amx(x2, qweight, bias)
@@ -569,6 +596,12 @@ def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | N
     if lib is not None:
         return _native_int8(lib, x2, qweight, bias).reshape(*x.shape[:-1], n)
     x2, qweight = _fold_in_scale(x2, qweight)  # torch's kernels take plain int8
+    most = crossovers.rows().int8_gemm_max_rows
+    if most is not None and x2.shape[0] <= most:
+        y = _native_int8_gemm(x2, qweight)
+        if y is not None:
+            y = y.to(x.dtype)
+            return (y if bias is None else y + bias).reshape(*x.shape[:-1], n)
     # torch's int8 CPU kernel reads the input dim 16 at a time: other sizes crash the process
     if (x2.shape[0] <= crossovers.rows().int8_pack_max_rows and x2.shape[1] % 16 == 0
             and verified(INT8PACK_MM, x.dtype, _probe_int8pack_mm)):
@@ -640,9 +673,9 @@ def _native_int4_gemm(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | N
     """x2 [M, in] (bf16) times the weight by csrc/cpu_qgemm.c's hfd_int4_gemm_bf16 in fp32: a
     panel of weight rows dequantized to bf16 in cache at a time, every row of x multiplied with
     it there (F.linear on dequantize_int4(W, bf16) up to the order of the fp32 sums). None where
-    it does not run: no library for "int4_gemm" (_native.MIN_TIER), x not bf16, or a shape it
+    it does not run: no library for "panel" (_native.MIN_TIER), x not bf16, or a shape it
     does not take (out % 16, group % 32)."""
-    lib, dtypes = _native.lib("int4_gemm"), _native.DTYPE_CODES
+    lib, dtypes = _native.lib("panel"), _native.DTYPE_CODES
     scales, mins = qweight.scales, qweight.mins
     if (lib is None or x2.device.type != "cpu" or x2.dtype != torch.bfloat16
             or scales.dtype not in dtypes or mins.dtype != scales.dtype

@@ -1,5 +1,6 @@
-/* 4-bit weights times many rows of bf16 x, without a dequantized copy of the weight in memory:
- * batched decode (16-64 sequences), continuous batching's packed steps and short prefills.
+/* 4-bit and int8 weights times many rows of bf16 x, without a dequantized copy of the weight in
+ * memory: batched decode (16-64 sequences), continuous batching's packed steps, short prefills.
+ * And bf16 weights times a few rows (hfd_gemm_bf16, below).
  *
  * Where the dot-product kernel of cpu_decode.c (hfd_int4_linear: x as fixed point in byte
  * planes, integer sums) pays its fixed-point set-up per row of x, and dequantizing the whole
@@ -177,26 +178,40 @@ static int64_t panel_rows(int64_t K) {
     return P < 16 ? 16 : P > HFD_QP ? HFD_QP : P;
 }
 
-/* y [M, N] (fp32) = x [M, K] (bf16) times the 4-bit weight [N, K] (packed two per byte, groups of
- * `group` columns with a scale and a min each, dtype s_dt; row-major, or tiles: tiled = 1) as
- * dequantized to bf16, transposed. Threads split the weight in panels of 16 to HFD_QP rows (as
- * many as HFD_QP_BYTES hold). Returns 0; -3 for a shape this kernel does not take (N not a
- * multiple of 16, group not a multiple of 32 or not dividing K); -2 when its buffers cannot be
- * allocated. */
-int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
-                       const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
-                       float *y, int nthreads) {
-    if (M <= 0 || N <= 0) return 0;
-    if (N % 16 || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
-    if (tiled && (K / 2) % 64) return -3;
+/* out[0 .. K) = bf16(q * s) for an int8 row (row-major, or in tiles: tiled = 1): quant.py's
+   dequantize_int8 to bf16 without an input scale (the caller folds that into x) */
+static void dequant_int8_row(const int8_t *q, int64_t r, int64_t K, int tiled, float s,
+                             uint16_t *out) {
+    const uint8_t *row = tile_row(q, r, K, tiled);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t c = 0; c < K; c += 16) {
+        const __m128i q16 = _mm_loadu_si128((const __m128i *)(row + tile_at(c, tiled)));
+        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)), sv);
+        _mm256_storeu_si256((__m256i *)(out + c), _mm512_cvtepi32_epi16(bf16_bits_q(w)));
+    }
+}
+
+/* A quantized weight [N, K]: 4-bit codes (bits 4; groups of `group` columns with a scale and a
+   min each) or int8 (bits 8; a scale per row), row-major or in tiles */
+typedef struct {
+    int bits, tiled, s_dt;
+    const void *q, *scales, *mins;
+    int64_t group;
+} qweight_t;
+
+/* y [M, N] (fp32) = x [M, K] (bf16) times the weight dequantized to bf16, transposed: panels of
+   panel_rows(K) weight rows dequantized into each thread's buffer, then every row of x against
+   them. Threads split the panels. */
+static int qgemm(const uint16_t *x, int64_t M, const qweight_t *w, int64_t N, int64_t K,
+                 float *y, int nthreads) {
     const int64_t P = panel_rows(K), panels = (N + P - 1) / P;
+    const int64_t G = w->bits == 4 ? K / w->group : 1;
     const out_t o = {y, DT_F32, NULL, N};
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > panels) nt = (int)panels;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
-        const int64_t G = K / group;
         const size_t bytes = ((size_t)(P * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63) & ~(size_t)63;
         uint16_t *panel = aligned_alloc(64, bytes);
         if (!panel) {
@@ -207,12 +222,19 @@ int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, cons
             int me = omp_get_thread_num(), nth = omp_get_num_threads();
             for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
                 const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
-                for (int r = 0; r < rows; r += TILE_ROWS) {
-                    const uint8_t *rows[TILE_ROWS];
-                    tile_codes(packed, n0 + r, K / 2, tiled, tmp, rows);
+                for (int64_t r = 0; r < rows; r += TILE_ROWS) {
+                    if (w->bits == 8) {
+                        for (int t = 0; t < TILE_ROWS; t++)
+                            dequant_int8_row(w->q, n0 + r + t, K, w->tiled,
+                                             load_f32(w->scales, n0 + r + t, w->s_dt),
+                                             panel + (r + t) * K);
+                        continue;
+                    }
+                    const uint8_t *codes[TILE_ROWS];
+                    tile_codes(w->q, n0 + r, K / 2, w->tiled, tmp, codes);
                     for (int t = 0; t < TILE_ROWS; t++) {
-                        row_scales(scales, mins, s_dt, n0 + r + t, G, sf, mf);
-                        dequant_row(rows[t], sf, mf, group, K, panel + (r + t) * K);
+                        row_scales(w->scales, w->mins, w->s_dt, n0 + r + t, G, sf, mf);
+                        dequant_row(codes[t], sf, mf, w->group, K, panel + (r + t) * K);
                     }
                 }
                 panel_product(x, M, K, panel, rows, &o, n0);
@@ -221,6 +243,33 @@ int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, cons
         }
     }
     return failed ? -2 : 0;
+}
+
+/* y [M, N] (fp32) = x [M, K] (bf16) times the 4-bit weight [N, K] (packed two per byte, groups of
+ * `group` columns with a scale and a min each, dtype s_dt; row-major, or tiles: tiled = 1) as
+ * dequantized to bf16, transposed. Returns 0; -3 for a shape this kernel does not take (N not a
+ * multiple of 16, group not a multiple of 32 or not dividing K); -2 when its buffers cannot be
+ * allocated. */
+int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
+                       const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                       float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % 16 || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
+    if (tiled && (K / 2) % 64) return -3;
+    const qweight_t w = {4, tiled, s_dt, packed, scales, mins, group};
+    return qgemm(x, M, &w, N, K, y, nthreads);
+}
+
+/* The same for an int8 weight [N, K] (a scale per row, dtype s_dt; row-major, or tiles) as
+ * dequantized to bf16 (q * s, rounded): the caller folds an input scale into x. Returns 0; -3
+ * for N not a multiple of 16 or K not of 32; -2 out of memory. */
+int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void *scales,
+                       int s_dt, int64_t N, int64_t K, int tiled, float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % 16 || K <= 0 || K % 32) return -3;
+    if (tiled && K % 64) return -3;
+    const qweight_t w = {8, tiled, s_dt, q, scales, NULL, 0};
+    return qgemm(x, M, &w, N, K, y, nthreads);
 }
 
 /* y [M, N] = bf16(x [M, K] @ w [N, K]^T + bias [N]) for bf16 x, w, bias (optional) and y: the

@@ -107,11 +107,13 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                     float *y, int nthreads);
 
-/* ---- cpu_qgemm.c: 4-bit and bf16 weights times many bf16 rows, a panel in cache at a time ---- */
+/* ---- cpu_qgemm.c: int4 / int8 / bf16 weights times bf16 rows, a panel in cache at a time ---- */
 
 int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
                        const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                        float *y, int nthreads);
+int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void *scales,
+                       int s_dt, int64_t N, int64_t K, int tiled, float *y, int nthreads);
 int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                   int64_t M, int64_t N, int64_t K, int nthreads);
 

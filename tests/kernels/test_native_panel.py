@@ -1,11 +1,11 @@
-"""The native 4-bit x bf16 panel kernel (csrc/cpu_qgemm.c: hfd_int4_gemm_bf16, via
+"""The native panel kernels (csrc/cpu_qgemm.c: hfd_int4_gemm_bf16 and hfd_int8_gemm_bf16, via
 kernels/quant.py): many rows of x (batched decode, continuous batching's packed steps) times a
-4-bit weight dequantized in cache, a panel of 16 rows at a time.
+4-bit or int8 weight dequantized in cache, a panel of rows at a time.
 
-Its dequantization must be quant.py's (dequantize_int4 to bf16) bit for bit, its products
-F.linear's on that weight up to the order of the fp32 sums, its result independent of the rows
-around a row, the thread count and the ISA tier, and linear_int4 must call it for the rows its
-crossover gives it (counted), not for others.
+Their dequantization must be quant.py's (dequantize_int4 / dequantize_int8 to bf16) bit for
+bit, their products F.linear's on that weight up to the order of the fp32 sums, the result
+independent of the rows around a row, the thread count and the ISA tier, and linear_int4 /
+linear_int8 must call them for the rows their crossovers give them (counted), not for others.
 """
 
 from __future__ import annotations
@@ -87,14 +87,15 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads():
 
 def test_every_tier_computes_the_same_bits(monkeypatch):
     """The tiers below avx512_bf16 emulate vdpbf16ps and the word permute (hfd_simd.h): the
-    same bits at every tier this CPU has."""
+    same bits at every tier this CPU has, for both kernels."""
     qw = _weight(32, 384, 64)
+    q8 = Q.quantize_int8((_gaussian(32, 384, seed=5) * 0.05).bfloat16())
     x = _gaussian(7, 384, seed=4).bfloat16()
     best = _native.cpu_tier()
     outs = {}
     for tier in _native.TIERS[: _native.TIERS.index(best) + 1]:
         switch(monkeypatch, isa=tier)
-        outs[tier] = Q._native_int4_gemm(x, qw)
+        outs[tier] = torch.cat([Q._native_int4_gemm(x, qw), Q._native_int8_gemm(x, q8)])
     first = next(iter(outs.values()))
     assert all(torch.equal(first, out) for out in outs.values()), list(outs)
 
@@ -126,3 +127,44 @@ def test_linear_int4_runs_it_for_its_rows(monkeypatch, rows):
     assert len(calls) == 3  # with the call that made `want`
     assert crossovers.rows().int4_codes_max_rows(torch.bfloat16) == 40
     assert crossovers.rows().int4_codes_max_rows(torch.float32) == 8
+
+
+# (n, k, equalize): tiles (k % 64 == 0) and row-major rows (96 columns), with an input scale
+INT8_SHAPES = [(48, 1152, False), (32, 96, False), (144, 2048, True)]
+
+
+@pytest.mark.parametrize("s_dt", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("n,k,equalize", INT8_SHAPES)
+def test_int8_dequantization_is_quants_to_the_bit(n, k, equalize, s_dt):
+    """As for 4 bits: x = the identity gives the weight the kernel multiplied by, q * s rounded
+    to bf16 (the input scale is the caller's, folded into x as the chunked path does)."""
+    qw = Q.quantize_int8((_gaussian(n, k) * 0.05).to(s_dt), equalize=equalize)
+    assert qw.tiled == (k % 64 == 0)
+    plain = qw._replace(in_scale=None)
+    y = Q._native_int8_gemm(torch.eye(k, dtype=torch.bfloat16), plain)
+    assert torch.equal(y.t(), Q.dequantize_int8(plain, torch.bfloat16).float())
+    assert Q._native_int8_gemm(torch.eye(k, dtype=torch.bfloat16), qw) is None or not equalize
+
+
+@pytest.mark.parametrize("n,k,equalize", INT8_SHAPES)
+@pytest.mark.parametrize("rows", (1, 7, 25))
+def test_int8_products_and_dispatch(monkeypatch, n, k, equalize, rows):
+    """linear_int8 takes the panel kernel past the GEMV's rows (bounds pinned: GEMV 0 rows; AMX
+    off),
+    counted; against float64 on the bf16 weight of (x * in_scale) rounded to bf16, as the
+    chunked path folds it: within the fp32 sum bound, then one bf16 rounding and the bias."""
+    switch(monkeypatch, amx=False)  # an AMX CPU's int8 tiles would take these rows first
+    pin_crossovers(monkeypatch, int8_gemv_max_rows=0, int8_gemm_max_rows=25)
+    calls = count_calls(monkeypatch, Q, "_native_int8_gemm")
+    qw = Q.quantize_int8((_gaussian(n, k) * 0.05).bfloat16(), equalize=equalize)
+    x = _gaussian(rows, k, seed=1).bfloat16()
+    bias = _gaussian(n, seed=2).bfloat16()
+    out = Q.linear_int8(x, qw, bias, backend="cpu")
+    assert len(calls) == 1
+    x2, plain = Q._fold_in_scale(x, qw)
+    w = Q.dequantize_int8(plain, torch.bfloat16).double()
+    ref = x2.double() @ w.t()
+    bound = (k - 1) * 2.0**-24 * (x2.double().abs() @ w.abs().t())
+    y = Q._native_int8_gemm(x2, plain)
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert torch.equal(out, y.to(torch.bfloat16) + bias)
