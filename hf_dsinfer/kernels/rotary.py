@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels import _dispatch, _native
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor,
@@ -159,7 +159,38 @@ def apply_rotary_triton(q, k, cos, sin, interleaved=False):
     return _rotate_triton(q, cos, sin, interleaved), _rotate_triton(k, cos, sin, interleaved)
 
 
-# No cpu variant: torch has no fused CPU RoPE primitive; the eager reference is the CPU path.
+def _native_rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x [B, H, S, D] bf16 with each token's heads contiguous (the transposed view of a
+    [B, S, H, D] projection, or S == 1), cos / sin [B, S, R] contiguous bf16 of x's batch."""
+    b, h, s, d = x.shape
+    return (x.dtype == cos.dtype == torch.bfloat16 and x.stride(3) == 1 and x.stride(1) == d
+            and (s == 1 or x.stride(2) == h * d) and (b == 1 or x.stride(0) == s * h * d)
+            and cos.dim() == 3 and cos.shape[0] == b and cos.shape[1] == s
+            and cos.is_contiguous())
+
+
+def _rotate_native(lib, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape
+    out = x.clone()  # rotated copies, as the reference returns (the clone keeps x's strides)
+    code = lib.hfd_rope_rows_bf16(out.data_ptr(), b * s, h, d, cos.shape[-1], h * d,
+                                  cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
+                                  torch.get_num_threads())
+    _native.check(code, "hfd_rope_rows_bf16")
+    return out
+
+
+def apply_rotary_cpu(q, k, cos, sin, interleaved=False):
+    """The reference's bits from the native rotation of csrc/cpu_decode.c (hfd_rope_rows_bf16:
+    each product and the sum rounded to bf16, HF's eager order) for rotate-half bf16 q, k whose
+    heads are contiguous per token; the reference otherwise (interleaved pairs, other dtypes and
+    layouts, autograd, a torch.compile trace, no native library)."""
+    lib = _native.lib()
+    if (lib is None or interleaved or q.device.type != "cpu" or sin.shape != cos.shape
+            or not sin.is_contiguous() or not _native_rope_fits(q, cos)
+            or not _native_rope_fits(k, cos)
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
+        return apply_rotary_ref(q, k, cos, sin, interleaved)
+    return _rotate_native(lib, q, cos, sin), _rotate_native(lib, k, cos, sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
@@ -169,5 +200,6 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     _check_rotary_dims(q, cos)
     if cos.dtype != q.dtype:  # OLMo 2's fp32 rotation of half-precision q, k
         return apply_rotary_ref(q, k, cos, sin, interleaved)
-    fn = _dispatch.pick(backend, q.device, ref=apply_rotary_ref, triton_fn=apply_rotary_triton)
+    fn = _dispatch.pick(backend, q.device, ref=apply_rotary_ref, triton_fn=apply_rotary_triton,
+                        cpu_fn=apply_rotary_cpu)
     return fn(q, k, cos, sin, interleaved)

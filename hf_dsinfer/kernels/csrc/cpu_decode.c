@@ -1160,3 +1160,19 @@ int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t 
     free(sc);
     return 0;
 }
+
+/* Rotate-half RoPE of many tokens in place, in the torch path's bf16 numerics (rotate_bf16: each
+   product and the sum rounded to bf16, as HF's eager apply_rotary_pos_emb): token t's heads
+   [heads, d] at x + t * x_stride (heads d apart), its cos / sin [rot] at cos / sin + t *
+   cs_stride; the first rot dims of each head turn, the rest stay. Threads split the tokens. */
+int hfd_rope_rows_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t rot,
+                       int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                       int64_t cs_stride, int nthreads) {
+    if (tokens <= 0) return 0;
+    if (rot <= 0 || rot % 2 || rot > d) return -1;
+    const int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && tokens * heads * d > 32768)
+    for (int64_t t = 0; t < tokens; t++)
+        rotate_bf16(x + t * x_stride, heads, d, rot, cos + t * cs_stride, sin + t * cs_stride);
+    return 0;
+}
