@@ -30,7 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch
+from hf_dsinfer.kernels import _dispatch, _native
 
 
 def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None,
@@ -193,7 +193,8 @@ def rms_norm_triton(x, weight, eps, residual=None, x_bias=None, style="llama"):
 
 
 def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
-    """RMSNorm through torch's fused F.rms_norm instead of the reference's six eager ops."""
+    """RMSNorm through torch's fused F.rms_norm instead of the reference's six eager ops; bf16
+    rows of the "llama" style by the native kernel (_rms_native)."""
     if torch.compiler.is_compiling():
         # Traced, the reference's ops fuse in inductor anyway. F.rms_norm traced next to the
         # attention's sdpa gave NaN logits with inductor's AVX2 code (torch 2.13,
@@ -205,9 +206,27 @@ def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
         return rms_weight(F.rms_norm(h.float(), hidden, None, eps), weight, h.dtype, style), h
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(h, hidden, weight, eps), h
+    lib = _native.lib()
+    if (lib is not None and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous()
+            and weight.is_contiguous() and h.numel()
+            and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))):
+        return _rms_native(lib, h, weight, eps), h
     # Low precision: normalize in fp32 and round to h's dtype before the weight multiply, as HF
     # does (F.rms_norm on bf16 input would skip that rounding and differ by one ulp).
     return weight * F.rms_norm(h.float(), hidden, None, eps).to(h.dtype), h
+
+
+def _rms_native(lib, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "llama" style of bf16 rows by the decode layer's RMSNorm (csrc/cpu_decode.c:
+    hfd_rms_rows_bf16: the sum of squares in 16 fp32 lanes, then HF's roundings); it gave
+    F.rms_norm's bits on every row tried (the fp32-multiply styles did not, by an ulp here and
+    there, so they keep torch's ops)."""
+    n = h.shape[-1]
+    out = torch.empty_like(h)
+    code = lib.hfd_rms_rows_bf16(h.data_ptr(), h.numel() // n, n, weight.data_ptr(), float(eps),
+                                 0, out.data_ptr(), torch.get_num_threads())  # NORM_RMS
+    _native.check(code, "hfd_rms_rows_bf16")
+    return out
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,

@@ -1176,3 +1176,37 @@ int hfd_rope_rows_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, in
         rotate_bf16(x + t * x_stride, heads, d, rot, cos + t * cs_stride, sin + t * cs_stride);
     return 0;
 }
+
+/* RMSNorm of `rows` bf16 rows of n in the decode layer's numerics (rms_norm_bf16, style NORM_RMS
+   / NORM_RMS_FP32 / NORM_RMS_UNIT): out [rows, n] from x [rows, n], weight w [n]. */
+int hfd_rms_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w, float eps,
+                      int style, uint16_t *out, int nthreads) {
+    if (rows <= 0) return 0;
+    if (n <= 0 || (style != NORM_RMS && style != NORM_RMS_FP32 && style != NORM_RMS_UNIT))
+        return -1;
+    const int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) rms_norm_bf16(x + r * n, w, n, eps, style, out + r * n);
+    return 0;
+}
+
+/* a = bf16(bf16(silu(g)) * u) for n bf16 elements of g and u (LlamaMLP's act_fn(gate) * up in
+   bf16, the decode layer's gated_silu numerics), in chunks over the threads. */
+int hfd_silu_mul_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *a,
+                      int nthreads) {
+    if (n <= 0) return 0;
+    const int64_t chunk = 4096;
+    const int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && n > 32768)
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
+        for (int64_t c = c0; c < c1; c += 16) {
+            __mmask16 mk = mask16(c1 - c);
+            __m512 gs = load16(g, c, DT_BF16, mk);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
+            __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            store16_bf16(a + c, mk, _mm512_mul_ps(s, load16(u, c, DT_BF16, mk)));
+        }
+    }
+    return 0;
+}
