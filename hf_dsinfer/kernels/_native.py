@@ -199,8 +199,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int4_linear.restype = i32
     lib.hfd_rms_rows_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, i32, p, i32]
     lib.hfd_rms_rows_bf16.restype = i32
-    lib.hfd_silu_mul_bf16.argtypes = [p, p, i64, p, i32]
-    lib.hfd_silu_mul_bf16.restype = i32
     lib.hfd_rope_rows_bf16.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, i32]
     lib.hfd_rope_rows_bf16.restype = i32
     lib.hfd_attend_rows.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64,
@@ -264,13 +262,16 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 #   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c) against torch's bf16 kernels:
 #       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
+#   "rows": RoPE and RMSNorm of many bf16 rows (csrc/cpu_decode.c: hfd_rope_rows_bf16,
+#       hfd_rms_rows_bf16) against torch's ops: 2x faster at avx512 and avx512_bf16 (256 rows
+#       of 2048, Zen 5), 8-11x slower at avx2, where SIMDe emulates their 512-bit vectors
 #   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
 #       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16); below
 #       it the bf16 dot products and the table look-ups are emulated, not measured
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
-            "codes": "generic", "bf16_gemv": "avx512_bf16", "panel": "avx512_bf16"}
+            "codes": "generic", "bf16_gemv": "avx512_bf16", "panel": "avx512_bf16", "rows": "avx512"}
 
 
 def _running() -> tuple[str, bool]:

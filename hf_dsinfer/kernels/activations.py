@@ -27,7 +27,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _dispatch
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 
@@ -204,30 +204,8 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, *,
     return fn(x, bias, act, inplace)
 
 
-def gated_act_cpu(gate, up, act):
-    """SiLU(gate) * up of contiguous bf16 tensors by the decode layer's kernel
-    (csrc/cpu_decode.c: hfd_silu_mul_bf16, the eager roundings: silu's, then the product's);
-    the reference for anything else."""
-    lib = _native.lib()
-    if (lib is None or act != "silu" or up is None or gate.dtype != torch.bfloat16
-            or up.dtype != torch.bfloat16 or gate.shape != up.shape or gate.device.type != "cpu"
-            or not (gate.is_contiguous() and up.is_contiguous())
-            or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))):
-        return gated_act_ref(gate, up, act)
-    return _silu_mul_native(lib, gate, up)
-
-
-def _silu_mul_native(lib, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(gate)
-    code = lib.hfd_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr(),
-                                 torch.get_num_threads())
-    _native.check(code, "hfd_silu_mul_bf16")
-    return out
-
-
 def gated_act(gate: torch.Tensor, up: torch.Tensor | None, act: str, *,
               backend: str | None = None) -> torch.Tensor:
     """act(gate) * up; with up=None, gate is packed [..., 2*I] as [gate | up]."""
-    fn = _dispatch.pick(backend, gate.device, ref=gated_act_ref, triton_fn=gated_act_triton,
-                        cpu_fn=gated_act_cpu)
+    fn = _dispatch.pick(backend, gate.device, ref=gated_act_ref, triton_fn=gated_act_triton)
     return fn(gate, up, act)

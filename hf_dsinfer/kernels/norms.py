@@ -206,7 +206,7 @@ def rms_norm_cpu(x, weight, eps, residual=None, x_bias=None, style="llama"):
         return rms_weight(F.rms_norm(h.float(), hidden, None, eps), weight, h.dtype, style), h
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(h, hidden, weight, eps), h
-    lib = _native.lib()
+    lib = _native.lib("rows")
     if (lib is not None and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous()
             and weight.is_contiguous() and h.numel()
             and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))):

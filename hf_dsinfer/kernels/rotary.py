@@ -183,8 +183,8 @@ def apply_rotary_cpu(q, k, cos, sin, interleaved=False):
     """The reference's bits from the native rotation of csrc/cpu_decode.c (hfd_rope_rows_bf16:
     each product and the sum rounded to bf16, HF's eager order) for rotate-half bf16 q, k whose
     heads are contiguous per token; the reference otherwise (interleaved pairs, other dtypes and
-    layouts, autograd, a torch.compile trace, no native library)."""
-    lib = _native.lib()
+    layouts, autograd, a torch.compile trace, a tier below _native.MIN_TIER["rows"])."""
+    lib = _native.lib("rows")
     if (lib is None or interleaved or q.device.type != "cpu" or sin.shape != cos.shape
             or not sin.is_contiguous() or not _native_rope_fits(q, cos)
             or not _native_rope_fits(k, cos)
