@@ -993,6 +993,64 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, u
     }
 }
 
+/* a = bf16(bf16(silu(g)) * u) for n bf16 elements (g, u already rounded by their projection). */
+static void gated_silu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *a) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 gs = load16(g, c, DT_BF16, mk);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gs));
+        __m512 s = bf16_round(_mm512_div_ps(gs, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16_bf16(a + c, mk, _mm512_mul_ps(s, load16(u, c, DT_BF16, mk)));
+    }
+}
+
+/* a = bf16(bf16(gelu_tanh(g)) * u) for n bf16 elements (g, u already rounded). */
+static void gated_gelu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *a) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 gs = bf16_round(gelu_tanh_ps(load16(g, c, DT_BF16, mk)));
+        store16_bf16(a + c, mk, _mm512_mul_ps(gs, load16(u, c, DT_BF16, mk)));
+    }
+}
+
+/* a = relu(a) in place for n bf16 elements (exact: fc1 already rounded with its bias). */
+static void relu_bf16(uint16_t *a, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        store16_bf16(a + c, mk, relu_ps(load16(a, c, DT_BF16, mk)));
+    }
+}
+
+/* q [rows, heads * d], k, v [rows, kv_heads * d] (bf16, rotated q and k) from x [rows, hidden]. */
+int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                            const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+                            uint16_t *q, uint16_t *k, uint16_t *v, int nthreads) {
+    const int64_t H = L->hidden, d = L->head_dim;
+    const int64_t nq = L->heads * d, nkv = L->kv_heads * d;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);
+    if (!h) return -2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_bf16(L, 1, x + r * H, h + r * H);
+    int rc = lin_amx_rows(&L->lin[L_Q], h, rows, q, nt);
+    if (!rc) rc = lin_amx_rows(&L->lin[L_K], h, rows, k, nt);
+    if (!rc) rc = lin_amx_rows(&L->lin[L_V], h, rows, v, nt);
+    free(h);
+    if (rc) return rc;
+    if (L->q_norm) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) head_norms_bf16(L, q + r * nq, k + r * nkv);
+    }
+    if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
+    if (!L->rope) return 0;
+    const int64_t cs_bytes = L->rope == ROPE_FP32 ? 4 : 2; /* cs_stride counts elements */
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        rope_qk(L, q + r * nq, k + r * nkv, (const char *)cos + r * cs_stride * cs_bytes,
+                (const char *)sin + r * cs_stride * cs_bytes);
+    return 0;
+}
+
 /* The rest of the layer for each row: out [rows, hidden] from x, the rotated q [rows, heads * d]
    and the cache: row r's element (h, s, c) at kc[r * kbs + h * khs + s * kss + c] (likewise vc)
    for s < sk; keep (uint8, NULL: every key) masks key s of row r where keep[r * keep_stride + s]
