@@ -181,73 +181,72 @@ def _native_amx_lib(rows: int, x: torch.Tensor, weight: torch.Tensor,
     return _native.lib() if fits and _native.amx_available() else None
 
 
-def _native_linear(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """y = x @ weight.T + bias by csrc/cpu_moe.c's hfd_linear_bf16 (AMX tiles)."""
+def _native_bf16(lib, name: str, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ weight.T + bias by the native bf16 kernel `name` (hfd_linear_bf16: AMX tiles,
+    csrc/cpu_moe.c; hfd_gemv_bf16: csrc/cpu_experts.c; hfd_gemm_bf16: csrc/cpu_qgemm.c), which
+    all take (x, w, bias, y, M, N, K, threads) and round once, as F.linear (their fp32 sums in
+    another order, but for the AMX kernel's)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    code = lib.hfd_linear_bf16(x2.data_ptr(), weight.data_ptr(),
-                               None if bias is None else bias.data_ptr(), y.data_ptr(),
-                               x2.shape[0], n, k, torch.get_num_threads())
+    code = getattr(lib, name)(x2.data_ptr(), weight.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(),
+                              x2.shape[0], n, k, torch.get_num_threads())
     if code:
-        _native.check(code, "hfd_linear_bf16")
+        _native.check(code, name)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _native_linear(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y = x @ weight.T + bias by csrc/cpu_moe.c's hfd_linear_bf16 (AMX tiles)."""
+    return _native_bf16(lib, "hfd_linear_bf16", x, weight, bias)
+
+
+def _bf16_native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 x and a contiguous bf16 weight, a contiguous bf16 bias or none, nothing that needs
+    autograd, not under torch.compile: what the native bf16 GEMV and panel kernel take."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and not torch.compiler.is_compiling())
 
 
 def _native_gemv_lib(rows: int, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None):
     """The native library when its bf16 GEMV (csrc/cpu_experts.c) takes this call, else None:
-    1..bf16_gemv_max_rows bf16 rows (the running tier's crossover; None: never), a contiguous
-    bf16 weight, a bf16 bias or none, nothing that needs autograd, not under torch.compile."""
+    1..bf16_gemv_max_rows rows (the running tier's crossover; None: never) that
+    _bf16_native_fits."""
     most = crossovers.rows().bf16_gemv_max_rows
-    fits = (most is not None and 1 <= rows <= most
-            and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling())
+    fits = most is not None and 1 <= rows <= most and _bf16_native_fits(x, weight, bias)
     return _native.lib("bf16_gemv") if fits else None
 
 
 def _native_gemv(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """y = x @ weight.T + bias by csrc/cpu_experts.c's hfd_gemv_bf16 (one rounding, as
     F.linear's; the fp32 sums in another order)."""
-    n, k = weight.shape
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    code = lib.hfd_gemv_bf16(x2.data_ptr(), weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             x2.shape[0], n, k, torch.get_num_threads())
-    if code:
-        _native.check(code, "hfd_gemv_bf16")
-    return y.reshape(*x.shape[:-1], n)
+    return _native_bf16(lib, "hfd_gemv_bf16", x, weight, bias)
 
 
 def _native_gemm_lib(rows: int, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None):
     """The native library when its bf16 panel kernel (csrc/cpu_qgemm.c: hfd_gemm_bf16) takes
-    this call, else None: bf16_gemv_max_rows + 1 .. bf16_gemm_max_rows bf16 rows (the running
-    tier's crossovers; None: never), in features a multiple of 32, out features of 4, otherwise
-    as the GEMV (_native_gemv_lib)."""
+    this call, else None: bf16_gemv_max_rows + 1 .. bf16_gemm_max_rows rows (the running tier's
+    crossovers; None: never), in features a multiple of 32, out features of 4, that
+    _bf16_native_fits. The same dot products as the GEMV: its MIN_TIER ("bf16_gemv")."""
     bounds = crossovers.rows()
     n, k = weight.shape
-    fits = (bounds.bf16_gemm_max_rows is not None and rows <= bounds.bf16_gemm_max_rows
-            and rows > (bounds.bf16_gemv_max_rows or 0) and k % 32 == 0 and n % 4 == 0)
-    return _native_gemv_lib(1, x, weight, bias) if fits else None
+    fits = (bounds.bf16_gemm_max_rows is not None
+            and (bounds.bf16_gemv_max_rows or 0) < rows <= bounds.bf16_gemm_max_rows
+            and k % 32 == 0 and n % 4 == 0 and _bf16_native_fits(x, weight, bias))
+    return _native.lib("bf16_gemv") if fits else None
 
 
 def _native_gemm(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """y = x @ weight.T + bias by csrc/cpu_qgemm.c's hfd_gemm_bf16 (one rounding, as F.linear's;
     the fp32 sums in another order)."""
-    n, k = weight.shape
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    code = lib.hfd_gemm_bf16(x2.data_ptr(), weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             x2.shape[0], n, k, torch.get_num_threads())
-    if code:
-        _native.check(code, "hfd_gemm_bf16")
-    return y.reshape(*x.shape[:-1], n)
+    return _native_bf16(lib, "hfd_gemm_bf16", x, weight, bias)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -555,6 +555,18 @@ def _native_int8_amx(x2: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor |
     return y
 
 
+def _fp32_product(lib, name: str, m: int, n: int, *args) -> torch.Tensor | None:
+    """y [m, n] fp32 from the native kernel `name`, called with args, then y and the thread
+    count (hfd_int4_linear, hfd_int4_gemm_bf16, hfd_int8_gemm_bf16 all end so); None for a
+    shape the kernel does not take (-3)."""
+    y = torch.empty(m, n, dtype=torch.float32)
+    code = getattr(lib, name)(*args, y.data_ptr(), torch.get_num_threads())
+    if code == -3:
+        return None
+    _native.check(code, name)
+    return y
+
+
 def _native_int8_gemm(x2: torch.Tensor, qweight: Int8Weight) -> torch.Tensor | None:
     """x2 [M, in] (bf16, the input scale already folded in) times the int8 weight by
     csrc/cpu_qgemm.c's hfd_int8_gemm_bf16 in fp32: panels of weight rows dequantized to bf16 in
@@ -569,14 +581,8 @@ def _native_int8_gemm(x2: torch.Tensor, qweight: Int8Weight) -> torch.Tensor | N
         return None
     m, k = x2.shape
     n = scales.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    code = lib.hfd_int8_gemm_bf16(x2.data_ptr(), m, q.data_ptr(), scales.data_ptr(),
-                                  dtypes[scales.dtype], n, k, int(qweight.tiled), y.data_ptr(),
-                                  torch.get_num_threads())
-    if code == -3:  # a shape the kernel does not take
-        return None
-    _native.check(code, "hfd_int8_gemm_bf16")
-    return y
+    return _fp32_product(lib, "hfd_int8_gemm_bf16", m, n, x2.data_ptr(), m, q.data_ptr(),
+                         scales.data_ptr(), dtypes[scales.dtype], n, k, int(qweight.tiled))
 
 
 def linear_int8_cpu(x: torch.Tensor, qweight: Int8Weight, bias: torch.Tensor | None = None):
@@ -658,15 +664,10 @@ def _native_int4(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
         return None
     m, k = x2.shape
     n = scales.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    code = lib.hfd_int4_linear(x2.data_ptr(), dtypes[x2.dtype], m, qweight.packed.data_ptr(),
-                               scales.data_ptr(), mins.data_ptr(), dtypes[scales.dtype],
-                               qweight.group_size, n, k, int(qweight.tiled), y.data_ptr(),
-                               torch.get_num_threads())
-    if code == -3:  # a shape the kernel does not take
-        return None
-    _native.check(code, "hfd_int4_linear")
-    return y
+    return _fp32_product(lib, "hfd_int4_linear", m, n, x2.data_ptr(), dtypes[x2.dtype], m,
+                         qweight.packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                         dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled))
+
 
 
 def _native_int4_gemm(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
@@ -684,14 +685,9 @@ def _native_int4_gemm(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | N
         return None
     m, k = x2.shape
     n = scales.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    code = lib.hfd_int4_gemm_bf16(x2.data_ptr(), m, qweight.packed.data_ptr(), scales.data_ptr(),
-                                  mins.data_ptr(), dtypes[scales.dtype], qweight.group_size, n, k,
-                                  int(qweight.tiled), y.data_ptr(), torch.get_num_threads())
-    if code == -3:  # a shape the kernel does not take
-        return None
-    _native.check(code, "hfd_int4_gemm_bf16")
-    return y
+    return _fp32_product(lib, "hfd_int4_gemm_bf16", m, n, x2.data_ptr(), m,
+                         qweight.packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                         dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled))
 
 
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):

@@ -68,16 +68,6 @@ def _gemm_runs() -> bool:
 GEMM_SHAPES = [(5, 48, 64), (13, 36, 320), (16, 132, 1024), (7, 4, 32)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("rows", "n", "k"), GEMM_SHAPES)
-def test_linear_gemm_matches_f_linear(monkeypatch, rows, n, k, bias):
-    x, w = _gaussian(rows, k, seed=21), _gaussian(n, k, seed=22)
-    b = _gaussian(n, seed=23) if bias else None
-    calls = _counting(monkeypatch, lin, "_native_gemm")
-    _close_to(lin.linear(x, w, b, backend="cpu"), F.linear(x, w, b))
-    assert calls == ([1] if _gemm_runs() else [])
-
-
 @pytest.mark.skipif(not _gemm_runs(), reason="the bf16 panel kernel does not run at this tier")
 def test_gemm_rows_do_not_depend_on_their_batch_or_the_threads():
     lib = _native.lib("bf16_gemv")
@@ -94,13 +84,18 @@ def test_gemm_rows_do_not_depend_on_their_batch_or_the_threads():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("rows", "n", "k"), LINEAR_SHAPES)
-def test_linear_gemv_matches_f_linear(monkeypatch, rows, n, k, bias):
+@pytest.mark.parametrize(("kernel", "rows", "n", "k"),
+                         [("_native_gemv", *shape) for shape in LINEAR_SHAPES]
+                         + [("_native_gemm", *shape) for shape in GEMM_SHAPES])
+def test_linear_kernels_match_f_linear(monkeypatch, kernel, rows, n, k, bias):
+    """The GEMV for 1-4 rows, the panel kernel past them: F.linear's bf16 but for the last
+    bit here and there, the kernel counted where the tier runs it."""
     x, w = _gaussian(rows, k, seed=1), _gaussian(n, k, seed=2)
     b = _gaussian(n, seed=3) if bias else None
-    calls = _counting(monkeypatch, lin, "_native_gemv")
+    calls = _counting(monkeypatch, lin, kernel)
     _close_to(lin.linear(x, w, b, backend="cpu"), F.linear(x, w, b))
-    assert calls == ([1] if _gemv_runs() else [])
+    runs = _gemv_runs() if kernel == "_native_gemv" else _gemm_runs()
+    assert calls == ([1] if runs else [])
 
 
 @pytest.mark.parametrize("bias", [False, True])

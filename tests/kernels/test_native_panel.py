@@ -69,10 +69,11 @@ def test_products_within_the_fp32_sum_bound(n, k, group, portable, rows):
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_threads():
-    """13 rows at once, each row alone, and 1 thread against 2: the same bits (each output is
-    summed the same way wherever its row falls in the register blocks)."""
-    qw = _weight(32, 1152, 32)
-    x = _gaussian(13, 1152, seed=3).bfloat16()
+    """13 rows at once, each row alone, and 1 thread against 2 (144 weight rows: one panel of
+    128 and one of 16, or two of 80 and 64): the same bits (each output is summed the same way
+    wherever its row falls in the register blocks and its weight row in the panels)."""
+    qw = _weight(144, 2048, 32)
+    x = _gaussian(13, 2048, seed=3).bfloat16()
     many = Q._native_int4_gemm(x, qw)
     alone = torch.cat([Q._native_int4_gemm(x[i:i + 1], qw) for i in range(13)])
     assert torch.equal(many, alone)

@@ -171,11 +171,20 @@ static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_
     }
 }
 
-/* Rows in a panel of K columns: as many as HFD_QP_BYTES of bf16 hold, a multiple of 16 from 16
-   to HFD_QP */
-static int64_t panel_rows(int64_t K) {
-    int64_t P = HFD_QP_BYTES / (2 * K) / 16 * 16;
-    return P < 16 ? 16 : P > HFD_QP ? HFD_QP : P;
+/* How N weight rows of K columns split into panels for nt threads: *P rows each (the last one
+   fewer), a multiple of 16 from 16 to HFD_QP and at most HFD_QP_BYTES of bf16, with as many
+   panels per thread where the rows allow (576 rows: 6 panels of 96, not 128 x 4 + 64). Returns
+   the number of panels. */
+static int64_t panel_split(int64_t N, int64_t K, int nt, int64_t *P) {
+    int64_t p = HFD_QP_BYTES / (2 * K) / 16 * 16;
+    p = p < 16 ? 16 : p > HFD_QP ? HFD_QP : p;
+    int64_t panels = (N + p - 1) / p;
+    if (nt > 1) {
+        panels = (panels + nt - 1) / nt * nt;
+        p = ((N + panels - 1) / panels + 15) / 16 * 16;
+    }
+    *P = p;
+    return (N + p - 1) / p;
 }
 
 /* out[0 .. K) = bf16(q * s) for an int8 row (row-major, or in tiles: tiled = 1): quant.py's
@@ -200,14 +209,15 @@ typedef struct {
 } qweight_t;
 
 /* y [M, N] (fp32) = x [M, K] (bf16) times the weight dequantized to bf16, transposed: panels of
-   panel_rows(K) weight rows dequantized into each thread's buffer, then every row of x against
+   weight rows (panel_split) dequantized into each thread's buffer, then every row of x against
    them. Threads split the panels. */
 static int qgemm(const uint16_t *x, int64_t M, const qweight_t *w, int64_t N, int64_t K,
                  float *y, int nthreads) {
-    const int64_t P = panel_rows(K), panels = (N + P - 1) / P;
+    int nt = nthreads > 0 ? nthreads : 1;
+    int64_t P;
+    const int64_t panels = panel_split(N, K, nt, &P);
     const int64_t G = w->bits == 4 ? K / w->group : 1;
     const out_t o = {y, DT_F32, NULL, N};
-    int nt = nthreads > 0 ? nthreads : 1;
     if (nt > panels) nt = (int)panels;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
@@ -275,7 +285,7 @@ int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void
 /* y [M, N] = bf16(x [M, K] @ w [N, K]^T + bias [N]) for bf16 x, w, bias (optional) and y: the
  * bias added to the fp32 sum, one rounding, as F.linear; the sums in vdpbf16ps's order (see the
  * header; oneDNN's differ in their last bits, so a bf16 output may differ from F.linear's by one
- * unit in the last place). The weight is read where it is, in panels of panel_rows(K) rows
+ * unit in the last place). The weight is read where it is, in panels (panel_split)
  * (from memory once, then from L2 for each block of HFD_QR rows of x); threads split the panels.
  * Measured on Zen 5 against F.linear (kernels/crossovers.py): faster from 5 to 16 rows, level at
  * 32, slower from 64 (oneDNN's blocking), so linear.py takes it for a few rows only.
@@ -285,9 +295,10 @@ int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
                   int64_t M, int64_t N, int64_t K, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0 || K % 32 || N % HFD_QN) return -3;
-    const int64_t P = panel_rows(K), panels = (N + P - 1) / P;
-    const out_t o = {y, DT_BF16, bias, N};
     int nt = nthreads > 0 ? nthreads : 1;
+    int64_t P;
+    const int64_t panels = panel_split(N, K, nt, &P);
+    const out_t o = {y, DT_BF16, bias, N};
     if (nt > panels) nt = (int)panels;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
