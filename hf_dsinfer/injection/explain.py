@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from hf_dsinfer import settings, state
-from hf_dsinfer.injection.fused import DECODE_MAX_ROWS
 from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.walker import InjectionReport, get_report
 
@@ -149,8 +148,11 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
         rows_whys = sorted({f._decode.rows_why for f in fused if f._decode.rows_why is not None})
         if rows_whys:
             return line + f"\nbatched steps: torch ops ({'; '.join(rows_whys)})"
-        return line + (f"\nbatched steps (2-{DECODE_MAX_ROWS} sequences): native layer with AMX "
-                       "projections, in all blocks")
+        layer = fused[0]._decode
+        kernels = ("AMX" if layer._amx else "native bf16 dot-product")
+        return line + (f"\nbatched steps (2-{layer.rows_max} sequences): native layer with "
+                       f"{kernels} projections, in all blocks (continuous batching's decode "
+                       "rows too)")
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")

@@ -34,7 +34,7 @@ from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
-from hf_dsinfer.kernels.attention import attention_segments
+from hf_dsinfer.kernels.attention import attend_rows_native, attention_segments, rows_plan
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary
@@ -459,36 +459,96 @@ class FusedBlock:
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
         """This block's own call for one token of each sequence, when the native layer takes it
         (None: this call takes the torch path). One sequence runs the batch-1 layer (any weight
-        kind); up to DECODE_MAX_ROWS sequences the batched one (bf16 projections on AMX). The
+        kind); up to the layer's rows_max sequences the batched one (bf16 projections; int8 row
+        tiles too on AMX). The
         checks are per call here; NativeDecodeStep makes them once per step for every layer and
         then calls `native_token` as this does."""
+        if named.get(paged.PAGED_ARG) is not None:
+            return self._paged_decode(x, named)
         b = x.shape[0]
-        if (x.shape[1] != 1 or b > DECODE_MAX_ROWS or x.dtype != torch.bfloat16
-                or x.device.type != "cpu" or torch.is_grad_enabled()
-                or torch.compiler.is_compiling() or self.reduce is not None
-                or self.sharded_qk_norm is not None or _native.lib() is None):
+        if x.shape[1] != 1 or not self._native_call(x, b):
             return None
         cache = named.get(self.policy.cache_arg)
-        d = self.spec.head_dim
         if cache is None:
             return None
+        layer, cos, sin = self._native_layer_for(named, b)
+        if layer is None:
+            return None
+        out, self._path = self.native_token(layer, x.contiguous(), cos, sin, cache, named)
+        return out
+
+    def _native_call(self, x: torch.Tensor, rows: int) -> bool:
+        """A call the native layer may take: `rows` tokens of bf16 on the CPU, no grad, no
+        trace, not tensor parallel."""
+        return (rows <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and self.reduce is None and self.sharded_qk_norm is None
+                and _native.lib() is not None)
+
+    def _native_layer_for(self, named: dict, rows: int):
+        """(layer, cos, sin) for one token of each of `rows` rows: the native layer when it
+        takes them (None otherwise) and the call's cos / sin as [rows or 1, r] rows (None
+        without RoPE)."""
         cos = sin = None
         if self.policy.positions == P.ROPE:
+            d = self.spec.head_dim
             cos_sin = named.get("position_embeddings")
             r = None if cos_sin is None else cos_sin[0].shape[-1]  # < d: partial rotary
             if (cos_sin is None or not 0 < r <= d
-                    or cos_sin[0].numel() not in (r, b * r) or cos_sin[1].shape != cos_sin[0].shape
+                    or cos_sin[0].numel() not in (r, rows * r)
+                    or cos_sin[1].shape != cos_sin[0].shape
                     or cos_sin[0].dtype not in (torch.bfloat16, torch.float32)
                     or cos_sin[1].dtype != cos_sin[0].dtype):
-                return None
+                return None, None, None
             cos, sin = (t.reshape(-1, r).contiguous() for t in cos_sin)
             self._rotary_dim = r
         layer = self.decode_layer(rope_fp32=cos is not None and cos.dtype == torch.float32,
                                   rotary_dim=None if cos is None else cos.shape[-1])
-        if layer is None or (b > 1 and layer.rows_why is not None):
+        if layer is None or (rows > 1 and (layer.rows_why is not None or rows > layer.rows_max)):
+            return None, None, None
+        return layer, cos, sin
+
+    def _paged_decode(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
+        """A continuous-batching forward in which every request of the packed row brings one
+        token (paged.decode_only: its decode steps, no prefill chunk), by the native layer:
+        one request the batch-1 layer, several the batched one (attn_in_rows, the paged
+        cache's own update, each row attended over its request's keys in one native call,
+        post_attn_rows). None (the torch path) for any other call, and where the cache or the
+        mask is not what the kernels read (then before the cache is touched)."""
+        t = x.shape[1]
+        if (x.shape[0] != 1 or not paged.decode_only(named, t)
+                or not self._native_call(x, t)):
             return None
-        out, self._path = self.native_token(layer, x.contiguous(), cos, sin, cache, named)
-        return out
+        layer, cos, sin = self._native_layer_for(named, t)
+        if layer is None:
+            return None
+        cache, rows = named[paged.PAGED_ARG], x.reshape(t, 1, -1).contiguous()
+        if t == 1:
+            q, k, v = layer.step_in(rows, cos, sin)  # q [1, heads, 1, d], k / v [1, kv, 1, d]
+        else:  # [t, heads, 1, d] views of [t, 1, heads, d]: as [1, heads, t, d]
+            q, k, v = (u.permute(2, 1, 0, 3) for u in layer.attn_in_rows(rows, cos, sin))
+        keys, values, segments = paged.update(self, cache, k, v, named)
+        mask = named["attention_mask"]
+        out = None
+        if t == 1:
+            usable, keep = native_decode.keep_rows(mask, 1, keys.shape[2])
+            if usable and native_decode.cache_kv_usable(keys, values, self.spec.head_dim):
+                out = layer.attn_out(rows, q, keys, values, None if keep is None
+                                     else keep.reshape(-1))
+        else:
+            plan = None if segments is None else rows_plan(q, keys, values, segments, mask, None)
+            if plan is not None and len(plan[0]) == t and not plan[2]:
+                heads, d = self.spec.num_heads, self.spec.head_dim
+                a = torch.empty(t, heads, d, dtype=torch.bfloat16)
+                spans, keep, _ = plan
+                attend_rows_native(q, keys, values, spans, keep, layer.struct.scale,
+                                   layer.struct.softcap, a.permute(1, 0, 2).unsqueeze(0))
+                out = layer.post_attn_rows(rows, a.view(t, heads * d))
+        if out is None:  # the torch path from the attention on (the cache is updated)
+            attn = self._attend(q, keys, values, named, 1, t, q_scaled=True, segments=segments)
+            return self._after_attention(x, named, attn)
+        self._path = "paged_native"
+        return out.view(1, t, -1)
 
     def native_token(self, layer: native_decode.DecodeLayer, x: torch.Tensor,
                      cos: torch.Tensor | None, sin: torch.Tensor | None, cache: Any,

@@ -156,6 +156,26 @@ def segments(mask: torch.Tensor, cu_q: Any, cu_k: Any
     return found
 
 
+# the last query offsets checked by decode_only and the verdict: every layer of a forward gets the
+# same tensor (held, so a later forward's cannot take its id); one tuple, replaced whole
+_last_decode_only: tuple[Any, int, bool] = (None, 0, False)
+
+
+def decode_only(named: dict[str, Any], t: int) -> bool:
+    """True: the packed row of this continuous-batching call holds one token of each of t
+    requests (cu_seq_lens_q is 0, 1, ..., t): decode steps only, no prefill chunk."""
+    cu_q = named.get("cu_seq_lens_q")
+    if not isinstance(cu_q, torch.Tensor) or cu_q.dim() != 1 or cu_q.numel() != t + 1:
+        return False
+    global _last_decode_only
+    last = _last_decode_only
+    if last[0] is cu_q and last[1] == t:
+        return last[2]
+    found = bool(torch.equal(cu_q.cpu(), torch.arange(t + 1, dtype=cu_q.dtype)))
+    _last_decode_only = (cu_q, t, found)
+    return found
+
+
 def _block_diagonal(mask: torch.Tensor, qs: list[int], ks: list[int]
                     ) -> list[tuple[int, int, int, int]] | None:
     t, k = mask.shape[-2], mask.shape[-1]

@@ -220,6 +220,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_attn_out_rows.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64,
                                              i64, p, i64, p, i32]
     lib.hfd_decode_attn_out_rows.restype = i32
+    lib.hfd_decode_post_attn_rows.argtypes = [p, i64, p, p, p, i32]
+    lib.hfd_decode_post_attn_rows.restype = i32
     lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int4_rows.restype = i32
     lib.hfd_dequant_int8_rows.argtypes = [p, p, i32, p, i64, i64, i64, p, i32, i32, i32]

@@ -357,7 +357,7 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = q.new_empty(q.shape)
     rest = segments
     if _dispatch.resolve(backend, q.device) == "cpu":
-        plan = _rows_plan(q, k, v, segments, mask, sinks)
+        plan = rows_plan(q, k, v, segments, mask, sinks)
         if plan is not None:
             spans, keep, rest = plan
             attend_rows_native(q, k, v, spans, keep, scale, softcap, out)
@@ -374,7 +374,7 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _last_plan: tuple = (None, None, None)
 
 
-def _rows_plan(q, k, v, segments, mask, sinks):
+def rows_plan(q, k, v, segments, mask, sinks):
     """(spans [n, 3] int64 of (t, k0, k1), keep [n, K] uint8 or None, the other segments) for
     the single-query segments the native kernel takes; None where it takes none of them."""
     if (sinks is not None or torch.compiler.is_compiling() or q.device.type != "cpu"

@@ -11,11 +11,14 @@ layer in two native calls instead:
     k, v = cache.update(k, v, layer_idx)         (HF's, in Python: any Cache class)
     attn_out(x, q, k, v, keep)     -> out        (attention, o_proj, residual, norm, MLP, residual)
 
-For B > 1 sequences (batched decode, beams), attn_in_rows / attn_out_rows do the same per row
-(each row its own position and keep mask) with the projections on AMX (hfd_linear_bf16 of
-csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the CPU also has
-AMX-INT8; int4 weights take the torch path: `rows_why` says why not; measured:
-docs/performance.md).
+For B > 1 sequences (batched decode, beams, continuous batching's decode rows), attn_in_rows /
+attn_out_rows do the same per row (each row its own position and keep mask), or attn_in_rows,
+the caller's attention and post_attn_rows. On a CPU with AMX the projections run on its tiles
+(hfd_linear_bf16 of csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the
+CPU also has AMX-INT8), up to 256 rows; without AMX, bf16 weights run the native bf16 dot
+products (hfd_gemv_bf16 / hfd_gemm_bf16), the torch path's kernels for the rows
+kernels/crossovers.py gives them, and only for those rows (`rows_max`). Other weights take the
+torch path: `rows_why` says why (measured: docs/performance.md).
 
 It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear:
 injection/native_layer.py describes a block's modules as the C struct and builds the layer) and
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from hf_dsinfer.errors import NativeUnsupported
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT8_TILED,
@@ -43,6 +46,8 @@ from hf_dsinfer.kernels.abi import (
 from hf_dsinfer.kernels.abi import Layer as _Layer
 
 Watched = list[tuple[dict, str]]  # (a dict of tensors, name) per tensor the layer reads
+# the rows the batched layer takes on AMX (the torch path's AMX linear: linear.CPU_AMX_MAX_ROWS)
+AMX_MAX_ROWS = crossovers.TABLE["amx"].amx_bf16_max_rows
 
 
 class DecodeLayer:
@@ -70,15 +75,37 @@ class DecodeLayer:
         self.rotary_dim = struct.rotary_dim or struct.head_dim
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
-        self._rows_why = _rows_why(lib, struct)  # the layer and the CPU; the switch: rows_why
+        self._amx = bool(lib.hfd_amx_available())  # the batched projections' kernels (C side)
+        self._rows_why = _rows_why(lib, struct, self._amx)  # the layer, the CPU: see rows_why
 
     @property
     def rows_why(self) -> str | None:
-        """Why attn_in_rows / attn_out_rows cannot run (None: they can). HF_DSINFER_NATIVE_AMX=0
-        is read at every call, as the torch path's linears read it."""
-        if not _native.amx_allowed():
-            return f"AMX switched off ({_native.AMX_ENV_VAR}=0)"
-        return self._rows_why
+        """Why attn_in_rows / attn_out_rows cannot run (None: they can, for 2..rows_max rows).
+        HF_DSINFER_NATIVE_AMX=0 and the crossovers are read at every call, as the torch path's
+        linears read them."""
+        if self._amx:
+            if not _native.amx_allowed():
+                return f"AMX switched off ({_native.AMX_ENV_VAR}=0)"
+            return self._rows_why
+        if self._rows_why is not None:
+            return self._rows_why
+        if _native.lib("bf16_gemv") is None:
+            return (f"no AMX, and the native bf16 dot products do not run at the "
+                    f"{_native.tier()} tier (the torch path's linears are not theirs)")
+        if self.rows_max < 2:
+            return f"no AMX, and the {_native.tier()} tier's crossovers give the native bf16 " \
+                   "dot products no batch"
+        return None
+
+    @property
+    def rows_max(self) -> int:
+        """The most rows attn_in_rows / attn_out_rows take: AMX's 256, else the rows for which
+        the torch path's bf16 linears run the same native dot products (the running tier's
+        bf16_gemm_max_rows, or bf16_gemv_max_rows without a panel bound)."""
+        if self._amx:
+            return AMX_MAX_ROWS
+        bounds = crossovers.rows()
+        return max(bounds.bf16_gemm_max_rows or 0, bounds.bf16_gemv_max_rows or 0)
 
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
@@ -207,14 +234,45 @@ class DecodeLayer:
         self.row_calls += 1
         return out
 
+    def post_attn_rows(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention for B rows: x [B, 1, hidden] (contiguous bf16), a
+        [B, heads * d] the attention output before o_proj (bf16, contiguous) -> out [B, 1,
+        hidden], as attn_out_rows computes it from its own attention (continuous batching
+        attends each row over its request's keys itself: kernels.attention.attend_rows_native)."""
+        b = x.shape[0]
+        self._check_rows_x(x, "post_attn_rows")
+        width = self.heads * self.head_dim
+        if (a.shape != (b, width) or a.dtype != torch.bfloat16 or not a.is_contiguous()):
+            raise ValueError(f"post_attn_rows: a must be contiguous bf16 [{b}, {width}], got "
+                             f"{a.dtype} {tuple(a.shape)}")
+        out = torch.empty_like(x)
+        code = self.lib.hfd_decode_post_attn_rows(self._ref, b, x.data_ptr(), a.data_ptr(),
+                                                  out.data_ptr(), torch.get_num_threads())
+        if code:
+            _native.check(code, "hfd_decode_post_attn_rows")
+        self.row_calls += 1
+        return out
 
-def _rows_why(lib: ctypes.CDLL, struct: _Layer) -> str | None:
+
+def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
     """Why the batched calls (csrc/cpu_decode.c: hfd_decode_attn_in_rows) cannot compute this
-    layer on this CPU: they run every projection on AMX tiles, bf16 weights with hfd_linear_bf16
-    and int8 row tiles with hfd_int8_amx (the torch path's kernels for those rows, so the same
-    bits). HF_DSINFER_NATIVE_AMX is read per call by DecodeLayer.rows_why, not here."""
-    if not lib.hfd_amx_available():
-        return "no AMX-BF16 on this CPU (or Linux refuses its tile state)"
+    layer on this CPU. With AMX they run every projection on its tiles, bf16 weights with
+    hfd_linear_bf16 and int8 row tiles with hfd_int8_amx; without, bf16 weights with the
+    native bf16 dot products (lin_batch): the torch path's kernels for those rows, so the same
+    bits. HF_DSINFER_NATIVE_AMX and the crossovers are read per call by DecodeLayer.rows_why."""
+    if not amx:
+        for lin in struct.lin:
+            if lin.n == 0:  # OPT's absent up projection
+                continue
+            if lin.kind != LIN_BF16:
+                return ("no AMX, and int8 or int4 projections (the batched layer without AMX "
+                        "takes bf16 weights)")
+            if lin.k % 32 or lin.n % 4:
+                return (f"no AMX, and a {lin.n} x {lin.k} projection (the native bf16 panel "
+                        "kernel takes in features a multiple of 32, out features of 4)")
+            if lin.bias and lin.b_dt != _native.DTYPE_CODES[torch.bfloat16]:
+                return "a projection bias that is not bf16"
+        return None
     for lin in struct.lin:
         if lin.n == 0:  # OPT's absent up projection
             continue

@@ -42,7 +42,7 @@ def _packed(window=None, d=32, dtype=torch.bfloat16, bool_mask=False):
 
 def _torch_path(monkeypatch, *args, **kwargs):
     with monkeypatch.context() as m:
-        m.setattr(A, "_rows_plan", lambda *a: None)
+        m.setattr(A, "rows_plan", lambda *a: None)
         return A.attention_segments(*args, **kwargs)
 
 

@@ -102,6 +102,14 @@ BATCHED = pytest.mark.skipif(not _native.amx_available(),
                              reason="no AMX-BF16 here: batched steps take the torch path")
 
 
+def _need_batched(model) -> None:
+    """Skip where the batched layer does not run at this tier (no AMX, and the native bf16
+    dot products are not the torch path's linears here): rows_why says why."""
+    why = _layers(model)[0].forward.decode_layer().rows_why
+    if why is not None:
+        pytest.skip(f"batched steps take the torch path here: {why}")
+
+
 def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
     """Prefill (torch path), then `steps` one-token steps on the same tokens; logits [steps, V]
     for one sequence, [steps, B, V] for B."""
@@ -244,7 +252,7 @@ def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
                        pad_token_id=0)
     assert _native_calls(model) == 0 and _row_calls(model) == 0
     why = ("int4 or row-major int8" if _native.amx_available()
-           else "no AMX-BF16 on this CPU")  # the first reason the layer finds
+           else "no AMX, and int8 or int4 projections")  # the first reason the layer finds
     assert f"batched steps: torch ops ({why}" in hf_dsinfer.explain(model)
     model = _inject(_model("llama"))
     cache = DynamicCache(config=model.config)
@@ -370,26 +378,26 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
     assert torch.equal(native.argmax(-1)[clear], torch_path.argmax(-1)[clear])
 
 
-@pytest.mark.amx
-@BATCHED
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
                                   "smollm3", "granite", "phi3"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""
     model = _inject(_model(name))
+    _need_batched(model)
     _batched_against_torch_path(model, monkeypatch)
-    assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
+    layer = model.model.layers[0].forward.decode_layer()
+    assert f"batched steps (2-{layer.rows_max} sequences): native layer" in hf_dsinfer.explain(
+        model)
 
 
-@pytest.mark.amx
-@BATCHED
 @pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
 @pytest.mark.parametrize("mode", ["greedy", "beams", "sample"])
 def test_batched_generate_matches_the_torch_path(mode, grad_mode, monkeypatch):
     """generate() over a padded batch: greedy, beam search (the cache is reordered between
     steps) and sampling take the same tokens with the batched layer as with the torch path."""
     model = _inject(_model("llama_d64", seed=2))
+    _need_batched(model)
     ids, mask = _padded_batch(3, 6, seed=8)
     kwargs = {"max_new_tokens": 8, "disable_compile": True, "pad_token_id": 0,
               "attention_mask": mask, "do_sample": mode == "sample"}
@@ -408,13 +416,12 @@ def test_batched_generate_matches_the_torch_path(mode, grad_mode, monkeypatch):
     assert torch.equal(native, torch_path)
 
 
-@pytest.mark.amx
-@BATCHED
 def test_batched_layer_against_float64_and_batch_one():
     """attn_out_rows on 3 rows with their own keep rows (one row keeps nothing): each row as
     close to float64 as the torch path is, and equal to the batch-1 layer on that row up to
     the last bits (sums in another order)."""
     model = _inject(_model("llama"))
+    _need_batched(model)
     block = model.model.layers[1].forward
     layer = block.decode_layer()
     assert layer.rows_why is None
@@ -484,7 +491,12 @@ def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch)
     _step_logits(model, ids, mask, True, monkeypatch, steps=1)
     assert _row_calls(model) == before + len(model.model.layers)
     assert "batched steps: torch ops (AMX switched off" in hf_dsinfer.explain(model)
-    switch(monkeypatch, amx=True)
+
+
+def test_batched_layer_checks_its_inputs():
+    """Wrong shapes raise instead of reading past a buffer."""
+    model = _inject(_model("llama"))
+    _need_batched(model)
     layer = model.model.layers[0].forward.decode_layer()
     x = torch.randn(2, 1, 128).bfloat16()
     cos, sin = torch.randn(2, 2, 32).bfloat16()
@@ -499,6 +511,39 @@ def test_batched_layer_follows_the_amx_switch_and_checks_its_inputs(monkeypatch)
     with pytest.raises(ValueError, match="k, v must be"):
         layer.attn_out_rows(x, q, keys[:1], keys[:1], None)
     assert layer.attn_out_rows(x, q, keys, keys, None).shape == x.shape
+    with pytest.raises(ValueError, match="a must be"):
+        layer.post_attn_rows(x, torch.randn(2, 64).bfloat16())
+    assert layer.post_attn_rows(x, torch.randn(2, 128).bfloat16()).shape == x.shape
+
+
+def test_post_attn_rows_is_attn_out_rows_after_its_attention():
+    """post_attn_rows on the attention of continuous batching's rows (each over its own keys in
+    the packed cache, one hfd_attend_rows call) gives attn_out_rows' bits: the same attention
+    code, then the same rest of the layer. 5 rows: past the bf16 GEMV's 4 (the panel kernel
+    without AMX)."""
+    from hf_dsinfer.kernels.attention import attend_rows_native
+
+    model = _inject(_model("llama"))
+    _need_batched(model)
+    layer = model.model.layers[1].forward.decode_layer()
+    torch.manual_seed(5)
+    b, sk, kv, d = 5, 40, 2, 32
+    x = torch.randn(b, 1, 128).bfloat16()
+    q = torch.randn(b, 1, 4, d).bfloat16().transpose(1, 2)  # attn_in_rows' [b, heads, 1, d] view
+    k, v = (torch.randn(b, kv, sk, d).bfloat16() for _ in range(2))
+    keep = torch.rand(b, sk) > 0.3
+    keep[:, 0] = True
+    with torch.inference_mode():
+        ref = layer.attn_out_rows(x, q, k, v, keep.view(torch.uint8))
+        packed_k, packed_v = (t.permute(1, 0, 2, 3).reshape(1, kv, b * sk, d) for t in (k, v))
+        spans = torch.tensor([(i, i * sk, (i + 1) * sk) for i in range(b)])
+        packed_keep = torch.zeros(b, b * sk, dtype=torch.uint8)
+        for i in range(b):
+            packed_keep[i, i * sk:(i + 1) * sk] = keep[i].view(torch.uint8)
+        a = torch.empty(b, 4, d, dtype=torch.bfloat16)
+        attend_rows_native(q.permute(2, 1, 0, 3), packed_k, packed_v, spans, packed_keep,
+                           layer.struct.scale, layer.struct.softcap, a.permute(1, 0, 2)[None])
+        assert torch.equal(layer.post_attn_rows(x, a.view(b, 4 * d)), ref)
 
 
 # ---- OPT's layout: LayerNorm with bias, learned positions (added before the blocks), q scaled
@@ -600,20 +645,19 @@ def test_opt_layer_against_float64():
         _layers(_inject(_model("llama")))[0].forward.decode_layer().attn_in(x, None, None)
 
 
-@pytest.mark.amx
-@BATCHED
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("mode", ["greedy", "beams"])
 def test_opt_batched_generate_matches_the_torch_path(mode, cache, monkeypatch):
     """generate() over a left-padded OPT batch (positions from the mask, before the blocks):
     the batched layer takes the torch path's tokens, with either cache."""
     model = _inject(_opt(seed=3))
+    _need_batched(model)
     ids, mask = _padded_batch(3, 6, seed=8)
     kwargs = {"max_new_tokens": 8, "disable_compile": True, "pad_token_id": 0,
               "attention_mask": mask, "do_sample": False, "cache_implementation": cache}
     if mode == "beams":
         kwargs.update(num_beams=2, early_stopping=False)
-    assert "batched steps (2-256 sequences): native layer" in hf_dsinfer.explain(model)
+    assert "sequences): native layer" in hf_dsinfer.explain(model)
     before = _row_calls(model)
     with torch.inference_mode():
         native = model.generate(ids, **kwargs)

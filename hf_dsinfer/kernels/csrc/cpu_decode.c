@@ -954,13 +954,17 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
 
 /* ---- batched decode: one token of each of `rows` sequences, every projection bf16 ----
  *
- * The same layer for rows > 1 (batched greedy / sampled decode, beams): the projections run on
- * AMX tiles straight from the stored weights (hfd_linear_bf16 of cpu_moe.c, which rounds each
- * output to bf16 after its bias, as nn.Linear does), and everything between them is the
- * per-row code above, so a row's numerics are the batch-1 layer's. Row r's cos / sin start at
+ * The same layer for rows > 1 (batched greedy / sampled decode, beams, continuous batching's
+ * decode rows): on a CPU with AMX the projections run on AMX tiles straight from the stored
+ * weights (hfd_linear_bf16 of cpu_moe.c, which rounds each output to bf16 after its bias, as
+ * nn.Linear does; int8 row tiles on AMX-INT8); without AMX, bf16 weights run the vdpbf16ps dot
+ * products of hfd_gemv_bf16 / hfd_gemm_bf16 (the same bits for any number of rows, and the
+ * torch path's kernels for the rows kernels/crossovers.py gives them: lin_batch). Everything
+ * between them is the per-row code above, so a row's numerics are the batch-1 layer's. Row r's cos / sin start at
  * cos + r * cs_stride (0: one position for every row); its keys at kc + r * kbs, its keep row
  * at keep + r * keep_stride. Return codes: 0, -2 out of memory, -3 not computable here (a
- * projection that is not bf16 with bf16 bias, shapes the AMX kernel does not take, no AMX). */
+ * projection that is not bf16 with bf16 bias (int8 row tiles too on AMX-INT8), shapes the
+ * kernels do not take). */
 
 /* Rows of x under the AMX-INT8 kernel's: kernels/quant.py's AMX_INT8_MIN_ROWS (the two give the
    same bits; the GEMV is faster for so few rows) */
@@ -981,6 +985,17 @@ static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint1
                              nt);
     return hfd_int8_amx(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum, L->scales,
                         (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
+}
+
+/* y [rows, n] = bf16(x W^T + bias) for the batched layer: lin_amx_rows on a CPU with AMX; else
+   a bf16 weight (bf16 bias or none) by hfd_gemv_bf16 (up to its 4 rows) or hfd_gemm_bf16, whose
+   dot products are the GEMV's (in features a multiple of 32, out features of 4); -3 else. */
+static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
+    if (hfd_amx_available()) return lin_amx_rows(L, x, rows, y, nt);
+    if (L->kind != LIN_BF16 || (L->bias && L->b_dt != DT_BF16)) return -3;
+    const uint16_t *w = (const uint16_t *)L->w, *b = (const uint16_t *)L->bias;
+    if (rows <= 4) return hfd_gemv_bf16(x, w, b, y, rows, L->n, L->k, nt);
+    return hfd_gemm_bf16(x, w, b, y, rows, L->n, L->k, nt);
 }
 
 /* out = bf16(a + b) for n bf16 elements; with m != 0, out = bf16(a + bf16(b * m)) (Granite). */
@@ -1032,9 +1047,9 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!h) return -2;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) norm_bf16(L, 1, x + r * H, h + r * H);
-    int rc = lin_amx_rows(&L->lin[L_Q], h, rows, q, nt);
-    if (!rc) rc = lin_amx_rows(&L->lin[L_K], h, rows, k, nt);
-    if (!rc) rc = lin_amx_rows(&L->lin[L_V], h, rows, v, nt);
+    int rc = lin_batch(&L->lin[L_Q], h, rows, q, nt);
+    if (!rc) rc = lin_batch(&L->lin[L_K], h, rows, k, nt);
+    if (!rc) rc = lin_batch(&L->lin[L_V], h, rows, v, nt);
     free(h);
     if (rc) return rc;
     if (L->q_norm) {
@@ -1051,6 +1066,57 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     return 0;
 }
 
+/* The layer after its attention for each row: out [rows, hidden] from x [rows, hidden] and the
+   attention output a [rows, heads * d] (bf16, before the output projection): o_proj, the
+   residual adds, the norms and the MLP, as hfd_decode_attn_out_rows computes them. */
+int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                              const uint16_t *a, uint16_t *out, int nthreads) {
+    const int64_t H = L->hidden, I = L->inter;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
+    if (rows <= 0) return 0;
+    uint16_t *act = (uint16_t *)malloc((size_t)(rows * I) * 2);  /* the MLP's activation */
+    uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
+    uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);    /* o_proj, norm, down out */
+    uint16_t *g = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
+    uint16_t *u = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
+    int rc = (!act || !x1 || !h || (gated && (!g || !u))) ? -2 : 0;
+    if (!rc) rc = lin_batch(&L->lin[L_O], a, rows, h, nt);
+    if (!rc) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (L->ln3) norm_bf16(L, 3, h + r * H, h + r * H); /* sandwich */
+            add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
+            norm_bf16(L, 2, x1 + r * H, h + r * H);
+        }
+        rc = lin_batch(&L->lin[L_GATE], h, rows, gated ? g : act, nt);
+    }
+    if (!rc && gated) rc = lin_batch(&L->lin[L_UP], h, rows, u, nt);
+    if (!rc) {
+        if (gated) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                if (L->mlp == MLP_GATED_GELU_TANH)
+                    gated_gelu_bf16(g + r * I, u + r * I, I, act + r * I);
+                else
+                    gated_silu_bf16(g + r * I, u + r * I, I, act + r * I);
+            }
+        } else {
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int64_t r = 0; r < rows; r++) relu_bf16(act + r * I, I);
+        }
+        rc = lin_batch(&L->lin[L_DOWN], act, rows, h, nt);
+    }
+    if (!rc) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (L->ln4) norm_bf16(L, 4, h + r * H, h + r * H); /* sandwich */
+            add_bf16(x1 + r * H, h + r * H, H, L->resid_mult, out + r * H);
+        }
+    }
+    free(act); free(x1); free(h); free(g); free(u);
+    return rc;
+}
+
 /* The rest of the layer for each row: out [rows, hidden] from x, the rotated q [rows, heads * d]
    and the cache: row r's element (h, s, c) at kc[r * kbs + h * khs + s * kss + c] (likewise vc)
    for s < sk; keep (uint8, NULL: every key) masks key s of row r where keep[r * keep_stride + s]
@@ -1060,16 +1126,11 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
                              int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
                              uint16_t *out, int nthreads) {
-    const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
-    const int64_t nq = L->heads * d, wide = I > nq ? I : nq;
-    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
-    uint16_t *a = (uint16_t *)malloc((size_t)(rows * wide) * 2); /* attention, then the act */
-    uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
-    uint16_t *h = (uint16_t *)malloc((size_t)(rows * H) * 2);    /* o_proj, norm, down out */
-    uint16_t *g = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
-    uint16_t *u = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
+    const int64_t d = L->head_dim, rep = L->heads / L->kv_heads, nq = L->heads * d;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    uint16_t *a = (uint16_t *)malloc((size_t)(rows * nq) * 2); /* the attention output */
     float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
-    int rc = (!a || !x1 || !h || (gated && (!g || !u)) || !sc) ? -2 : 0;
+    int rc = (!a || !sc) ? -2 : 0;
     if (!rc) {
 #pragma omp parallel num_threads(nt)
         {
@@ -1083,41 +1144,9 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                        a + r * nq + hq * d);
             }
         }
-        rc = lin_amx_rows(&L->lin[L_O], a, rows, h, nt);
+        rc = hfd_decode_post_attn_rows(L, rows, x, a, out, nt);
     }
-    if (!rc) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (L->ln3) norm_bf16(L, 3, h + r * H, h + r * H); /* sandwich */
-            add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
-            norm_bf16(L, 2, x1 + r * H, h + r * H);
-        }
-        rc = lin_amx_rows(&L->lin[L_GATE], h, rows, gated ? g : a, nt);
-    }
-    if (!rc && gated) rc = lin_amx_rows(&L->lin[L_UP], h, rows, u, nt);
-    if (!rc) {
-        if (gated) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                if (L->mlp == MLP_GATED_GELU_TANH)
-                    gated_gelu_bf16(g + r * I, u + r * I, I, a + r * I);
-                else
-                    gated_silu_bf16(g + r * I, u + r * I, I, a + r * I);
-            }
-        } else {
-#pragma omp parallel for num_threads(nt) schedule(static)
-            for (int64_t r = 0; r < rows; r++) relu_bf16(a + r * I, I);
-        }
-        rc = lin_amx_rows(&L->lin[L_DOWN], a, rows, h, nt);
-    }
-    if (!rc) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (L->ln4) norm_bf16(L, 4, h + r * H, h + r * H); /* sandwich */
-            add_bf16(x1 + r * H, h + r * H, H, L->resid_mult, out + r * H);
-        }
-    }
-    free(a); free(x1); free(h); free(g); free(u); free(sc);
+    free(a); free(sc);
     return rc;
 }
 

@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 4
+#define HFD_ABI_VERSION 5
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -98,6 +98,8 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
                              int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
                              uint16_t *out, int nthreads);
+int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
+                              const uint16_t *a, uint16_t *out, int nthreads);
 int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t *k,
                     int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
                     const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
