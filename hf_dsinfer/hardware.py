@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,3 +34,30 @@ def read_bandwidth(device: str | torch.device = "cpu", gib: float = 1.0) -> floa
     x = torch.ones(int(gib * 2**30 // 4), dtype=torch.float32, device=device)
     seconds = median_time(lambda i: x.sum(), 5, device)
     return x.numel() * 4 / seconds / 1e9
+
+
+# libgomp's omp_pause_resource_all(kind): omp_pause_soft
+_OMP_PAUSE_SOFT = 1
+
+
+def release_openmp_threads() -> bool:
+    """Free the calling thread's pool of OpenMP worker threads (libgomp's
+    omp_pause_resource_all, OpenMP 5.0; a later parallel region of this thread makes a new one).
+    True when freed; False where the process's OpenMP runtime is not an already loaded libgomp
+    that offers it.
+
+    Why: libgomp gives every thread that starts parallel work a pool of workers of its own, kept
+    until that thread ends, and while the pools hold more threads than the process has CPUs its
+    idle workers sleep instead of spinning, so every parallel region pays a wake-up. A thread
+    that hands the computing to another one (transformers' continuous batching manager) and
+    only waits should release its pool first: on 2 cores, a 64k torch.add in the manager's
+    thread took 20 us beside the caller's idle pool and 3.8 us after its release; 30 SmolLM2
+    layers of 16 decode rows in the native kernels 25 ms against 10.7 ms."""
+    try:
+        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        pause = lib.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return False
+    pause.argtypes = [ctypes.c_int]
+    pause.restype = ctypes.c_int
+    return pause(_OMP_PAUSE_SOFT) == 0

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.generation.continuous_batching import PagedAttentionCache
 
-from hf_dsinfer import state
+from hf_dsinfer import hardware, state
 from hf_dsinfer.errors import ContinuousBatchingError
 
 _WRAPPED = ("generate_batch", "init_continuous_batching")
@@ -95,6 +95,7 @@ class ContinuousBatching:
             manager = self.hf_init_continuous_batching(*args, **kwargs)
         if self._managers is not None:  # inside generate_batch, which reads its error
             self._managers.append(manager)
+        _release_threads_on_start(manager)
         return manager
 
     @contextlib.contextmanager
@@ -175,6 +176,20 @@ class ContinuousBatching:
         eos = self.model.config.eos_token_id if eos is None else eos
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return len(inputs) * returns, max_new, {int(e) for e in eos}
+
+
+def _release_threads_on_start(manager: Any) -> None:
+    """The manager's `start` (an instance attribute) first releases the starting thread's
+    OpenMP workers (hardware.release_openmp_threads): the manager computes on its own thread,
+    whose parallel regions would otherwise each pay a wake-up beside the starter's idle pool.
+    The starter's next parallel work makes a new pool."""
+    start = manager.start
+
+    def start_releasing(*args: Any, **kwargs: Any) -> Any:
+        hardware.release_openmp_threads()
+        return start(*args, **kwargs)
+
+    manager.start = start_releasing
 
 
 def _fix(bound: dict) -> str:

@@ -1,0 +1,177 @@
+"""Continuous batching's decode-only forwards in the native decode layer (FusedBlock._paged_decode):
+every request of the packed row brings one token, so each block runs attn_in_rows, the paged
+cache's own update, one native attention call over each row's own keys and post_attn_rows (one
+request: the batch-1 layer). Counted by the block's path record ("paged_native") and the layer's
+call counters; tokens equal to the torch path's (the same kernels for the linears, per-row code
+between them); calls the layer does not take go to the torch path.
+
+Also: a manager's start releases the starting thread's OpenMP workers
+(hardware.release_openmp_threads), so the manager's thread is the only pool that computes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig
+
+import hf_dsinfer
+from hf_dsinfer import hardware
+from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import decode as native_decode
+from tests.kernels.conftest import pin_crossovers
+from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
+from tests.switches import switch
+
+pytestmark = pytest.mark.skipif(not _native.builds(),
+                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+
+LENGTHS = (5, 11, 3, 17, 8)
+NEW_TOKENS = 6
+
+
+@pytest.fixture(autouse=True)
+def _quiet_eos_warning():
+    logger = logging.getLogger("transformers.generation.configuration_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
+    return hf_dsinfer.init_inference(model, dtype=torch.bfloat16)
+
+
+def _prompts(lengths=LENGTHS) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, _BASE["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+
+
+def _generate_batch(model, prompts) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_batch_tokens=64, num_blocks=64, page_size=16)
+    out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
+                               warmup=False)
+    return [r.generated_tokens for r in out.values()]
+
+
+def _layers(model) -> list[native_decode.DecodeLayer]:
+    return [block.decode_layer() for block in get_report(model).blocks.values()]
+
+
+def _counts(model) -> tuple[int, int, int]:
+    """(paged_native calls over the blocks, batch-1 layer calls, batched layer calls)."""
+    blocks = get_report(model).blocks.values()
+    layers = _layers(model)
+    return (sum(b.paths.counts["paged_native"] for b in blocks),
+            sum(layer.calls for layer in layers), sum(layer.row_calls for layer in layers))
+
+
+def _need_rows(model) -> native_decode.DecodeLayer:
+    layer = _layers(model)[0]
+    if layer.rows_why is not None:
+        pytest.skip(f"the batched layer does not run here: {layer.rows_why}")
+    return layer
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_decode_rows_run_the_native_layer(grad_mode, monkeypatch):
+    """Several requests: their decode-only steps run the batched layer in every block (counted),
+    prefill chunks the torch path ("paged"); the tokens are the torch path's."""
+    model = _model()
+    _need_rows(model)
+    context = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    before = _counts(model)
+    with context():
+        native = _generate_batch(model, _prompts())
+        after = _counts(model)
+        switch(monkeypatch, native=False)
+        torch_path = _generate_batch(model, _prompts())
+    assert all(len(tokens) == NEW_TOKENS for tokens in native)
+    blocks = list(get_report(model).blocks.values())
+    assert all(b.paths.counts["paged_native"] > 0 and b.paths.counts["paged"] > 0
+               for b in blocks)
+    assert after[2] - before[2] >= len(blocks)  # post_attn_rows of several rows
+    assert after == _counts(model)  # the torch path's run took none of them
+    assert native == torch_path
+
+
+def test_one_request_runs_the_batch_one_layer(monkeypatch):
+    """A single request's decode steps run the batch-1 layer over its pages (counted)."""
+    model = _model(seed=1)
+    prompt = _prompts((9,))
+    with torch.inference_mode():
+        before = _counts(model)
+        native = _generate_batch(model, prompt)
+        after = _counts(model)
+        switch(monkeypatch, native=False)
+        torch_path = _generate_batch(model, prompt)
+    blocks = len(get_report(model).blocks)
+    assert after[0] - before[0] == (NEW_TOKENS - 1) * blocks  # every step after the prefill
+    assert after[1] - before[1] == (NEW_TOKENS - 1) * blocks and after[2] == before[2]
+    assert native == torch_path
+
+
+def test_rows_past_the_bound_take_the_torch_path(monkeypatch):
+    """Without AMX the batched layer takes the rows for which the torch path's linears run the
+    same native dot products (the tier's crossovers): more rows go to the torch path."""
+    model = _model(seed=2)
+    layer = _need_rows(model)
+    if layer._amx:
+        pytest.skip("with AMX the batched layer's bound is the AMX linear's (256 rows)")
+    pin_crossovers(monkeypatch, bf16_gemv_max_rows=2, bf16_gemm_max_rows=None)
+    assert layer.rows_max == 2
+    seen: list[int] = []
+    post = native_decode.DecodeLayer.post_attn_rows
+
+    def counted(self, x, a):
+        seen.append(x.shape[0])
+        return post(self, x, a)
+
+    monkeypatch.setattr(native_decode.DecodeLayer, "post_attn_rows", counted)
+    with torch.inference_mode():
+        native = _generate_batch(model, _prompts())
+        switch(monkeypatch, native=False)
+        torch_path = _generate_batch(model, _prompts())
+    assert max(seen, default=0) <= 2
+    assert native == torch_path
+    assert all(b.paths.counts["paged"] > 0 for b in get_report(model).blocks.values())
+
+
+def test_fp32_and_mixed_steps_are_not_taken():
+    """fp32 models never run the native layer under continuous batching (it is bf16)."""
+    torch.manual_seed(0)
+    model = hf_dsinfer.init_inference(
+        AutoModelForCausalLM.from_config(LlamaConfig(**_BASE)).eval())
+    with torch.inference_mode():
+        _generate_batch(model, _prompts())
+    blocks = get_report(model).blocks.values()
+    assert all(b.paths.counts["paged_native"] == 0 and b.paths.counts["paged"] > 0
+               for b in blocks)
+
+
+def test_manager_start_releases_the_starting_threads_openmp_workers(monkeypatch):
+    """generate_batch's manager releases the caller's OpenMP workers once, when it starts."""
+    calls: list[int] = []
+    monkeypatch.setattr(hardware, "release_openmp_threads", lambda: calls.append(1) or True)
+    model = _model(seed=3)
+    with torch.inference_mode():
+        assert all(len(t) == NEW_TOKENS for t in _generate_batch(model, _prompts((4, 6))))
+    assert calls == [1]
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch does not run on OpenMP here")
+def test_release_openmp_threads_frees_this_threads_pool():
+    """libgomp (torch's OpenMP runtime on Linux) offers omp_pause_resource_all: the release
+    succeeds, and parallel torch work afterwards still computes (a new pool)."""
+    a = torch.randn(1 << 17)
+    before = (a + a).sum()
+    assert hardware.release_openmp_threads()
+    assert torch.equal((a + a).sum(), before)
