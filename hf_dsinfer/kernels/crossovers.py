@@ -118,13 +118,17 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 # bf16 panel kernel (csrc/cpu_qgemm.c) against F.linear, the same weight (8 copies cycled, on
 # huge pages as the model stores them), 2 threads, quiet, medians of 7, ms at 5 / 8 / 16 / 32 /
 # 64 / 256 rows: 0.60 / 0.71 / 0.88 / 1.37 / 2.22 / 7.56 against 0.77 / 0.83 / 0.99 / 1.37 /
-# 2.05 / 6.37: bf16_gemm_max_rows 16.
+# 2.05 / 6.37: bf16_gemm_max_rows 16 then. Timed by benchmarks/crossovers.py since 2026-11-24
+# (late night, load 1.1-1.5, medians of 7 and 9: `--tiers avx512_bf16 --reps 7 --rows 1 4 8
+# 12 16 24 32 48 64 96`): 16 / 24 / 32 / 48 / 64 rows 0.91 / 1.09 / 1.37 / 1.74 / 2.20 against
+# F.linear's 1.08 / 1.21 / 1.46 / 1.80 / 2.17 (second run 0.95 / 1.14 / 1.42 / 1.75 / 2.24
+# against 1.06 / 1.23 / 1.46 / 1.79 / 2.17): bf16_gemm_max_rows 48.
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=24, int4_native_max_rows=8,
                          int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
-                         int8_gemm_max_rows=512, bf16_gemm_max_rows=16)
+                         int8_gemm_max_rows=512, bf16_gemm_max_rows=48)
 # avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
 # not measured
 ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
