@@ -215,12 +215,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int8_amx.restype = i32
     lib.hfd_amx_int8_available.argtypes = []
     lib.hfd_amx_int8_available.restype = i32
-    lib.hfd_decode_attn_in_rows.argtypes = [p, i64, p, p, p, i64, p, p, p, i32]
+    lib.hfd_decode_attn_in_rows.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32]
     lib.hfd_decode_attn_in_rows.restype = i32
     lib.hfd_decode_attn_out_rows.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64,
-                                             i64, p, i64, p, i32]
+                                             i64, p, i64, p, p, i32]
     lib.hfd_decode_attn_out_rows.restype = i32
-    lib.hfd_decode_post_attn_rows.argtypes = [p, i64, p, p, p, i32]
+    lib.hfd_decode_post_attn_rows.argtypes = [p, i64, p, p, p, p, i32]
     lib.hfd_decode_post_attn_rows.restype = i32
     lib.hfd_dequant_int4_rows.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i32, i32, i32]
     lib.hfd_dequant_int4_rows.restype = i32

@@ -40,6 +40,9 @@ from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
+    LIN_INT4,
+    LIN_INT4_TILED,
+    LIN_INT8,
     LIN_INT8_TILED,
     ROPES,
 )
@@ -76,6 +79,7 @@ class DecodeLayer:
         self.calls = 0  # attn_out calls (one token of one sequence)
         self.row_calls = 0  # attn_out_rows calls (one token of each of several sequences)
         self._amx = bool(lib.hfd_amx_available())  # the batched projections' kernels (C side)
+        self._kinds = {_KIND_NAMES[lin.kind] for lin in struct.lin if lin.n}  # their weights
         self._rows_why = _rows_why(lib, struct, self._amx)  # the layer, the CPU: see rows_why
 
     @property
@@ -89,23 +93,23 @@ class DecodeLayer:
             return self._rows_why
         if self._rows_why is not None:
             return self._rows_why
-        if _native.lib("bf16_gemv") is None:
-            return (f"no AMX, and the native bf16 dot products do not run at the "
-                    f"{_native.tier()} tier (the torch path's linears are not theirs)")
+        for kind in sorted(self._kinds):
+            if (why := _kind_why(kind)) is not None:
+                return why
         if self.rows_max < 2:
-            return f"no AMX, and the {_native.tier()} tier's crossovers give the native bf16 " \
-                   "dot products no batch"
+            return (f"no AMX, and the {_native.tier()} tier's crossovers give the native "
+                    "kernels of these projections no batch")
         return None
 
     @property
     def rows_max(self) -> int:
         """The most rows attn_in_rows / attn_out_rows take: AMX's 256, else the rows for which
-        the torch path's bf16 linears run the same native dot products (the running tier's
-        bf16_gemm_max_rows, or bf16_gemv_max_rows without a panel bound)."""
+        the torch path's linears run the kernels the batched layer runs for them (the running
+        tier's crossovers: bf16_gemm_max_rows, int8_gemm_max_rows, int4_gemm_max_rows, or the
+        GEMVs' bounds where the panel kernel does not run), the least over the layer's kinds."""
         if self._amx:
             return AMX_MAX_ROWS
-        bounds = crossovers.rows()
-        return max(bounds.bf16_gemm_max_rows or 0, bounds.bf16_gemv_max_rows or 0)
+        return min((_kind_max_rows(kind) for kind in self._kinds), default=0)
 
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
@@ -197,7 +201,7 @@ class DecodeLayer:
         cos_p, sin_p = self._cos_sin(cos, sin, "attn_in_rows")
         code = self.lib.hfd_decode_attn_in_rows(
             self._ref, b, x.data_ptr(), cos_p, sin_p, cs_stride, q.data_ptr(), k.data_ptr(),
-            v.data_ptr(), torch.get_num_threads())
+            v.data_ptr(), _bounds(), torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_attn_in_rows")
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -227,7 +231,7 @@ class DecodeLayer:
         code = self.lib.hfd_decode_attn_out_rows(
             self._ref, b, x.data_ptr(), q.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1),
             k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), sk,
-            None if keep is None else keep.data_ptr(), keep_stride, out.data_ptr(),
+            None if keep is None else keep.data_ptr(), keep_stride, out.data_ptr(), _bounds(),
             torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_attn_out_rows")
@@ -247,11 +251,50 @@ class DecodeLayer:
                              f"{a.dtype} {tuple(a.shape)}")
         out = torch.empty_like(x)
         code = self.lib.hfd_decode_post_attn_rows(self._ref, b, x.data_ptr(), a.data_ptr(),
-                                                  out.data_ptr(), torch.get_num_threads())
+                                                  out.data_ptr(), _bounds(),
+                                                  torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_post_attn_rows")
         self.row_calls += 1
         return out
+
+
+# the weight kinds of the batched layer without AMX, by hfd_lin kind
+_KIND_NAMES = {LIN_BF16: "bf16", LIN_INT8: "int8", LIN_INT8_TILED: "int8", LIN_INT4: "int4",
+               LIN_INT4_TILED: "int4"}
+# the native library uses (_native.MIN_TIER) the torch path's linears of each kind take for a
+# few rows, and for more (the panel kernels)
+_KIND_USES = {"bf16": ("bf16_gemv", "bf16_gemv"), "int8": ("gemv", "panel"),
+              "int4": ("int4", "panel")}
+
+
+def _bounds():
+    """{int8_gemv_max_rows, int4_native_max_rows} of the running tier, for the batched layer's
+    choice between the quantized GEMVs and the panel kernels (csrc/cpu_decode.c: lin_batch)."""
+    rows = crossovers.rows()
+    return (ctypes.c_int64 * 2)(rows.int8_gemv_max_rows or 0, rows.int4_native_max_rows or 0)
+
+
+def _kind_why(kind: str) -> str | None:
+    """Why the torch path's linears of this weight kind do not run the batched layer's kernels
+    at the running tier (None: they do, for the rows of _kind_max_rows)."""
+    if _native.lib(_KIND_USES[kind][0]) is None:
+        return (f"no AMX, and the native {kind} kernels do not run at the {_native.tier()} "
+                "tier (the torch path's linears are not theirs)")
+    return None
+
+
+def _kind_max_rows(kind: str) -> int:
+    """The most rows for which the torch path's linears of this kind run the kernels of the
+    batched layer (csrc/cpu_decode.c: lin_batch) at the running tier."""
+    rows = crossovers.rows()
+    if kind == "bf16":
+        return max(rows.bf16_gemm_max_rows or 0, rows.bf16_gemv_max_rows or 0)
+    few = rows.int8_gemv_max_rows if kind == "int8" else rows.int4_native_max_rows
+    many = rows.int8_gemm_max_rows if kind == "int8" else rows.int4_gemm_max_rows
+    if many is None or _native.lib("panel") is None:
+        return few or 0
+    return max(many, few or 0)
 
 
 def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
@@ -264,14 +307,10 @@ def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
         for lin in struct.lin:
             if lin.n == 0:  # OPT's absent up projection
                 continue
-            if lin.kind != LIN_BF16:
-                return ("no AMX, and int8 or int4 projections (the batched layer without AMX "
-                        "takes bf16 weights)")
-            if lin.k % 32 or lin.n % 4:
-                return (f"no AMX, and a {lin.n} x {lin.k} projection (the native bf16 panel "
-                        "kernel takes in features a multiple of 32, out features of 4)")
             if lin.bias and lin.b_dt != _native.DTYPE_CODES[torch.bfloat16]:
                 return "a projection bias that is not bf16"
+            if (why := _panel_shape_why(lin)) is not None:
+                return f"no AMX, and {why}"
         return None
     for lin in struct.lin:
         if lin.n == 0:  # OPT's absent up projection
@@ -289,6 +328,24 @@ def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
         if lin.bias and lin.b_dt != _native.DTYPE_CODES[torch.bfloat16]:
             return "a projection bias that is not bf16"
     return None
+
+
+def _panel_shape_why(lin) -> str | None:
+    """Why the panel kernel of this projection's kind (csrc/cpu_qgemm.c) does not take its
+    shape, which the torch path's linear then gives to another kernel (None: it takes it)."""
+    n, k = lin.n, lin.k
+    if lin.kind == LIN_BF16:
+        ok, need = k % 32 == 0 and n % 4 == 0, "in features a multiple of 32, out of 4"
+    elif lin.kind in (LIN_INT8, LIN_INT8_TILED):
+        ok = n % 16 == 0 and k % (64 if lin.kind == LIN_INT8_TILED else 32) == 0
+        need = "out features a multiple of 16, in features of 32 (64 tiled)"
+    else:
+        g = lin.group
+        ok = (n % 16 == 0 and g > 0 and g % 32 == 0 and k % g == 0
+              and (lin.kind != LIN_INT4_TILED or (k // 2) % 64 == 0))
+        need = "out features a multiple of 16, groups of 32, in features of 128 tiled"
+    return None if ok else (f"a {n} x {k} projection the batched layer's kernel does not take "
+                            f"({need})")
 
 
 def keep_rows(mask: torch.Tensor | None, rows: int, sk: int) -> tuple[bool, torch.Tensor | None]:

@@ -29,6 +29,7 @@ from hf_dsinfer.injection.fused import _norm_eps
 from hf_dsinfer.kernels import _native, abi
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.attention import attention_ref
+from tests.kernels.conftest import pin_crossovers
 
 pytestmark = [pytest.mark.skipif(not _native.builds(),
                reason=f"native kernels unavailable: {_native.why_unavailable()}"),
@@ -245,15 +246,23 @@ def test_generate_tokens_match_the_torch_path(cache, grad_mode, monkeypatch):
 
 
 def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
-    """int4 batches, grad enabled, and fp32 models run the torch path; explain says why."""
+    """int4 batches on AMX, grad enabled, and fp32 models run the torch path; explain says
+    why. Without AMX, int4 batches run the batched layer where its kernels run."""
     model = _inject(_model("llama"), QUANTS["int4"])
+    layer = model.model.layers[0].forward.decode_layer()
+    before = _row_calls(model)
     with torch.no_grad():
         model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
-    assert _native_calls(model) == 0 and _row_calls(model) == 0
-    why = ("int4 or row-major int8" if _native.amx_available()
-           else "no AMX, and int8 or int4 projections")  # the first reason the layer finds
-    assert f"batched steps: torch ops ({why}" in hf_dsinfer.explain(model)
+    assert _native_calls(model) == 0
+    if _native.amx_available():
+        assert _row_calls(model) == before
+        assert "batched steps: torch ops (int4 or row-major int8" in hf_dsinfer.explain(model)
+    elif layer.rows_why is None:  # 2 one-token steps after the prefill
+        assert _row_calls(model) - before == 2 * len(model.model.layers)
+    else:
+        assert _row_calls(model) == before
+        assert f"batched steps: torch ops ({layer.rows_why}" in hf_dsinfer.explain(model)
     model = _inject(_model("llama"))
     cache = DynamicCache(config=model.config)
     model(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)  # grad enabled
@@ -357,6 +366,21 @@ def test_batched_int8_steps_equal_the_torch_path(name, monkeypatch):
     rows, so the projections are the same bits; attention and norms round in another order)."""
     model = _inject(_model(name), {"bits": 8})
     assert all(layer.forward.decode_layer().rows_why is None for layer in _layers(model))
+    _batched_against_torch_path(model, monkeypatch)
+
+
+@pytest.mark.parametrize("kernels", ["gemv", "panel"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_batched_quantized_steps_without_amx(quant, kernels, monkeypatch):
+    """Without AMX the batched layer takes int8 / int4 weights with the torch path's kernels for
+    the rows: the quantized GEMVs for a few rows, the panel kernels past the tier's bound
+    (pinned here to 2 rows, so that three sequences run them)."""
+    if _native.amx_available():
+        pytest.skip("with AMX the batched layer takes bf16 and int8 row tiles on AMX")
+    if kernels == "panel":
+        pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=2)
+    model = _inject(_model("llama"), QUANTS[quant])
+    _need_batched(model)
     _batched_against_torch_path(model, monkeypatch)
 
 

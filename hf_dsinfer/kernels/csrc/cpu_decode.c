@@ -987,15 +987,70 @@ static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint1
                         (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
 }
 
-/* y [rows, n] = bf16(x W^T + bias) for the batched layer: lin_amx_rows on a CPU with AMX; else
-   a bf16 weight (bf16 bias or none) by hfd_gemv_bf16 (up to its 4 rows) or hfd_gemm_bf16, whose
-   dot products are the GEMV's (in features a multiple of 32, out features of 4); -3 else. */
-static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out);
+
+/* y [rows, n] = bf16(bf16(f) + bias) from fp32 products f: the torch path's rounding of its
+   int8 panel and int4 products (kernels/quant.py: the product to bf16, then the bias added). */
+static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint16_t *y, int nt) {
+    const int64_t n = L->n;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        round_row(f + r * n, y + r * n, n);
+        if (L->bias) add_bf16(y + r * n, (const uint16_t *)L->bias, n, 0.f, y + r * n);
+    }
+}
+
+/* y [rows, n] = x W^T + bias in bf16 for the batched layer: lin_amx_rows on a CPU with AMX.
+   Else the kernel the torch path's linear takes for `rows` rows (kernels/linear.py, quant.py),
+   bounds = {int8_gemv_max_rows, int4_native_max_rows} of the running tier (kernels/crossovers.py):
+   a bf16 weight by hfd_gemv_bf16 (up to its 4 rows) or hfd_gemm_bf16, whose dot products are
+   the GEMV's; int8 by hfd_int8_gemv up to bounds[0] rows, else hfd_int8_gemm_bf16 (an input
+   scale folded into x first); int4 by hfd_int4_linear up to bounds[1] rows, else hfd_int4_gemm_bf16. Biases bf16.
+   -3 for what it does not take (kernels/decode.py: rows_why checks first), -2 out of memory. */
+static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt,
+                     const int64_t *bounds) {
     if (hfd_amx_available()) return lin_amx_rows(L, x, rows, y, nt);
-    if (L->kind != LIN_BF16 || (L->bias && L->b_dt != DT_BF16)) return -3;
-    const uint16_t *w = (const uint16_t *)L->w, *b = (const uint16_t *)L->bias;
-    if (rows <= 4) return hfd_gemv_bf16(x, w, b, y, rows, L->n, L->k, nt);
-    return hfd_gemm_bf16(x, w, b, y, rows, L->n, L->k, nt);
+    if (L->bias && L->b_dt != DT_BF16) return -3;
+    if (L->kind == LIN_BF16) {
+        const uint16_t *w = (const uint16_t *)L->w, *b = (const uint16_t *)L->bias;
+        if (rows <= 4) return hfd_gemv_bf16(x, w, b, y, rows, L->n, L->k, nt);
+        return hfd_gemm_bf16(x, w, b, y, rows, L->n, L->k, nt);
+    }
+    const int int8 = L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED;
+    const int tiled = L->kind == LIN_INT8_TILED || L->kind == LIN_INT4_TILED;
+    if (!bounds || (!int8 && !is_int4(L))) return -3;
+    if (int8 && rows <= bounds[0])
+        return hfd_int8_gemv(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum,
+                             L->scales, (int)L->s_dt, L->bias, L->bias ? DT_BF16 : 0, y, rows,
+                             L->n, L->k, tiled, nt);
+    float *f = (float *)malloc((size_t)(rows * L->n) * sizeof(float));
+    uint16_t *xs = int8 && L->in_scale ? (uint16_t *)malloc((size_t)(rows * L->k) * 2) : NULL;
+    if (!f || (int8 && L->in_scale && !xs)) {
+        free(f); free(xs);
+        return -2;
+    }
+    if (xs) /* the input scale folded into x as the torch path folds it: bf16(x * in_scale) */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < L->k; c += 16) {
+                __mmask16 mk = mask16(L->k - c);
+                store16_bf16(xs + r * L->k + c, mk,
+                             _mm512_mul_ps(load16(x, r * L->k + c, DT_BF16, mk),
+                                           _mm512_maskz_loadu_ps(mk, L->in_scale + c)));
+            }
+    int rc;
+    if (int8)
+        rc = hfd_int8_gemm_bf16(xs ? xs : x, rows, (const int8_t *)L->w, L->scales,
+                                (int)L->s_dt, L->n, L->k, tiled, f, nt);
+    else if (rows <= bounds[1])
+        rc = hfd_int4_linear(x, DT_BF16, rows, (const uint8_t *)L->w, L->scales, L->mins,
+                             (int)L->s_dt, L->group, L->n, L->k, tiled, f, nt);
+    else
+        rc = hfd_int4_gemm_bf16(x, rows, (const uint8_t *)L->w, L->scales, L->mins,
+                                (int)L->s_dt, L->group, L->n, L->k, tiled, f, nt);
+    if (!rc) round_then_bias(f, L, rows, y, nt);
+    free(f);
+    free(xs);
+    return rc;
 }
 
 /* out = bf16(a + b) for n bf16 elements; with m != 0, out = bf16(a + bf16(b * m)) (Granite). */
@@ -1039,7 +1094,8 @@ static void relu_bf16(uint16_t *a, int64_t n) {
 /* q [rows, heads * d], k, v [rows, kv_heads * d] (bf16, rotated q and k) from x [rows, hidden]. */
 int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
                             const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
-                            uint16_t *q, uint16_t *k, uint16_t *v, int nthreads) {
+                            uint16_t *q, uint16_t *k, uint16_t *v, const int64_t *bounds,
+                            int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim;
     const int64_t nq = L->heads * d, nkv = L->kv_heads * d;
     const int nt = nthreads > 0 ? nthreads : 1;
@@ -1047,9 +1103,9 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!h) return -2;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) norm_bf16(L, 1, x + r * H, h + r * H);
-    int rc = lin_batch(&L->lin[L_Q], h, rows, q, nt);
-    if (!rc) rc = lin_batch(&L->lin[L_K], h, rows, k, nt);
-    if (!rc) rc = lin_batch(&L->lin[L_V], h, rows, v, nt);
+    int rc = lin_batch(&L->lin[L_Q], h, rows, q, nt, bounds);
+    if (!rc) rc = lin_batch(&L->lin[L_K], h, rows, k, nt, bounds);
+    if (!rc) rc = lin_batch(&L->lin[L_V], h, rows, v, nt, bounds);
     free(h);
     if (rc) return rc;
     if (L->q_norm) {
@@ -1070,7 +1126,8 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
    attention output a [rows, heads * d] (bf16, before the output projection): o_proj, the
    residual adds, the norms and the MLP, as hfd_decode_attn_out_rows computes them. */
 int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
-                              const uint16_t *a, uint16_t *out, int nthreads) {
+                              const uint16_t *a, uint16_t *out, const int64_t *bounds,
+                              int nthreads) {
     const int64_t H = L->hidden, I = L->inter;
     const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
     if (rows <= 0) return 0;
@@ -1080,7 +1137,7 @@ int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *
     uint16_t *g = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
     uint16_t *u = gated ? (uint16_t *)malloc((size_t)(rows * I) * 2) : NULL;
     int rc = (!act || !x1 || !h || (gated && (!g || !u))) ? -2 : 0;
-    if (!rc) rc = lin_batch(&L->lin[L_O], a, rows, h, nt);
+    if (!rc) rc = lin_batch(&L->lin[L_O], a, rows, h, nt, bounds);
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -1088,9 +1145,9 @@ int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *
             add_bf16(x + r * H, h + r * H, H, L->resid_mult, x1 + r * H);
             norm_bf16(L, 2, x1 + r * H, h + r * H);
         }
-        rc = lin_batch(&L->lin[L_GATE], h, rows, gated ? g : act, nt);
+        rc = lin_batch(&L->lin[L_GATE], h, rows, gated ? g : act, nt, bounds);
     }
-    if (!rc && gated) rc = lin_batch(&L->lin[L_UP], h, rows, u, nt);
+    if (!rc && gated) rc = lin_batch(&L->lin[L_UP], h, rows, u, nt, bounds);
     if (!rc) {
         if (gated) {
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -1104,7 +1161,7 @@ int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *
 #pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t r = 0; r < rows; r++) relu_bf16(act + r * I, I);
         }
-        rc = lin_batch(&L->lin[L_DOWN], act, rows, h, nt);
+        rc = lin_batch(&L->lin[L_DOWN], act, rows, h, nt, bounds);
     }
     if (!rc) {
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -1125,7 +1182,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                              const uint16_t *q, const uint16_t *kc, int64_t kbs, int64_t khs,
                              int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
                              int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
-                             uint16_t *out, int nthreads) {
+                             uint16_t *out, const int64_t *bounds, int nthreads) {
     const int64_t d = L->head_dim, rep = L->heads / L->kv_heads, nq = L->heads * d;
     const int nt = nthreads > 0 ? nthreads : 1;
     uint16_t *a = (uint16_t *)malloc((size_t)(rows * nq) * 2); /* the attention output */
@@ -1144,7 +1201,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                        a + r * nq + hq * d);
             }
         }
-        rc = hfd_decode_post_attn_rows(L, rows, x, a, out, nt);
+        rc = hfd_decode_post_attn_rows(L, rows, x, a, out, bounds, nt);
     }
     free(a); free(sc);
     return rc;

@@ -92,14 +92,16 @@ int hfd_decode_layers(const hfd_layer *const *L, int64_t count, const uint16_t *
                       const uint8_t *keep, uint16_t *out, int nthreads);
 int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
                             const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
-                            uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
+                            uint16_t *q, uint16_t *k, uint16_t *v, const int64_t *bounds,
+                            int nthreads);
 int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
                              const uint16_t *q, const uint16_t *kc, int64_t kbs, int64_t khs,
                              int64_t kss, const uint16_t *vc, int64_t vbs, int64_t vhs,
                              int64_t vss, int64_t sk, const uint8_t *keep, int64_t keep_stride,
-                             uint16_t *out, int nthreads);
+                             uint16_t *out, const int64_t *bounds, int nthreads);
 int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
-                              const uint16_t *a, uint16_t *out, int nthreads);
+                              const uint16_t *a, uint16_t *out, const int64_t *bounds,
+                              int nthreads);
 int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t *k,
                     int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
                     const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
