@@ -122,13 +122,15 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 # (late night, load 1.1-1.5, medians of 7 and 9: `--tiers avx512_bf16 --reps 7 --rows 1 4 8
 # 12 16 24 32 48 64 96`): 16 / 24 / 32 / 48 / 64 rows 0.91 / 1.09 / 1.37 / 1.74 / 2.20 against
 # F.linear's 1.08 / 1.21 / 1.46 / 1.80 / 2.17 (second run 0.95 / 1.14 / 1.42 / 1.75 / 2.24
-# against 1.06 / 1.23 / 1.46 / 1.79 / 2.17): bf16_gemm_max_rows 48.
+# against 1.06 / 1.23 / 1.46 / 1.79 / 2.17), which would give 48; but end to end 48 made
+# `hf-dsinfer serve` on SmolLM2 slower (16 clients: 311-326 tok/s against 370 with 16, same
+# hour; cause not found; docs/performance.md), so bf16_gemm_max_rows stays 16.
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=24, int4_native_max_rows=8,
                          int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
-                         int8_gemm_max_rows=512, bf16_gemm_max_rows=48)
+                         int8_gemm_max_rows=512, bf16_gemm_max_rows=16)
 # avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
 # not measured
 ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,

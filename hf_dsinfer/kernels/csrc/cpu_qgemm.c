@@ -287,8 +287,8 @@ int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void
  * header; oneDNN's differ in their last bits, so a bf16 output may differ from F.linear's by one
  * unit in the last place). The weight is read where it is, in panels (panel_split)
  * (from memory once, then from L2 for each block of HFD_QR rows of x); threads split the panels.
- * Measured on Zen 5 against F.linear (kernels/crossovers.py): faster up to 48 rows, level at
- * 64, slower past (oneDNN's blocking), so linear.py takes it for a few dozen rows only.
+ * Measured on Zen 5 against F.linear (kernels/crossovers.py): faster up to 48 rows on one
+ * weight, level at 64, slower past (oneDNN's blocking); linear.py takes it for 5-16 rows.
  * Returns 0, or -3 for a shape this kernel does not take (K not a multiple of 32, N not a
  * multiple of HFD_QN). */
 int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
