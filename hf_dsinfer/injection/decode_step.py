@@ -16,7 +16,7 @@ rotary; final_layer_norm and project_out at the end) with the HF cache's own `up
 Cache class) and every check done once per step: for one sequence with the batch-1 layer calls,
 and for up to DECODE_MAX_ROWS sequences with the batched ones (attn_in_rows / attn_out_rows:
 per-row positions and padding) when every layer's batched path runs (DecodeLayer.rows_why,
-rows_max: bf16 projections, or int8 row tiles on AMX). One sequence in
+rows_max: bf16 projections or int8 row tiles on AMX; bf16, int8 or int4 without). One sequence in
 a plain DynamicCache runs the whole layer loop as one native call (kernels.decode.LayerChain),
 which writes each layer's key and value into the buffers append_kv keeps, with the same
 numerics. The embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot prove equal goes to HF's forward unchanged (which still

@@ -149,10 +149,9 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
         if rows_whys:
             return line + f"\nbatched steps: torch ops ({'; '.join(rows_whys)})"
         layer = fused[0]._decode
-        kernels = ("AMX" if layer._amx else "native bf16 dot-product")
         return line + (f"\nbatched steps (2-{layer.rows_max} sequences): native layer with "
-                       f"{kernels} projections, in all blocks (continuous batching's decode "
-                       "rows too)")
+                       f"{layer.rows_kernels} projections, in all blocks (continuous "
+                       "batching's decode rows too)")
     reasons = sorted({w for w in whys if w is not None})
     return (f"batch-1 decode steps: native layer in {native} of {len(fused)} blocks; "
             f"torch ops otherwise ({'; '.join(reasons)})")

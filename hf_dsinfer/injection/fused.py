@@ -459,10 +459,9 @@ class FusedBlock:
     def _decode_step(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
         """This block's own call for one token of each sequence, when the native layer takes it
         (None: this call takes the torch path). One sequence runs the batch-1 layer (any weight
-        kind); up to the layer's rows_max sequences the batched one (bf16 projections; int8 row
-        tiles too on AMX). The
-        checks are per call here; NativeDecodeStep makes them once per step for every layer and
-        then calls `native_token` as this does."""
+        kind); up to the layer's rows_max sequences the batched one (DecodeLayer.rows_why says
+        which weights). The checks are per call here; NativeDecodeStep makes them once per
+        step for every layer and then calls `native_token` as this does."""
         if named.get(paged.PAGED_ARG) is not None:
             return self._paged_decode(x, named)
         b = x.shape[0]

@@ -15,10 +15,11 @@ For B > 1 sequences (batched decode, beams, continuous batching's decode rows), 
 attn_out_rows do the same per row (each row its own position and keep mask), or attn_in_rows,
 the caller's attention and post_attn_rows. On a CPU with AMX the projections run on its tiles
 (hfd_linear_bf16 of csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the
-CPU also has AMX-INT8), up to 256 rows; without AMX, bf16 weights run the native bf16 dot
-products (hfd_gemv_bf16 / hfd_gemm_bf16), the torch path's kernels for the rows
-kernels/crossovers.py gives them, and only for those rows (`rows_max`). Other weights take the
-torch path: `rows_why` says why (measured: docs/performance.md).
+CPU also has AMX-INT8), up to 256 rows; without AMX, every projection runs the native kernel
+the torch path's linear takes for that many rows (bf16 dot products, the int8 GEMV or panel
+kernel, the int4 kernel or panel kernel: csrc/cpu_decode.c's lin_batch, by the tier's
+crossovers), and only for the rows where the torch path runs those (`rows_max`). What it does
+not take goes to the torch path: `rows_why` says why (measured: docs/performance.md).
 
 It reads the weights where the model keeps them (bf16 nn.Linear, int8 and int4 QuantizedLinear:
 injection/native_layer.py describes a block's modules as the C struct and builds the layer) and
@@ -109,7 +110,15 @@ class DecodeLayer:
         GEMVs' bounds where the panel kernel does not run), the least over the layer's kinds."""
         if self._amx:
             return AMX_MAX_ROWS
-        return min((_kind_max_rows(kind) for kind in self._kinds), default=0)
+        # never past AMX's bound, which the callers hold to (injection.fused.DECODE_MAX_ROWS)
+        return min([AMX_MAX_ROWS, *(_kind_max_rows(kind) for kind in self._kinds)])
+
+    @property
+    def rows_kernels(self) -> str:
+        """What the batched layer's projections run on, for explain."""
+        if self._amx:
+            return "AMX"
+        return f"the tier's native {' / '.join(sorted(self._kinds))}"
 
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
@@ -262,10 +271,9 @@ class DecodeLayer:
 # the weight kinds of the batched layer without AMX, by hfd_lin kind
 _KIND_NAMES = {LIN_BF16: "bf16", LIN_INT8: "int8", LIN_INT8_TILED: "int8", LIN_INT4: "int4",
                LIN_INT4_TILED: "int4"}
-# the native library uses (_native.MIN_TIER) the torch path's linears of each kind take for a
-# few rows, and for more (the panel kernels)
-_KIND_USES = {"bf16": ("bf16_gemv", "bf16_gemv"), "int8": ("gemv", "panel"),
-              "int4": ("int4", "panel")}
+# the native library use (_native.MIN_TIER) the torch path's linears of each kind take for a few
+# rows (for more, the panel kernels: "panel", read by _kind_max_rows)
+_KIND_USES = {"bf16": "bf16_gemv", "int8": "gemv", "int4": "int4"}
 
 
 def _bounds():
@@ -278,7 +286,7 @@ def _bounds():
 def _kind_why(kind: str) -> str | None:
     """Why the torch path's linears of this weight kind do not run the batched layer's kernels
     at the running tier (None: they do, for the rows of _kind_max_rows)."""
-    if _native.lib(_KIND_USES[kind][0]) is None:
+    if _native.lib(_KIND_USES[kind]) is None:
         return (f"no AMX, and the native {kind} kernels do not run at the {_native.tier()} "
                 "tier (the torch path's linears are not theirs)")
     return None

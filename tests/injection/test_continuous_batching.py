@@ -11,7 +11,6 @@ and per-prompt generate, every request runs to max_new_tokens, and the fused pag
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -45,6 +44,10 @@ CB_FAMILIES = [f for f in FAMILIES if f not in NO_PAGED_CACHE] + [
     m for m in MOE_MODELS if m not in NO_HF_CB]
 
 
+# eos_token_id=-1 on purpose (every request runs to NEW_TOKENS): its warning silenced
+pytestmark = pytest.mark.usefixtures("quiet_eos_warning")
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
@@ -67,16 +70,6 @@ def _generate_batch(model, prompts) -> list[list[int]]:
 def _generate_each(model, prompts) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), generation_config=_gen_config())[0, len(p):].tolist()
             for p in prompts]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_eos_warning():
-    # HF warns once per call that eos_token_id=-1 is not a token (on purpose here)
-    logger = logging.getLogger("transformers.generation.configuration_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 @pytest.mark.parametrize("family", CB_FAMILIES)

@@ -10,7 +10,10 @@ Also: a manager's start releases the starting thread's OpenMP workers
 
 from __future__ import annotations
 
-import logging
+
+import os
+import threading
+import time
 
 import pytest
 import torch
@@ -25,20 +28,12 @@ from tests.kernels.conftest import pin_crossovers
 from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
 from tests.switches import switch
 
-pytestmark = pytest.mark.skipif(not _native.builds(),
-                                reason=f"native kernels unavailable: {_native.why_unavailable()}")
+pytestmark = [pytest.mark.skipif(not _native.builds(),
+                                 reason=f"native kernels unavailable: {_native.why_unavailable()}"),
+              pytest.mark.usefixtures("quiet_eos_warning")]
 
 LENGTHS = (5, 11, 3, 17, 8)
 NEW_TOKENS = 6
-
-
-@pytest.fixture(autouse=True)
-def _quiet_eos_warning():
-    logger = logging.getLogger("transformers.generation.configuration_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def _model(seed: int = 0):
@@ -144,7 +139,7 @@ def test_rows_past_the_bound_take_the_torch_path(monkeypatch):
     assert all(b.paths.counts["paged"] > 0 for b in get_report(model).blocks.values())
 
 
-def test_fp32_and_mixed_steps_are_not_taken():
+def test_fp32_models_do_not_take_it():
     """fp32 models never run the native layer under continuous batching (it is bf16)."""
     torch.manual_seed(0)
     model = hf_dsinfer.init_inference(
@@ -166,12 +161,33 @@ def test_manager_start_releases_the_starting_threads_openmp_workers(monkeypatch)
     assert calls == [1]
 
 
-@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
-                    reason="torch does not run on OpenMP here")
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info()
+                    or not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="needs torch on OpenMP with 2+ threads, and Linux's /proc")
 def test_release_openmp_threads_frees_this_threads_pool():
-    """libgomp (torch's OpenMP runtime on Linux) offers omp_pause_resource_all: the release
-    succeeds, and parallel torch work afterwards still computes (a new pool)."""
-    a = torch.randn(1 << 17)
-    before = (a + a).sum()
-    assert hardware.release_openmp_threads()
-    assert torch.equal((a + a).sum(), before)
+    """libgomp (torch's OpenMP runtime on Linux) offers omp_pause_resource_all: a fresh thread's
+    parallel work starts a pool of workers, the release ends them, and parallel work afterwards
+    still computes (on a new pool)."""
+    a = torch.randn(1 << 20)
+    seen = {}
+
+    def work():
+        seen["sum"] = (a + a).sum()  # parallel: this thread's pool of workers starts
+        seen["with_pool"] = _os_threads()
+        seen["released"] = hardware.release_openmp_threads()
+        deadline = time.monotonic() + 5
+        while _os_threads() >= seen["with_pool"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["after"] = _os_threads()
+        seen["again"] = (a + a).sum()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen["released"]
+    assert seen["after"] < seen["with_pool"]  # its workers ended
+    assert torch.equal(seen["again"], seen["sum"])

@@ -952,19 +952,17 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
     return 0;
 }
 
-/* ---- batched decode: one token of each of `rows` sequences, every projection bf16 ----
+/* ---- batched decode: one token of each of `rows` sequences ----
  *
  * The same layer for rows > 1 (batched greedy / sampled decode, beams, continuous batching's
  * decode rows): on a CPU with AMX the projections run on AMX tiles straight from the stored
  * weights (hfd_linear_bf16 of cpu_moe.c, which rounds each output to bf16 after its bias, as
- * nn.Linear does; int8 row tiles on AMX-INT8); without AMX, bf16 weights run the vdpbf16ps dot
- * products of hfd_gemv_bf16 / hfd_gemm_bf16 (the same bits for any number of rows, and the
- * torch path's kernels for the rows kernels/crossovers.py gives them: lin_batch). Everything
- * between them is the per-row code above, so a row's numerics are the batch-1 layer's. Row r's cos / sin start at
- * cos + r * cs_stride (0: one position for every row); its keys at kc + r * kbs, its keep row
- * at keep + r * keep_stride. Return codes: 0, -2 out of memory, -3 not computable here (a
- * projection that is not bf16 with bf16 bias (int8 row tiles too on AMX-INT8), shapes the
- * kernels do not take). */
+ * nn.Linear does; int8 row tiles on AMX-INT8); without AMX, each projection runs the kernel the
+ * torch path's linear takes for that many rows (lin_batch, below). Everything between them is
+ * the per-row code above, so a row's numerics are the batch-1 layer's. Row r's cos / sin start
+ * at cos + r * cs_stride (0: one position for every row); its keys at kc + r * kbs, its keep row
+ * at keep + r * keep_stride; bounds: lin_batch's. Return codes: 0, -2 out of memory, -3 not
+ * computable here (a weight kind, bias dtype or shape the kernels do not take). */
 
 /* Rows of x under the AMX-INT8 kernel's: kernels/quant.py's AMX_INT8_MIN_ROWS (the two give the
    same bits; the GEMV is faster for so few rows) */
@@ -1005,7 +1003,8 @@ static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint
    bounds = {int8_gemv_max_rows, int4_native_max_rows} of the running tier (kernels/crossovers.py):
    a bf16 weight by hfd_gemv_bf16 (up to its 4 rows) or hfd_gemm_bf16, whose dot products are
    the GEMV's; int8 by hfd_int8_gemv up to bounds[0] rows, else hfd_int8_gemm_bf16 (an input
-   scale folded into x first); int4 by hfd_int4_linear up to bounds[1] rows, else hfd_int4_gemm_bf16. Biases bf16.
+   scale folded into x first); int4 by hfd_int4_linear up to bounds[1] rows, else
+   hfd_int4_gemm_bf16. Biases bf16.
    -3 for what it does not take (kernels/decode.py: rows_why checks first), -2 out of memory. */
 static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt,
                      const int64_t *bounds) {
