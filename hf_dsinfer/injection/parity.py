@@ -6,6 +6,14 @@ with unsharded reference blocks replaying the recorded calls: see run_parity_gat
 by a forward hook and compared at the non-padded positions; a block class passes when its
 worst relative L2 error is within the tolerance for the model's dtype. Comparing per block
 (not only the logits) says *which* class broke.
+
+In the fused run each fused block is handed the hidden states its HF twin received (a forward
+pre-hook), so each block's error is its own, not the sum of every earlier block's rounding. In
+half precision those sums grow with depth and with the reference's own op order: SmolLM2-135M
+in bf16 passed at 8.4e-3 on this CPU's torch kernels and failed at 4.7e-2 with the same fused
+blocks once oneDNN was capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on a CPU without AVX-512),
+while HF's own bf16 run is 2e-2 to 6e-2 from its fp32 run either way. A block that computes
+the wrong thing still misses by > 1e-1 on its own input.
 """
 
 from __future__ import annotations
@@ -58,11 +66,24 @@ def _probe_inputs(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The hidden states a decoder block was called with (first positional argument, or the
+    `hidden_states` keyword), or None."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, torch.Tensor) else None
+
+
 @torch.no_grad()
 def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Tensor,
-               with_inputs: bool = False) -> dict[int, Any]:
+               with_inputs: bool = False, inputs: dict[int, list] | None = None,
+               record_inputs: dict[int, list] | None = None) -> dict[int, Any]:
     """Per block: the outputs of the prefill and of the decode step, concatenated on seq; with
-    `with_inputs`, also each call's (args, kwargs) so a reference block can replay them."""
+    `with_inputs`, also each call's (args, kwargs) so a reference block can replay them.
+    `record_inputs` (block index -> list) collects a copy of each call's hidden states; `inputs`
+    (the same, from an earlier run) hands call k of block i the k-th recorded hidden states in
+    place of its own (where the shapes agree)."""
     captured: dict[int, list] = {i: [] for i in range(len(blocks))}
 
     def hook(index):
@@ -71,8 +92,30 @@ def _run_probe(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Te
             captured[index].append((args, dict(kwargs), out) if with_inputs else out)
         return record
 
+    def pre_hook(index):
+        seen = [0]
+
+        def swap(_module, args, kwargs):
+            call, seen[0] = seen[0], seen[0] + 1
+            if record_inputs is not None:
+                hidden = _hidden_of(args, kwargs)
+                record_inputs[index].append(None if hidden is None else hidden.detach().clone())
+            if inputs is None or call >= len(inputs[index]) or inputs[index][call] is None:
+                return None
+            forced = inputs[index][call]
+            if args and isinstance(args[0], torch.Tensor) and args[0].shape == forced.shape:
+                return (forced.to(args[0].dtype), *args[1:]), kwargs
+            hidden = kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.shape == forced.shape:
+                return args, {**kwargs, "hidden_states": forced.to(hidden.dtype)}
+            return None
+        return swap
+
     handles = [f.block.register_forward_hook(hook(i), with_kwargs=True)
                for i, f in enumerate(blocks)]
+    if inputs is not None or record_inputs is not None:
+        handles += [f.block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+                    for i, f in enumerate(blocks)]
     try:
         prefill_and_step(model, ids, mask)
     finally:
@@ -160,7 +203,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _hf_then_fused(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torch.Tensor):
-    """(HF outputs, fused outputs, routing margins per MoE) of every block on the probe."""
+    """(HF outputs, fused outputs, routing margins per MoE) of every block on the probe; in the
+    fused run each block gets the hidden states HF's run gave it (the module docstring says
+    why)."""
     states = [f.enabled for f in blocks]
     moes = [m for f in blocks if (m := getattr(f, "moe", None)) is not None]
     try:
@@ -168,11 +213,12 @@ def _hf_then_fused(model: nn.Module, blocks: list, ids: torch.Tensor, mask: torc
             f.enabled = False
         for m in moes:
             m.margins = []  # the HF run records each token's routing margin
-        reference = _run_probe(model, blocks, ids, mask)
+        hidden: dict[int, list] = {i: [] for i in range(len(blocks))}
+        reference = _run_probe(model, blocks, ids, mask, record_inputs=hidden)
         margins = {id(m): torch.cat(m.margins, dim=1) for m in moes}  # [B, S] per MoE block
         for f in blocks:
             f.enabled = True
-        fused = _run_probe(model, blocks, ids, mask)
+        fused = _run_probe(model, blocks, ids, mask, inputs=hidden)
     finally:
         for f, state in zip(blocks, states):
             f.enabled = state

@@ -129,6 +129,35 @@ def test_parity_gate_passes_quietly_on_correct_policy():
     assert report.parity["BloomBlock"].passed and report.parity["BloomBlock"].blocks_checked == 2
 
 
+def test_parity_gate_compares_each_block_on_hfs_input():
+    """The gate hands each fused block the hidden states its HF twin got: a fused block 0 that
+    is off by a lot leaves block 1's error at fp32 rounding (compounded, it would carry block
+    0's). Without that, half-precision roundings summed over 30 layers failed SmolLM2's gate
+    under torch's AVX2 kernels (test_smollm2.py)."""
+    from hf_dsinfer.injection import parity
+
+    model = make_model("llama")
+    hf_dsinfer.init_inference(model)
+    blocks = list(get_report(model).blocks.values())
+    assert len(blocks) == 2
+
+    def off_when_fused(_module, _args, output):
+        if not blocks[0].enabled:
+            return None
+        return (output[0] + 1.0, *output[1:]) if isinstance(output, tuple) else output + 1.0
+
+    handle = blocks[0].block.register_forward_hook(off_when_fused)
+    try:
+        ids, mask = parity._probe_inputs(model)
+        reference, fused, _ = parity._hf_then_fused(model, blocks, ids, mask)
+    finally:
+        handle.remove()
+    valid = mask.bool()
+    assert parity._rel_err(fused[0][valid], reference[0][valid]) > 0.1
+    assert parity._rel_err(fused[1][valid], reference[1][valid]) < 1e-5
+    assert all(f.enabled for f in blocks)  # the probe leaves the switches as they were
+
+
 # -- revert, explain, independence ----------------------------------------------------------------------
 def test_revert_restores_hf_forward():
     ref = make_model("gpt_neox")
