@@ -19,11 +19,20 @@ per-row positions and padding) when every layer's batched path runs (DecodeLayer
 rows_max: bf16 projections or int8 row tiles on AMX; bf16, int8 or int4 without). One sequence in
 a plain DynamicCache runs the whole layer loop as one native call (kernels.decode.LayerChain),
 which writes each layer's key and value into the buffers append_kv keeps, with the same
-numerics. The embedding, rotary and norm modules are called as modules (their hooks run). Any call it cannot prove equal goes to HF's forward unchanged (which still
-runs the native layer through each fused block): more than one token, a batch the batched
-layer does not take, inputs_embeds, outputs or hooks asked of the layers, a mask other than
-"every cached key" or plain padding, sliding-window attention, a layer whose native path is not
-built, grad, torch.compile tracing. `reason()` says which.
+numerics. The embedding, rotary and norm modules are called as modules (their hooks run).
+
+Sliding layers (`config.layer_types`: Gemma 2 / 3; `sliding_window` without layer types, every
+layer: Mistral, Phi-3) take the layer loop: a sliding layer's DynamicSlidingWindowLayer
+returns its last min(keys, window) keys, which are exactly the keys HF's sliding mask lets the
+token see, so that layer attends over them with the padding mask's last columns; Gemma 3's
+rotary embedding is computed once per layer type, as its forward does.
+
+Any call it cannot prove equal goes to HF's forward unchanged (which still runs the native layer
+through each fused block): more than one token, a batch the batched layer does not take,
+inputs_embeds, outputs or hooks asked of the layers, a mask other than "every cached key" or
+plain padding, a cache layer of another kind than the layer's (a static sliding layer rolls its
+keys), a layer whose native path is not built, grad,
+torch.compile tracing. `reason()` says which.
 """
 
 from __future__ import annotations
@@ -43,20 +52,19 @@ from hf_dsinfer.kernels.decode import LayerChain
 
 # inner model classes whose forward is exactly: embed, rotary, the decoder layers on one causal
 # mask, norm (read in transformers 5.23). Qwen3 / SmolLM3 build a mask per layer type, the same
-# causal mask while no layer slides (sliding configs are refused: `_sliding`); SmolLM3's NoPE
-# layers are layers without RoPE (their native layer's rope is off); OLMo 2's cos / sin are
-# fp32; Phi-3 rotates the first rotary_dim dims (partial_rotary_factor); Gemma's embedding
-# module scales by sqrt(hidden) itself (GemmaTextScaledWordEmbedding); Granite multiplies the
-# embeddings (EMBEDDING_MULTIPLIERS). Gemma 2 / 3 always have sliding layers: their blocks run
-# the native layer one by one.
+# causal mask or a sliding one per layer type (`_windows`); SmolLM3's NoPE layers are layers
+# without RoPE (their native layer's rope is off); OLMo 2's cos / sin are fp32; Phi-3 rotates
+# the first rotary_dim dims (partial_rotary_factor); Gemma's embedding module scales by
+# sqrt(hidden) itself (GemmaTextScaledWordEmbedding, Gemma2TextScaledWordEmbedding, Gemma 3's);
+# Granite multiplies the embeddings (EMBEDDING_MULTIPLIERS); Gemma 3 computes a rotary
+# embedding per layer type (ROPE_PER_LAYER_TYPE).
 ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model",
-                      "Olmo2Model", "SmolLM3Model", "GemmaModel", "GraniteModel")
+                      "Olmo2Model", "SmolLM3Model", "GemmaModel", "GraniteModel", "Gemma2Model",
+                      "Gemma3TextModel")
+ROPE_PER_LAYER_TYPE = ("Gemma3TextModel",)  # rotary_emb(x, position_ids, layer_type)
 # inner models whose forward the step does not reproduce, and why (their blocks still run the
 # native layer one by one)
-REFUSED_MODEL_CLASSES = {
-    "Gemma2Model": "sliding / global layers (a mask per layer type)",
-    "Gemma3TextModel": "sliding / global layers (a mask and a RoPE per layer type)",
-}
+REFUSED_MODEL_CLASSES: dict[str, str] = {}
 # inner model class -> its attribute the embeddings are multiplied by (HF: inputs_embeds * m)
 EMBEDDING_MULTIPLIERS = {"GraniteModel": "embedding_multiplier"}
 # OPT's decoder: embed, project_in, + learned positions (HF's cumsum of the mask, offset 2), the
@@ -65,7 +73,8 @@ OPT_MODEL_CLASSES = ("OPTDecoder",)
 MODEL_CLASSES = ROPE_MODEL_CLASSES + OPT_MODEL_CLASSES
 # caches whose update appends this token's key after the `get_seq_length()` keys before it
 CACHE_CLASSES = ("DynamicCache", "StaticCache")
-CACHE_LAYER_CLASSES = ("DynamicLayer", "StaticLayer")
+CACHE_LAYER_CLASSES = ("DynamicLayer", "StaticLayer")  # of a layer without a window
+SLIDING_LAYER_CLASSES = ("DynamicSlidingWindowLayer",)  # of a sliding layer
 _PASSED = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
            "use_cache", "return_dict", "output_attentions", "output_hidden_states")
 
@@ -77,12 +86,24 @@ def _inert(hook: Any) -> bool:
     return not outputs.capturing() and outputs.is_capture_hook(hook)
 
 
-def _sliding(config: Any) -> bool:
+def _windows(config: Any, count: int) -> list[int | None] | str:
+    """Each layer's sliding window (None: full attention) from `config.layer_types`, or why
+    the step does not take this configuration."""
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     types = getattr(config, "layer_types", None)
-    if types is not None:
-        return any(t != "full_attention" for t in types)
-    return getattr(config, "sliding_window", None) is not None and getattr(
-        config, "use_sliding_window", True)
+    window = getattr(config, "sliding_window", None)
+    if types is None:  # Mistral, Phi-3: a window, when set, for every layer (mask and cache)
+        if window is not None and getattr(config, "use_sliding_window", True):
+            return [window] * count if isinstance(window, int) and window > 0 else (
+                "a sliding window that is not a positive integer")
+        return [None] * count
+    types = list(types)[:count]
+    if len(types) != count or any(t not in ("full_attention", "sliding_attention") for t in types):
+        return f"layer types other than full / sliding attention ({sorted(set(types))})"
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        return "sliding layers without a window"
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class NativeDecodeStep:
@@ -97,7 +118,9 @@ class NativeDecodeStep:
         self.chained = 0  # of those, steps run as one native call over every layer
         self._layer_chain: LayerChain | None = None
         self._opt = type(inner).__name__ in OPT_MODEL_CLASSES  # learned positions, no rotary
-        self._why_static = self._static_reason()
+        windows = _windows(inner.config, len(blocks))
+        self.windows = windows if isinstance(windows, list) else None  # per layer
+        self._why_static = windows if isinstance(windows, str) else self._static_reason()
         self.last_reason: str | None = None  # why the last call went to HF's forward
 
     def __getstate__(self) -> dict[str, Any]:
@@ -111,8 +134,6 @@ class NativeDecodeStep:
             return f"{type(inner).__name__}: {REFUSED_MODEL_CLASSES[type(inner).__name__]}"
         if type(inner).__name__ not in MODEL_CLASSES:
             return f"{type(inner).__name__} is not one of {', '.join(MODEL_CLASSES)}"
-        if _sliding(inner.config):
-            return "sliding-window attention (its mask is per layer)"
         return next((b._decode_layout_why for b in self.blocks if b._decode_layout_why), None)
 
     def reason(self) -> str | None:
@@ -128,7 +149,7 @@ class NativeDecodeStep:
             rows = kwargs["input_ids"].shape[0]
             raw = self.inner.embed_tokens(kwargs["input_ids"])  # once: its hooks run once
             embedded = self._embed(kwargs, sk, raw)
-            layers = None if embedded is None else self._native_layers(rows, embedded[1])
+            layers = None if embedded is None else self._native_layers(rows, embedded[1][0])
             keep = self._keep(kwargs.get("attention_mask"), rows, sk)
             if embedded is None:
                 why = "not bf16, or positions of another shape"
@@ -157,11 +178,14 @@ class NativeDecodeStep:
         if (ids.dim() != 2 or not 1 <= ids.shape[0] <= DECODE_MAX_ROWS or ids.shape[1] != 1
                 or ids.device.type != "cpu"):
             return f"not one token of 1-{DECODE_MAX_ROWS} sequences on the CPU"
-        if cache is None or type(cache).__name__ not in CACHE_CLASSES or any(
-                type(layer).__name__ not in CACHE_LAYER_CLASSES for layer in cache.layers):
+        if cache is None or type(cache).__name__ not in CACHE_CLASSES:
             return "a cache other than DynamicCache / StaticCache"
         if int(cache.get_seq_length()) == 0:
             return "an empty cache"
+        if len(cache.layers) != len(self.windows) or any(
+                not _layer_kind_ok(layer, w) for layer, w in zip(cache.layers, self.windows)):
+            return ("cache layers other than DynamicLayer / StaticLayer (full attention) and "
+                    "DynamicSlidingWindowLayer (sliding, with the layer's window)")
         config = self.inner.config
         if kwargs.get("use_cache") is False or (kwargs.get("use_cache") is None
                                                 and not config.use_cache):
@@ -230,9 +254,10 @@ class NativeDecodeStep:
         return self._embed_rope(kwargs, sk, self.blocks[0].spec.head_dim, raw)
 
     def _embed_rope(self, kwargs: dict, sk: int, d: int, raw: torch.Tensor):
-        """Llama-family: the token embeddings (times Granite's multiplier) and the rotary cos /
-        sin [rows or 1, r] (r <= d: partial rotary), bf16 or fp32 (OLMo 2), or None where
-        they are not of those shapes and dtypes."""
+        """Llama-family: the token embeddings (times Granite's multiplier) and each layer's
+        rotary cos / sin [rows or 1, r] (r <= d: partial rotary), bf16 or fp32 (OLMo 2), as
+        lists (one per layer type, Gemma 3), or None where they are not of those shapes and
+        dtypes."""
         inner = self.inner
         x = raw
         multiplier = EMBEDDING_MULTIPLIERS.get(type(inner).__name__)
@@ -241,13 +266,24 @@ class NativeDecodeStep:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # HF's: the cache position, for every sequence
             position_ids = torch.tensor([[sk - 1]])
-        cos, sin = inner.rotary_emb(x, position_ids=position_ids)
-        r = cos.shape[-1]
-        if (x.dtype != torch.bfloat16 or not 0 < r <= d or cos.numel() not in (r, x.shape[0] * r)
-                or cos.dtype not in (torch.bfloat16, torch.float32)
-                or sin.dtype != cos.dtype or sin.shape != cos.shape):
-            return None
-        return x.contiguous(), cos.reshape(-1, r).contiguous(), sin.reshape(-1, r).contiguous()
+        if type(inner).__name__ in ROPE_PER_LAYER_TYPE:
+            types = list(inner.config.layer_types)[:len(self.blocks)]
+            per_type = {t: inner.rotary_emb(x, position_ids, t) for t in dict.fromkeys(types)}
+        else:
+            types = [None] * len(self.blocks)
+            per_type = {None: inner.rotary_emb(x, position_ids=position_ids)}
+        shaped = {}
+        for t, (cos, sin) in per_type.items():
+            r = cos.shape[-1]
+            if (x.dtype != torch.bfloat16 or not 0 < r <= d
+                    or cos.numel() not in (r, x.shape[0] * r)
+                    or cos.dtype not in (torch.bfloat16, torch.float32)
+                    or sin.dtype != cos.dtype or sin.shape != cos.shape):
+                return None
+            shaped[t] = (cos.reshape(-1, r).contiguous(), sin.reshape(-1, r).contiguous())
+        if len({(c.dtype, c.shape[-1]) for c, _ in shaped.values()}) != 1:
+            return None  # one native layer build per block: one dtype and width
+        return (x.contiguous(), [shaped[t][0] for t in types], [shaped[t][1] for t in types])
 
     def _embed_opt(self, kwargs: dict, sk: int, raw: torch.Tensor):
         """OPT: embeddings (project_in) plus learned positions, as OPTDecoder.forward computes
@@ -266,7 +302,8 @@ class NativeDecodeStep:
         if inner.project_in is not None:
             x = inner.project_in(x)
         x = x + pos.to(x.device)
-        return None if x.dtype != torch.bfloat16 else (x.contiguous(), None, None)
+        none = [None] * len(self.blocks)
+        return None if x.dtype != torch.bfloat16 else (x.contiguous(), none, none)
 
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.inner
@@ -280,13 +317,16 @@ class NativeDecodeStep:
               embedded: tuple):
         cache = kwargs["past_key_values"]
         d = self.blocks[0].spec.head_dim
-        x, cos, sin = embedded
+        x, cos, sin = embedded  # cos / sin: per layer
         rows = x.shape[0]
-        chain = self._chain(layers) if rows == 1 else None
+        one_rope = all(c is cos[0] for c in cos) and all(s is sin[0] for s in sin)
+        chain = (self._chain(layers) if rows == 1 and one_rope
+                 and all(w is None for w in self.windows) else None)
         got = None if chain is None else kv_rooms(cache, len(layers), chain.kv_heads, d)
         if got is not None and got[1] == sk - 1:  # one native call for every layer
             rooms, n = got
-            x = chain.step(x, cos, sin, rooms, n, None if keep is None else keep.reshape(-1))
+            x = chain.step(x, cos[0], sin[0], rooms, n,
+                           None if keep is None else keep.reshape(-1))
             commit_kv(cache, rooms, n)
             for fused in self.blocks:
                 fused.calls += 1
@@ -295,12 +335,26 @@ class NativeDecodeStep:
             self.chained += 1
             return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
                                            past_key_values=cache)
-        for fused, layer in zip(self.blocks, layers):
-            x, path = fused.native_token(layer, x, cos, sin, cache, None, keep, sk)
+        for i, (fused, layer) in enumerate(zip(self.blocks, layers)):
+            # a sliding layer's cache returns its last min(sk, window) keys: those the token
+            # sees (HF's sliding mask), with the padding mask's last columns
+            window = self.windows[i]
+            keys = sk if window is None else min(sk, window)
+            kept = keep if keep is None or keys == sk else keep[:, sk - keys:].contiguous()
+            x, path = fused.native_token(layer, x, cos[i], sin[i], cache, None, kept, keys)
             fused.paths.took("native_in" if path == "native_in" else "step_loop")
             fused.calls += 1
         self.calls += 1
         return BaseModelOutputWithPast(last_hidden_state=self._finish(x), past_key_values=cache)
+
+
+def _layer_kind_ok(layer: Any, window: int | None) -> bool:
+    """A cache layer this step updates as HF's forward would for a layer with `window`."""
+    name = type(layer).__name__
+    if window is None:
+        return name in CACHE_LAYER_CLASSES
+    return (name in SLIDING_LAYER_CLASSES and not getattr(layer, "record_past", False)
+            and getattr(layer, "sliding_window", None) == window)
 
 
 def install_decode_step(model: nn.Module, blocks: dict[str, FusedBlock],

@@ -257,11 +257,23 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
     assert step.last_reason == "grad, training or torch.compile tracing"
 
 
-def test_sliding_window_models_keep_hf_loop():
+def test_sliding_window_models_take_the_layer_loop(monkeypatch):
+    """Mistral with a window (every layer slides, no layer types): the step's layer loop, each
+    layer over the keys its DynamicSlidingWindowLayer returns; past the window, the same logits
+    and cache as HF's layer loop calling the same native layers."""
     model = _model(config=MistralConfig(**_BASE, sliding_window=6))
     step = get_report(model).step
-    assert step.reason() == "sliding-window attention (its mask is per layer)"
-    with torch.inference_mode():
-        model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
-    assert step.calls == 0
-    assert "each called by HF's layer loop (sliding-window" in hf_dsinfer.explain(model)
+    assert step.reason() is None and step.windows == [6, 6]
+    assert "its layers called one by one" in hf_dsinfer.explain(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10]])
+    mask = (ids != 0).long()
+    native_cache = _cache("dynamic", model)
+    native = _steps(model, ids, mask, native_cache)
+    assert step.calls == 5 and step.chained == 0 and step.last_reason is None
+    monkeypatch.setattr(step, "_why_static", "off in this test")
+    hf_cache = _cache("dynamic", model)
+    hf_loop = _steps(model, ids, mask, hf_cache)
+    assert torch.equal(native, hf_loop)
+    for ours, theirs in zip(native_cache.layers, hf_cache.layers):
+        assert ours.keys.shape[2] == 5  # window - 1 kept
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)

@@ -5,7 +5,8 @@ Gemma (its embedding scales itself) and Granite (embedding multiplier).
 For each, the step must really run (its counters and the blocks' path record), and give
 exactly what HF's own layer loop gives with the same native layers (same kernels: the same
 bits, logits and cache); greedy tokens equal; fp32 models keep HF eager's tokens. Gemma 2 / 3
-(sliding / global layers) keep the per-block path, and explain says why."""
+(sliding / global layers) take the step's layer loop, past their window too; a static cache
+(whose sliding layers roll their keys) keeps the per-block path, and explain says why."""
 
 from __future__ import annotations
 
@@ -134,22 +135,81 @@ def test_fp32_models_keep_hf_eager_tokens(name):
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_gemma2_and_gemma3_keep_the_per_block_path():
-    """Sliding / global layers: the step refuses (explain says why), each block still runs the
-    native layer."""
-    configs = {
-        "Gemma2Model": Gemma2Config(**{**_BASE, "num_hidden_layers": 2}, head_dim=32,
-                                    sliding_window=6, query_pre_attn_scalar=24),
-        "Gemma3TextModel": Gemma3TextConfig(**_BASE, head_dim=32, sliding_window=6,
-                                            layer_types=["sliding_attention", "full_attention"]),
-    }
-    for inner, config in configs.items():
-        model = hf_dsinfer.init_inference(_hf("", config=config), dtype=torch.bfloat16)
-        step = get_report(model).step
-        assert step.reason().startswith(f"{inner}: sliding / global layers")
-        assert f"each called by HF's layer loop ({inner}: sliding" in hf_dsinfer.explain(model)
-        with torch.inference_mode():
-            model.generate(torch.tensor([[17, 33, 41]]), max_new_tokens=3, do_sample=False,
-                           pad_token_id=0, disable_compile=True)
-        assert step.calls == 0
-        assert all(f.paths.counts.get("native", 0) == 2 for f in get_report(model).blocks.values())
+SLIDING = {  # window 6: a 6-token prompt and 5 steps run past it
+    "Gemma2Model": lambda: Gemma2Config(**{**_BASE, "num_hidden_layers": 2}, head_dim=32,
+                                        sliding_window=6, query_pre_attn_scalar=24),
+    "Gemma3TextModel": lambda: Gemma3TextConfig(
+        **_BASE, head_dim=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("inner", list(SLIDING))
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_layers_take_the_step(inner, padded, monkeypatch):
+    """Sliding / global layers: 5 steps through the step's layer loop (each sliding layer over
+    the keys its DynamicSlidingWindowLayer returns, Gemma 3 with a rotary embedding per layer
+    type), then through HF's layer loop calling the same native layers: the same logits and
+    cache, with the keys past the window dropped."""
+    model = hf_dsinfer.init_inference(_hf("", config=SLIDING[inner]()), dtype=torch.bfloat16)
+    assert type(model.model).__name__ == inner
+    step = get_report(model).step
+    assert step.reason() is None and step.windows == [6, None]
+    assert "one loop over them per step" in hf_dsinfer.explain(model)
+    blocks = list(get_report(model).blocks.values())
+    ids = (torch.tensor([[0, 0, 17, 33, 41, 9, 5, 12]]) if padded
+           else torch.tensor([[17, 33, 41, 9, 5, 12]]))
+    mask = (ids != 0).long()
+    native_cache = _cache("dynamic", model)
+    assert type(native_cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    native = _steps(model, ids, mask, native_cache)
+    assert step.calls == 5 and step.chained == 0 and step.last_reason is None
+    assert all(f.paths.counts.get("step_loop", 0) == 5 for f in blocks)
+    assert native_cache.layers[0].keys.shape[2] == 5  # window - 1 kept
+    monkeypatch.setattr(step, "_why_static", "off in this test")
+    hf_cache = _cache("dynamic", model)
+    hf_loop = _steps(model, ids, mask, hf_cache)
+    assert step.calls == 5 and all(f.paths.counts.get("native", 0) >= 5 for f in blocks)
+    assert torch.equal(native, hf_loop)
+    for ours, theirs in zip(native_cache.layers, hf_cache.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+@pytest.mark.parametrize("inner", list(SLIDING))
+def test_sliding_greedy_and_padded_batch_equal_the_per_block_path(inner, monkeypatch):
+    """generate: greedy tokens of one prompt past the window, and of a left-padded batch
+    where the batched layer runs, equal the per-block path's."""
+    model = hf_dsinfer.init_inference(_hf("", config=SLIDING[inner]()), dtype=torch.bfloat16)
+    step = get_report(model).step
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0,
+              "disable_compile": True}
+    one = torch.tensor([[17, 33, 41, 9, 5]])
+    batch = torch.tensor([[12, 17, 33, 41, 9], [0, 0, 17, 33, 4], [0, 0, 0, 8, 9]])
+    mask = (batch != 0).long()
+    with torch.inference_mode():
+        native = model.generate(one, **kwargs)
+        assert step.calls == 7 and step.last_reason is None
+        native_batch = model.generate(batch, attention_mask=mask, **kwargs)
+        batched = step.calls - 7
+        monkeypatch.setattr(step, "_why_static", "off in this test")
+        per_block = model.generate(one, **kwargs)
+        per_block_batch = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(native, per_block)
+    assert torch.equal(native_batch, per_block_batch)
+    layer = next(iter(get_report(model).blocks.values())).decode_ready(False, 32)
+    if layer is not None and layer.rows_why is None and layer.rows_max >= 3:
+        assert batched == 7  # the batched layer ran each step
+
+
+@pytest.mark.parametrize("inner", list(SLIDING))
+def test_sliding_static_cache_keeps_the_per_block_path(inner):
+    """A StaticCache's sliding layers roll their keys in place: the step hands those calls to
+    HF's forward, which runs the native layer block by block, with HF's tokens."""
+    from transformers import StaticCache
+
+    model = hf_dsinfer.init_inference(_hf("", config=SLIDING[inner]()), dtype=torch.bfloat16)
+    step = get_report(model).step
+    ids = torch.tensor([[17, 33, 41, 9, 5, 12]])
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    _steps(model, ids, torch.ones_like(ids), cache)
+    assert step.calls == 0 and step.last_reason.startswith("cache layers other than")
+    assert all(f.paths.counts.get("native", 0) == 5 for f in get_report(model).blocks.values())
