@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from switches import switch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    StaticCache,
+)
 
 import hf_dsinfer
 from hf_dsinfer.injection.walker import get_report
@@ -257,11 +264,12 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
     assert step.last_reason == "grad, training or torch.compile tracing"
 
 
-def test_sliding_window_models_take_the_layer_loop(monkeypatch):
-    """Mistral with a window (every layer slides, no layer types): the step's layer loop, each
-    layer over the keys its DynamicSlidingWindowLayer returns; past the window, the same logits
-    and cache as HF's layer loop calling the same native layers."""
-    model = _model(config=MistralConfig(**_BASE, sliding_window=6))
+@pytest.mark.parametrize("config", [MistralConfig, Phi3Config])
+def test_sliding_window_models_take_the_layer_loop(config, monkeypatch):
+    """Mistral / Phi-3 with a window (every layer slides, no layer types): the step's layer
+    loop, each layer over the keys its DynamicSlidingWindowLayer returns; past the window, the
+    same logits and cache as HF's layer loop calling the same native layers."""
+    model = _model(config=config(**_BASE, sliding_window=6))
     step = get_report(model).step
     assert step.reason() is None and step.windows == [6, 6]
     assert "its layers called one by one" in hf_dsinfer.explain(model)
