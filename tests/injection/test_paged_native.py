@@ -10,14 +10,18 @@ Also: a manager's start releases the starting thread's OpenMP workers
 
 from __future__ import annotations
 
-
 import os
 import threading
 import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig
+from transformers import (
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    LlamaConfig,
+)
 
 import hf_dsinfer
 from hf_dsinfer import hardware

@@ -18,8 +18,8 @@ from transformers import (
 )
 
 import hf_dsinfer
-from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.injection.fused import FusedBlock
+from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.offload import get_engine
