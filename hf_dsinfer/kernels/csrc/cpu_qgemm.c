@@ -152,6 +152,63 @@ static inline __attribute__((always_inline)) void block_dots(const uint16_t *x, 
         }
 }
 
+#if HFD_AVX2_DOTS
+/* block_dots on the avx2 tier: the same sums (hfd_avx2.h: hfd_dpbf16_avx2, vdpbf16ps's lanes
+   as two halves of 8, the odd column's product first; hfd_reduce16_ps), blocked for 16 ymm
+   registers: two rows of x by two weight rows, one half of a 32-column step at a time (8
+   accumulators, the two weight rows' and two x rows' high / low parts as fp32: 16 registers;
+   8 FMAs per 8 conversions). The 512-bit form's 6 x 4 block of accumulators, emulated through
+   memory on this tier, ran 16 rows of a Llama-1.1B MLP at oneDNN's AVX2 speed; see
+   docs/performance.md. */
+static inline __attribute__((always_inline)) void pair_dots_avx2(
+        const uint16_t *x0, const uint16_t *x1, const uint16_t *w0, const uint16_t *w1,
+        int64_t K, float out[2][2]) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[2][2][2]; /* [x row][weight row][half] */
+    for (int i = 0; i < 2; i++)
+        for (int r = 0; r < 2; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+    const uint16_t *xs[2] = {x0, x1 ? x1 : x0};
+    const uint16_t *ws[2] = {w0, w1};
+    for (int64_t k = 0; k < K; k += 32)
+        for (int h = 0; h < 2; h++) {
+            __m256 wh[2], wl[2], xh[2], xl[2];
+            for (int r = 0; r < 2; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(ws[r] + k + 16 * h));
+                wh[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                wl[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            }
+            for (int i = 0; i < (x1 ? 2 : 1); i++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(xs[i] + k + 16 * h));
+                xh[i] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                xl[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                for (int r = 0; r < 2; r++) {
+                    acc[i][r][h] = _mm256_fmadd_ps(xh[i], wh[r], acc[i][r][h]);
+                    acc[i][r][h] = _mm256_fmadd_ps(xl[i], wl[r], acc[i][r][h]);
+                }
+            }
+        }
+    for (int i = 0; i < (x1 ? 2 : 1); i++)
+        for (int r = 0; r < 2; r++) out[i][r] = hfd_reduce16_ps(acc[i][r][0], acc[i][r][1]);
+}
+
+static void block_dots_avx2(const uint16_t *x, int64_t ldx, int NX, const uint16_t *w,
+                            int64_t K, const out_t *o, int64_t m, int64_t n) {
+    for (int i = 0; i < NX; i += 2)
+        for (int r = 0; r < HFD_QN; r += 2) {
+            float out[2][2];
+            pair_dots_avx2(x + i * ldx, i + 1 < NX ? x + (i + 1) * ldx : NULL, w + r * K,
+                           w + (r + 1) * K, K, out);
+            for (int a = 0; a < 2 && i + a < NX; a++)
+                for (int b = 0; b < 2; b++) {
+                    float sum = out[a][b];
+                    if (o->bias) sum += load_f32(o->bias, n + r + b, DT_BF16);
+                    store_f32(o->y, (m + i + a) * o->N + n + r + b, o->y_dt, sum);
+                }
+        }
+}
+#define block_dots(x, ldx, NX, w, K, o, m, n) block_dots_avx2(x, ldx, NX, w, K, o, m, n)
+#endif
+
 /* y[:, n0 .. n0 + P) for every row of x, from P bf16 weight rows (K apart) at w */
 static void panel_product(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t P,
                           const out_t *o, int64_t n0) {
