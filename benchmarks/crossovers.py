@@ -3,7 +3,7 @@
 For each tier this CPU runs, in a process of its own that pretends a CPU whose best tier it is
 (as tests/kernels/test_native_tiers.py does: `_native.MIN_TIER` then decides what runs natively)
 with torch's own kernels capped to match (ATEN_CPU_CAPABILITY: default below avx2, avx2,
-avx512), it times the candidate paths of an int8 and an int4 linear over a range of row counts:
+avx512; and oneDNN's, ONEDNN_MAX_CPU_ISA), it times the candidate paths of an int8 and an int4 linear over a range of row counts:
 
     int8: native GEMV (csrc/cpu_quant.c, on row tiles) | the native panel kernel
           (csrc/cpu_qgemm.c, on row tiles) | torch's _weight_int8pack_mm |
@@ -49,6 +49,10 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # torch's dispatch for a CPU of each tier (ATEN_CPU_CAPABILITY)
 ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512",
                    "avx512_bf16": "avx512", "amx": "avx512"}
+# and oneDNN's, which F.linear's bf16 GEMMs run on and ATEN_CPU_CAPABILITY does not reach
+# (ONEDNN_MAX_CPU_ISA): without it the lower tiers' F.linear kept this CPU's AVX-512 GEMMs
+ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI",
+              "avx512_bf16": "AVX512_CORE_BF16", "amx": "DEFAULT"}
 # (op, the path that wins at few rows, the paths it hands over to) per field of
 # kernels/crossovers.py. The native int4 kernel reads codes of which torch's kernel has no copy
 # (tiles where it runs by default, the offload engine's portable codes everywhere), so its only
@@ -158,7 +162,8 @@ def crossover(faster: dict, others: list[dict]) -> int:
 
 
 def _tier_times(tier: str, args) -> dict:
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[tier]}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[tier],
+           "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[tier]}
     env.pop("HF_DSINFER_ISA", None)
     cmd = [sys.executable, __file__, "--child", tier, "--reps", str(args.reps),
            "--threads", str(args.threads), "--out", str(args.out), "--inp", str(args.inp),
@@ -171,7 +176,8 @@ def _tier_times(tier: str, args) -> dict:
 
 
 def _print_tier(tier: str, times: dict, found: dict) -> None:
-    print(f"\n### {tier} (ATEN_CPU_CAPABILITY={ATEN_CAPABILITY[tier]})\n")
+    print(f"\n### {tier} (ATEN_CPU_CAPABILITY={ATEN_CAPABILITY[tier]}, "
+          f"ONEDNN_MAX_CPU_ISA={ONEDNN_ISA[tier]})\n")
     cols = [(op, name) for op in times for name in times[op]]
     print("| rows | " + " | ".join(f"{op} {name} ms" for op, name in cols) + " |")
     print("|---:|" + "---:|" * len(cols))

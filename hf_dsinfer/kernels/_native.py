@@ -262,18 +262,22 @@ def _load(level: str) -> ctypes.CDLL | None:
 #   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
-#   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c) against torch's bf16 kernels:
-#       measured on Zen 5 (avx512_bf16); below it the dot products are emulated, not measured
+#   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c, and cpu_qgemm.c's panel
+#       kernel past them) against torch's bf16 kernels: measured on Zen 5 (avx512_bf16), and at
+#       avx2 on that CPU with torch and oneDNN capped to AVX2 (2026-11-25, kernels/crossovers.py:
+#       the AVX2 loops of csrc/hfd_avx2.h and cpu_qgemm.c; GEMV 2-4 rows 1.4-2.3x F.linear, 1 row
+#       0.91x; panel 4-512 rows 1.4-3.5x)
 #   "rows": RoPE and RMSNorm of many bf16 rows (csrc/cpu_decode.c: hfd_rope_rows_bf16,
 #       hfd_rms_rows_bf16) against torch's ops: 2x faster at avx512 and avx512_bf16 (256 rows
 #       of 2048, Zen 5), 8-11x slower at avx2, where SIMDe emulates their 512-bit vectors
 #   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
-#       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16); below
-#       it the bf16 dot products and the table look-ups are emulated, not measured
+#       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16), and at
+#       avx2 as above (the table look-ups still emulated there; the panels win from 128-256
+#       rows, kernels/crossovers.py)
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
-            "codes": "generic", "bf16_gemv": "avx512_bf16", "panel": "avx512_bf16", "rows": "avx512"}
+            "codes": "generic", "bf16_gemv": "avx2", "panel": "avx2", "rows": "avx512"}
 
 
 def _running() -> tuple[str, bool]:

@@ -140,12 +140,23 @@ ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
                                  int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited
                                  bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited
 
-ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=12, int4_native_max_rows=24,
-                       int4_pack_max_rows=32,
-                       bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited (MIN_TIER)
-                       int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited (MIN_TIER)
-                       int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited (MIN_TIER)
-                       bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited (MIN_TIER)
+# avx2, 2026-11-25, the same Zen 5 quiet (load 0.5-1.4), 2 threads, torch AND oneDNN capped to
+# AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: before, the lower tiers' F.linear ran oneDNN's AVX-512 GEMMs),
+# with the AVX2 bf16 panel blocks of csrc/cpu_qgemm.c, medians of 5 (`python
+# benchmarks/crossovers.py --tiers avx2 --reps 5 --rows 1 2 4 8 16 24 32 64 128 256 512`), ms at
+# 1 / 4 / 16 / 64 / 128 / 256 / 512 rows: F.linear 0.54 / 1.70 / 7.06 / 26.4 / 50.9 / 102 / 204,
+# bf16 panel 0.88 / 1.21 / 2.55 / 7.84 / 15.1 / 29.5 / 57.7; int8 GEMV 0.30 / 0.81 / 2.81 / 10.8 /
+# 21.6 / 42.7 / 85.8, int8 panel 9.49 / 9.59 / 10.9 / 16.2 / 23.4 / 37.7 / 68.6,
+# _weight_int8pack_mm 1.15 / 1.51 / 3.71 / 11.6 / 21.8 / 41.4 / 80.5, dequantize + GEMM 8.97 /
+# 10.5 / 16.4 / 36.2 / 62.2 / 115 / 218; int4 native 0.28 / 0.88 / 2.94 / 11.3 / 24.1 / 49.5 /
+# 102, int4 panel 8.62 / 8.85 / 10.2 / 15.5 / 22.7 / 36.9 / 65.9, _weight_int4pack_mm_for_cpu
+# 0.61 / 0.70 / 2.60 / 10.1 / 20.3 / 40.3 / 81.0, dequantize + GEMM 52.4 / 51.5 / 57.1 / 76.5 /
+# 103 / 157 / 261. The bf16 GEMV (ad-hoc, the same caps, medians of 41) 0.51 / 0.59 / 0.61 /
+# 0.74 ms at 1-4 rows against F.linear's 0.46 / 0.86 / 1.37 / 1.72: it keeps 1-4 rows (0.91x
+# at one row, where the model's own one-row linears run in the native decode layer anyway).
+ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=128, int8_pack_max_rows=512, int4_native_max_rows=64,
+                       int4_pack_max_rows=512, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
+                       int8_gemm_max_rows=512, bf16_gemm_max_rows=512)
 
 TABLE: dict[str, Crossovers] = {
     "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)

@@ -134,15 +134,21 @@ def test_what_stays_on_torch(monkeypatch):
 
 
 def test_below_its_tier_torch_computes(monkeypatch):
-    """An AVX2 CPU (pretended): no native bf16 products (MIN_TIER); torch.mv for one row."""
+    """A CPU without AVX2 (pretended): no native bf16 products (MIN_TIER); torch.mv for one
+    row. An AVX2 CPU (pretended) runs them: its own loops beat oneDNN's AVX2 GEMMs
+    (kernels/crossovers.py)."""
     switch(monkeypatch, isa=None)
-    monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
-    assert _native.lib("bf16_gemv") is None
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "generic")
+    assert _native.lib("bf16_gemv") is None and _native.lib("panel") is None
     calls = _counting(monkeypatch, lin, "_native_gemv")
     x, w = _gaussian(1, 64, seed=10), _gaussian(48, 64, seed=11)
     assert torch.equal(lin.linear(x, w, backend="cpu"), torch.mv(w, x[0])[None])
     assert calls == []
-    assert "bf16_gemv (the avx2 tier" in _native.describe_tier()
+    assert "bf16_gemv (the generic tier" in _native.describe_tier()
+    monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
+    assert _native.lib("bf16_gemv") is not None and _native.lib("panel") is not None
+    _close_to(lin.linear(torch.cat([x] * 3), w, backend="cpu"), F.linear(torch.cat([x] * 3), w))
+    assert calls == [1]
 
 
 @pytest.mark.skipif(not LOWER, reason="no tier below this CPU's best to compare with")

@@ -103,6 +103,8 @@ def test_int4_tiles_hold_the_row_major_codes(monkeypatch):
     dequantization (40 rows of x: the chunked path) reads the tiles' order as Python wrote it."""
     w, x = _gaussian(40, 1152), _gaussian(40, 1152, seed=1)
     tiled = Q.quantize_int4(w, 32)
+    # 40 rows past the native kernel's bound, whatever the tier measured: the chunked path
+    pin_crossovers(monkeypatch, int4_native_max_rows=8)
     y = Q.linear_int4(x, tiled, backend="cpu")
     switch(monkeypatch, native=False)
     row_major = Q.quantize_int4(w, 32)
