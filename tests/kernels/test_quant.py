@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_dsinfer.kernels import quant as Q
-from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, requires_triton
+from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, pin_crossovers, requires_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The reference rounds each dequantized weight to x.dtype before F.linear; the fused kernels
@@ -91,10 +91,20 @@ def test_linear_int4_triton_matches_ref(triton_interpret, dtype, rows, k, n, gro
     assert_close_tol(out, Q.linear_int4_ref(x, qw, bias), dtype, DEQUANT_TOL)
 
 
+def _chunked_past(monkeypatch, rows: int) -> None:
+    """Every CPU kernel's bound of the running tier below `rows`: they go to the chunked
+    dequantize + GEMM path (the avx2 tier's measured bounds reach 64-512 rows)."""
+    pin_crossovers(monkeypatch, int8_gemv_max_rows=rows // 2, int8_pack_max_rows=rows // 2,
+                   int8_gemm_max_rows=None, int4_native_max_rows=rows // 2,
+                   int4_pack_max_rows=rows // 2, int4_gemm_max_rows=None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))  # 40 rows > every tier's *_pack_max_rows
+@pytest.mark.parametrize("lead", ((1,), (2, 3), (40,)))  # 40 rows: the chunked path (pinned)
 def test_linear_int8_cpu_matches_ref(monkeypatch, dtype, lead):
     monkeypatch.setattr(Q, "DEQUANT_CHUNK_ROWS", 16)  # exercise several chunks
+    if lead == (40,):
+        _chunked_past(monkeypatch, 40)
     qw = Q.quantize_int8(_gaussian(48, 80).to(dtype))
     x, bias = _gaussian(*lead, 80, seed=1).to(dtype), _gaussian(48, seed=2).to(dtype)
     out = Q.linear_int8(x, qw, bias, backend="cpu")
@@ -106,6 +116,8 @@ def test_linear_int8_cpu_matches_ref(monkeypatch, dtype, lead):
 @pytest.mark.parametrize("n,group,sym", ((48, 64, False), (32, 32, True), (37, 32, False)))
 def test_linear_int4_cpu_matches_ref(monkeypatch, dtype, lead, n, group, sym):
     monkeypatch.setattr(Q, "DEQUANT_CHUNK_ROWS", 16)
+    if lead == (40,):
+        _chunked_past(monkeypatch, 40)
     qw = Q.quantize_int4(_gaussian(n, 128).to(dtype), group, sym)
     # torch's layout: not kept for tiles (native kernels), and torch's kernel needs out % 16 == 0
     assert (qw.cpu_packed is not None) == (not qw.tiled and n % 16 == 0)
