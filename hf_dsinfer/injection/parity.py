@@ -12,7 +12,7 @@ pre-hook), so each block's error is its own, not the sum of every earlier block'
 half precision those sums grow with depth and with the reference's own op order: SmolLM2-135M
 in bf16 passed at 8.4e-3 on this CPU's torch kernels and failed at 4.7e-2 with the same fused
 blocks once oneDNN was capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on a CPU without AVX-512),
-while HF's own bf16 run is 2e-2 to 6e-2 from its fp32 run either way. A block that computes
+while HF's own bf16 run is 6e-3 to 6e-2 from its fp32 run either way. A block that computes
 the wrong thing still misses by > 1e-1 on its own input.
 """
 
