@@ -58,8 +58,10 @@ ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI",
 # (tiles where it runs by default, the offload engine's portable codes everywhere), so its only
 # alternative is dequantize + GEMM.
 # The panel kernels take over where the dot-product kernels stop: their bound is found over the
-# row counts past that one (field: the field it follows).
-AFTER = {"int8_gemm_max_rows": "int8_gemv_max_rows", "int4_gemm_max_rows": "int4_native_max_rows"}
+# row counts past that one (field: the field it follows; measured in this run, else the tier's
+# value in kernels/crossovers.py: the bf16 GEMV's, which this script does not time).
+AFTER = {"int8_gemm_max_rows": "int8_gemv_max_rows", "int4_gemm_max_rows": "int4_native_max_rows",
+         "bf16_gemm_max_rows": "bf16_gemv_max_rows"}
 COMPARISONS = {
     "int8_gemv_max_rows": ("int8", "native", ("gemm", "int8pack", "dequant")),
     "int8_gemm_max_rows": ("int8", "gemm", ("int8pack", "dequant")),
@@ -202,7 +204,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return _child(args)
-    from hf_dsinfer.kernels import _native
+    from hf_dsinfer.kernels import _native, crossovers
 
     best = _native.cpu_tier()
     runnable = [t for t in _native.TIERS[: _native.TIERS.index(best) + 1]]
@@ -220,8 +222,9 @@ def main() -> None:
             if path not in times[op] or not any(o in times[op] for o in others):
                 continue
             faster = times[op][path]
-            if (before := AFTER.get(name)) in found:  # a middle path: from where it takes over
-                faster = {r: t for r, t in faster.items() if int(r) > found[before]}
+            if (before := AFTER.get(name)) is not None:  # a middle path: from where it takes over
+                start = found.get(before, getattr(crossovers.TABLE[tier], before))
+                faster = {r: t for r, t in faster.items() if int(r) > (start or 0)}
             found[name] = crossover(faster, [times[op][o] for o in others if o in times[op]])
         _print_tier(tier, times, found)
         result[tier] = {"times_ms": times, "crossovers": found}

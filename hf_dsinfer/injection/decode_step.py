@@ -120,6 +120,8 @@ class NativeDecodeStep:
         self._opt = type(inner).__name__ in OPT_MODEL_CLASSES  # learned positions, no rotary
         windows = _windows(inner.config, len(blocks))
         self.windows = windows if isinstance(windows, list) else None  # per layer
+        # one native call over every layer needs full-attention cache layers
+        self.chainable = self.windows is not None and all(w is None for w in self.windows)
         self._why_static = windows if isinstance(windows, str) else self._static_reason()
         self.last_reason: str | None = None  # why the last call went to HF's forward
 
@@ -320,8 +322,7 @@ class NativeDecodeStep:
         x, cos, sin = embedded  # cos / sin: per layer
         rows = x.shape[0]
         one_rope = all(c is cos[0] for c in cos) and all(s is sin[0] for s in sin)
-        chain = (self._chain(layers) if rows == 1 and one_rope
-                 and all(w is None for w in self.windows) else None)
+        chain = self._chain(layers) if rows == 1 and one_rope and self.chainable else None
         got = None if chain is None else kv_rooms(cache, len(layers), chain.kv_heads, d)
         if got is not None and got[1] == sk - 1:  # one native call for every layer
             rooms, n = got

@@ -140,8 +140,7 @@ def _native_decode_line(report: InjectionReport, model: nn.Module) -> str | None
                 f"in all {native} blocks")
         step = report.step
         if step is not None and step.reason() is None:
-            whole = ("one native call per step with a DynamicCache"
-                     if not any(w is not None for w in step.windows or [])
+            whole = ("one native call per step with a DynamicCache" if step.chainable
                      else "its layers called one by one (sliding layers: one native call over "
                           "every layer needs full-attention cache layers)")
             line += f"; one loop over them per step ({type(step.inner).__name__}.forward), {whole}"
