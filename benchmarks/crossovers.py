@@ -47,11 +47,12 @@ import torch
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # torch's dispatch for a CPU of each tier (ATEN_CPU_CAPABILITY)
-ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512",
+ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx2_vnni": "avx2", "avx512": "avx512",
                    "avx512_bf16": "avx512", "amx": "avx512"}
 # and oneDNN's, which F.linear's bf16 GEMMs run on and ATEN_CPU_CAPABILITY does not reach
 # (ONEDNN_MAX_CPU_ISA): without it the lower tiers' F.linear kept this CPU's AVX-512 GEMMs
-ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI",
+ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx2_vnni": "AVX2_VNNI",
+              "avx512": "AVX512_CORE_VNNI",
               "avx512_bf16": "AVX512_CORE_BF16", "amx": "DEFAULT"}
 # (op, the path that wins at few rows, the paths it hands over to) per field of
 # kernels/crossovers.py. The native int4 kernel reads codes of which torch's kernel has no copy
@@ -207,10 +208,11 @@ def main() -> None:
     from hf_dsinfer.kernels import _native, crossovers
 
     best = _native.cpu_tier()
-    runnable = [t for t in _native.TIERS[: _native.TIERS.index(best) + 1]]
+    runnable = list(_native.runnable_tiers())
     tiers = args.tiers or runnable
     if bad := [t for t in tiers if t not in runnable]:
-        raise SystemExit(f"tiers {bad} are above this CPU's best ({best}): run them on such a CPU")
+        raise SystemExit(f"this CPU (best tier {best}) lacks the tiers {bad}: run them on a CPU "
+                         f"that has them")
     print(f"CPU: {_cpu_name()}; best tier {best}; {args.threads} threads; weight {args.out} x "
           f"{args.inp} bf16 -> int8 / int4 group {args.group}, {args.copies} copies cycled; "
           f"medians of {args.reps} interleaved repeats")

@@ -30,7 +30,8 @@ import torch
 
 from hf_dsinfer.errors import DSInferConfigError
 
-TIERS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # lowest first (kernels/_native.py)
+TIERS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_bf16", "amx")  # lowest first
+# (kernels/_native.py; avx2_vnni is a branch off avx2: the avx512 tiers do not need AVX-VNNI)
 BACKENDS = ("auto", "ref", "triton", "cpu")  # kernels/_dispatch.py
 ENV = {"native": "HF_DSINFER_NATIVE", "amx": "HF_DSINFER_NATIVE_AMX", "isa": "HF_DSINFER_ISA",
        "kernels": "HF_DSINFER_KERNELS", "cache_dir": "HF_DSINFER_CACHE"}

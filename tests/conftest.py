@@ -46,7 +46,7 @@ def _native_tiers(amx_only: bool) -> list[str]:
     best = _native.cpu_tier()
     if amx_only:
         return [best]
-    return list(_native.TIERS[: _native.TIERS.index(best) + 1])
+    return list(_native.runnable_tiers())
 
 
 def pytest_generate_tests(metafunc):

@@ -32,12 +32,16 @@ concurrent build in another process is harmless (atomic rename). OpenMP links to
 which is the runtime torch has already loaded, so both share one thread pool.
 
 ISA tiers (TIERS, lowest first): generic (no -m flags: baseline x86-64, or aarch64 with NEON),
-avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, VNNI), avx512_bf16 (+ BF16), amx (+ AMX tiles, used
-where Linux grants the tile state; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512). The kernels are
+avx2 (AVX2, FMA, F16C), avx2_vnni (+ AVX-VNNI: Intel's client CPUs from Alder Lake, AMD's from
+Zen 5; a branch off avx2, which the avx512 tiers do not include, since Skylake-SP to Ice Lake
+lack it), avx512 (F, BW, VL, VNNI), avx512_bf16 (+ BF16), amx (+ AMX tiles, used where Linux
+grants the tile state; HF_DSINFER_NATIVE_AMX=0 keeps AVX-512). The kernels are
 written once with AVX-512 intrinsics; a tier without an instruction gets SIMDe's emulation of it
 (see csrc/hfd_simd.h), with the same numbers, except the int8 / int4 / bf16 dot products of the
-avx2 tier, which have 256-bit loops of their own (csrc/hfd_avx2.h), again with the same numbers. The best tier the CPU has is used;
-HF_DSINFER_ISA=<tier> caps it (tests run every tier the machine has this way).
+avx2 tiers, which have 256-bit loops of their own (csrc/hfd_avx2.h; avx2_vnni's integer dot
+products by vpdpbusd / vpdpwssd), again with the same numbers. The best tier the CPU has (and
+the compiler builds) is used; HF_DSINFER_ISA=<tier> caps it (tests run every tier the machine
+has this way).
 
 `lib()` returns None, and callers use torch's kernels, when:
     HF_DSINFER_NATIVE=0 is set, or
@@ -77,6 +81,7 @@ TIERS = settings.TIERS
 _TIER_ADDS = {
     "generic": ((), ()),
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "avx2_vnni": (("-mavxvnni",), ("avx_vnni",)),
     "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
                ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     "avx512_bf16": (("-mavx512bf16",), ("avx512_bf16",)),
@@ -88,10 +93,19 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _why: dict[str, str] = {}  # tier -> why its library did not load
 
 
+# the tier each one adds to (a tree: avx2_vnni is a branch off avx2, which avx512 extends)
+_PARENT = {"generic": None, "avx2": "generic", "avx2_vnni": "avx2", "avx512": "avx2",
+           "avx512_bf16": "avx512", "amx": "avx512_bf16"}
+
+
 def _cumulative(index: int) -> tuple[list[str], list[str]]:
-    """gcc flags and cpuinfo flags of TIERS[index], its own plus every lower tier's."""
+    """gcc flags and cpuinfo flags of TIERS[index], its own plus those of the tiers it extends."""
+    line, name = [], TIERS[index]
+    while name is not None:
+        line.append(name)
+        name = _PARENT[name]
     gcc, cpu = [], []
-    for name in TIERS[: index + 1]:
+    for name in reversed(line):
         gcc += _TIER_ADDS[name][0]
         cpu += _TIER_ADDS[name][1]
     return gcc, cpu
@@ -113,16 +127,44 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _compiler_takes(flags: tuple[str, ...]) -> bool:
+    """Whether compiler() accepts these -m flags (gcc 9 lacks -mavx512bf16, gcc 10 -mavxvnni
+    and the AMX ones): a tier it cannot build is not this machine's. True without a compiler
+    (the build then says why)."""
+    cc = compiler()
+    if cc is None or not flags:
+        return True
+    try:
+        proc = subprocess.run([cc, *flags, "-E", "-x", "c", os.devnull], capture_output=True,
+                              check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return proc.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def runnable_tiers() -> tuple[str, ...]:
+    """The tiers this CPU has (each with every tier it extends) and the compiler builds, lowest
+    first: generic alone on a CPU that is not x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("generic",)
+    flags = _cpu_flags()
+    return tuple(name for index, name in enumerate(TIERS)
+                 if all(f in flags for f in _cumulative(index)[1])
+                 and _compiler_takes(_TIER_ADDS[name][0]))
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_tier() -> str:
     """The best tier this CPU runs (generic on a CPU that is not x86-64)."""
-    flags, best = _cpu_flags(), "generic"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return best
-    for index, name in enumerate(TIERS):
-        if all(f in flags for f in _cumulative(index)[1]):
-            best = name
-    return best
+    return runnable_tiers()[-1]
+
+
+def capped(cap: str) -> str:
+    """The tier that runs when the settings cap it at `cap`: the best this CPU has at or below
+    it (on a CPU without AVX-VNNI, a cap of avx2_vnni runs avx2)."""
+    top = min(TIERS.index(cap), TIERS.index(cpu_tier()))
+    return [t for t in runnable_tiers() if TIERS.index(t) <= top][-1]
 
 
 def _cache_root() -> Path:
@@ -286,7 +328,7 @@ def _running() -> tuple[str, bool]:
     best = cpu_tier()
     if cap is None:
         return best, False
-    return TIERS[min(TIERS.index(cap), TIERS.index(best))], True
+    return capped(cap), True
 
 
 @torch.compiler.assume_constant_result  # traced (kernels.crossovers): a constant of the graph

@@ -158,10 +158,25 @@ ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=128, int8_pack_max_rows=512, int4_nati
                        int4_pack_max_rows=512, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
                        int8_gemm_max_rows=512, bf16_gemm_max_rows=512)
 
+# avx2_vnni (the avx2 loops with AVX-VNNI's vpdpbusd / vpdpwssd, csrc/hfd_avx2.h), 2026-11-25,
+# the same Zen 5, method and caps (ONEDNN_MAX_CPU_ISA=AVX2_VNNI), quiet (load ~1), medians of 5
+# (`python benchmarks/crossovers.py --tiers avx2_vnni --reps 5 --rows 1 4 16 64 128 192 256 384
+# 512`), ms at 1 / 16 / 64 / 128 / 192 / 256 / 512 rows: int8 GEMV 0.28 / 2.13 / 7.73 / 15.8 /
+# 23.5 / 31.6 / 62.5 against the int8 panel 9.11 / 10.6 / 15.9 / 22.6 / 29.8 / 36.4 / 65.5 (the
+# GEMV wins at every row count measured: int8_gemm_max_rows = the GEMV's, the panel never
+# runs); int4 native 0.28 / 2.50 / 9.22 / 19.1 / 30.3 / 40.8 / 84.0 against the int4 panel 8.33 /
+# 10.0 / 15.2 / 22.2 / 29.0 / 35.9 / 66.5; bf16 panel and F.linear as at avx2 (0.85 / 2.53 /
+# 7.67 / 14.5 / 21.4 / 28.2 / 60.9 against 0.53 / 6.95 / 25.1 / 49.8 / 74.3 / 100 / 199).
+ZEN5_AVX2_VNNI = Crossovers(int8_gemv_max_rows=512, int8_pack_max_rows=512,
+                            int4_native_max_rows=128, int4_pack_max_rows=512,
+                            bf16_gemv_max_rows=4, int4_gemm_max_rows=512, int8_gemm_max_rows=512,
+                            bf16_gemm_max_rows=512)
+
 TABLE: dict[str, Crossovers] = {
     "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
     "avx512_bf16": ZEN5_AVX512,
     "avx512": ZEN5_AVX512_NO_BF16,
+    "avx2_vnni": ZEN5_AVX2_VNNI,
     "avx2": ZEN5_AVX2,
     "generic": Crossovers(int8_gemv_max_rows=ZEN5_AVX2.int8_gemv_max_rows,  # inherited
                           int8_pack_max_rows=1, int4_native_max_rows=1, int4_pack_max_rows=1,

@@ -1,11 +1,12 @@
-"""The avx2 tier's own int8 / int4 dot-product loops (csrc/hfd_avx2.h) give the bits of every
+"""The avx2 tiers' own int8 / int4 dot-product loops (csrc/hfd_avx2.h: AVX2, and avx2_vnni's
+AVX-VNNI dot products where the CPU has them) give the bits of every
 other tier (the AVX-512 code, native or emulated), on the shapes that reach each of their
 branches: int8 tails past the last 64 columns, tiles and row-major rows, several rows of x,
 input equalization, x spanning many decades, the int32 bound at a Llama MLP's K; int4 groups of
 32 to 256, whole 512-column tile runs followed by 128-column chunks, partial last chunks, fewer
 rows than a block, scales of each dtype, and the decode layer with int4 groups of 128.
 
-The comparison tier is the CPU's best, or generic on a CPU whose best tier is avx2.
+The comparison tier is the CPU's best, or generic on a CPU whose best tier is an avx2 one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from tests.kernels.test_native_tiers import BEST, _at, _decode_logits
 HAS_AVX2 = _native.TIERS.index(_native.cpu_tier()) >= _native.TIERS.index("avx2")
 pytestmark = pytest.mark.skipif(not (_native.builds() and HAS_AVX2),
                                 reason="needs the native kernels on a CPU with AVX2")
-OTHER = BEST if BEST != "avx2" else "generic"
+AVX2_TIERS = [t for t in ("avx2", "avx2_vnni") if t in _native.runnable_tiers()]
+OTHER = BEST if BEST not in AVX2_TIERS else "generic"
+
+
+@pytest.fixture(params=AVX2_TIERS)
+def tier(request) -> str:
+    """Each avx2 tier this CPU has."""
+    return request.param
 
 
 def _native_runs(monkeypatch, name: str) -> list[bool]:
@@ -37,14 +45,14 @@ def _native_runs(monkeypatch, name: str) -> list[bool]:
     return ran
 
 
-def _same_as_other(monkeypatch, fn, kernel: str) -> None:
-    """fn() at the avx2 tier equals fn() at OTHER, to the bit, and both ran the native kernel
-    called by quant.<kernel>."""
+def _same_as_other(monkeypatch, tier, fn, kernel: str) -> None:
+    """fn() at `tier` equals fn() at OTHER, to the bit, and both ran the native kernel called
+    by quant.<kernel>."""
     ran = _native_runs(monkeypatch, kernel)
-    want, got = _at(monkeypatch, OTHER, fn), _at(monkeypatch, "avx2", fn)
+    want, got = _at(monkeypatch, OTHER, fn), _at(monkeypatch, tier, fn)
     assert ran and all(ran), f"the native kernel did not run: {ran}"
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got, want), (f"avx2 differs from {OTHER}: max |diff| "
+    assert torch.equal(got, want), (f"{tier} differs from {OTHER}: max |diff| "
                                     f"{(got.float() - want.float()).abs().max().item()}")
 
 
@@ -55,8 +63,10 @@ def _wide(*shape, seed, dtype=torch.bfloat16):
     return (torch.randn(*shape, generator=g) * mag).to(dtype)
 
 
-def test_the_avx2_library_runs_its_own_loops(monkeypatch):
-    assert _at(monkeypatch, "avx2", lambda: _native.lib().hfd_avx2_dots()) == 1
+def test_the_avx2_libraries_run_their_own_loops(monkeypatch, tier):
+    """1: the AVX2 loops; 2: with AVX-VNNI's vpdpbusd / vpdpwssd (the avx2_vnni tier)."""
+    want = {"avx2": 1, "avx2_vnni": 2}[tier]
+    assert _at(monkeypatch, tier, lambda: _native.lib().hfd_avx2_dots()) == want
     assert _at(monkeypatch, OTHER, lambda: _native.lib().hfd_avx2_dots()) == 0
 
 
@@ -72,7 +82,7 @@ INT8 = [(1, 64, 200, torch.bfloat16, False, "rows"), (5, 128, 320, torch.float32
 
 
 @pytest.mark.parametrize("rows,n,k,dtype,equalize,layout", INT8)
-def test_int8_gemv(monkeypatch, rows, n, k, dtype, equalize, layout):
+def test_int8_gemv(monkeypatch, tier, rows, n, k, dtype, equalize, layout):
     w = _wide(n, k, seed=1, dtype=dtype)
     qw = _at(monkeypatch, BEST, lambda: Q.quantize_int8(w, equalize=equalize))
     assert qw.tiled == (n % 4 == 0 and k % 64 == 0)  # tiles where the shape allows
@@ -81,10 +91,11 @@ def test_int8_gemv(monkeypatch, rows, n, k, dtype, equalize, layout):
     assert qw.tiled == (layout == "tiles")
     x = _wide(rows, k, seed=2, dtype=dtype)
     with torch.inference_mode():
-        _same_as_other(monkeypatch, lambda: Q.linear_int8(x, qw, backend="cpu"), "_native_int8")
+        _same_as_other(monkeypatch, tier, lambda: Q.linear_int8(x, qw, backend="cpu"),
+                       "_native_int8")
 
 
-def test_int8_gemv_at_the_int32_bound(monkeypatch):
+def test_int8_gemv_at_the_int32_bound(monkeypatch, tier):
     """Every x at its absmax and every weight at +-127 over a Llama MLP's K = 5632: each lane's
     int32 sums at their largest; the result is the exact dot product."""
     k = 5632
@@ -92,8 +103,8 @@ def test_int8_gemv_at_the_int32_bound(monkeypatch):
     w[1::2] = -1
     qw = Q.quantize_int8(w)
     x = torch.full((1, k), 3.0)
-    _same_as_other(monkeypatch, lambda: Q.linear_int8(x, qw, backend="cpu"), "_native_int8")
-    y = _at(monkeypatch, "avx2", lambda: Q.linear_int8(x, qw, backend="cpu"))
+    _same_as_other(monkeypatch, tier, lambda: Q.linear_int8(x, qw, backend="cpu"), "_native_int8")
+    y = _at(monkeypatch, tier, lambda: Q.linear_int8(x, qw, backend="cpu"))
     torch.testing.assert_close(y, (x.double() @ w.double().T).float(), rtol=1e-6, atol=0)
 
 
@@ -106,7 +117,7 @@ INT4 = [(1, 64, 512, 32), (3, 32, 640, 64), (1, 16, 1536, 128), (2, 8, 768, 256)
 @pytest.mark.parametrize("wdtype", (torch.bfloat16, torch.float16, torch.float32),
                          ids=("bf16 scales", "fp16 scales", "fp32 scales"))
 @pytest.mark.parametrize("rows,n,k,group", INT4)
-def test_int4_linear(monkeypatch, rows, n, k, group, wdtype):
+def test_int4_linear(monkeypatch, tier, rows, n, k, group, wdtype):
     w = _wide(n, k, seed=3, dtype=wdtype)
     stored = _at(monkeypatch, BEST, lambda: Q.quantize_int4(w, group))
     assert stored.tiled == (n % 4 == 0 and k // 2 % 64 == 0)  # tiles where the shape allows
@@ -114,12 +125,12 @@ def test_int4_linear(monkeypatch, rows, n, k, group, wdtype):
     x = _wide(rows, k, seed=4)
     for qw in (stored, portable):
         with torch.inference_mode():
-            _same_as_other(monkeypatch, lambda qw=qw: Q.linear_int4(x, qw, backend="cpu"),
+            _same_as_other(monkeypatch, tier, lambda qw=qw: Q.linear_int4(x, qw, backend="cpu"),
                            "_native_int4")
 
 
-def test_decode_layer_int4_group_128(monkeypatch):
+def test_decode_layer_int4_group_128(monkeypatch, tier):
     """_decode_logits asserts that the native decode layer ran."""
     want = _at(monkeypatch, OTHER, lambda: _decode_logits({"bits": 4, "group_size": 128}))
-    got = _at(monkeypatch, "avx2", lambda: _decode_logits({"bits": 4, "group_size": 128}))
+    got = _at(monkeypatch, tier, lambda: _decode_logits({"bits": 4, "group_size": 128}))
     assert torch.equal(got, want)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not _native.builds(),
                                 reason=f"native kernels unavailable: {_native.why_unavailable()}")
 
 BEST = _native.cpu_tier()
-LOWER = _native.TIERS[: _native.TIERS.index(BEST)]
+LOWER = _native.runnable_tiers()[:-1]
 
 
 def _at(monkeypatch, tier: str, fn):
@@ -59,6 +59,52 @@ def test_tier_is_capped_and_named(monkeypatch):
         settings.Settings.from_env({_native.ISA_ENV_VAR: "avx1024"})
     switch(monkeypatch, isa=None)
     assert _native.tier() == BEST
+
+
+@pytest.fixture
+def pretend_cpu(monkeypatch):
+    """pretend_cpu(flags, compiler_lacks=()): _native sees an x86-64 CPU with these cpuinfo
+    flags and a compiler without these -m flags (the cached tiers recomputed, and again after)."""
+
+    def pretend(flags, compiler_lacks=()):
+        monkeypatch.setattr(_native, "_cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(_native.platform, "machine", lambda: "x86_64")
+        monkeypatch.setattr(_native, "_compiler_takes",
+                            lambda fl: not set(fl) & set(compiler_lacks))
+        _native.runnable_tiers.cache_clear()
+        _native.cpu_tier.cache_clear()
+
+    yield pretend
+    _native.runnable_tiers.cache_clear()
+    _native.cpu_tier.cache_clear()
+
+
+AVX2 = ("avx2", "fma", "f16c")
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def test_avx2_vnni_is_a_branch_off_avx2(monkeypatch, pretend_cpu):
+    """AVX-VNNI (Intel's client CPUs from Alder Lake, Zen 5) is not in Skylake-SP to Ice Lake,
+    so the avx512 tiers do not build with it or need it; a cap at avx2_vnni runs avx2 on a CPU
+    without it; a compiler without -mavxvnni (gcc < 11) leaves the tier out."""
+    assert "-mavxvnni" in _native.tier_flags("avx2_vnni")
+    assert not any("-mavxvnni" in _native.tier_flags(t) for t in ("avx512", "avx512_bf16", "amx"))
+    pretend_cpu((*AVX2, *AVX512))  # Ice Lake server
+    assert _native.runnable_tiers() == ("generic", "avx2", "avx512")
+    assert _native.cpu_tier() == "avx512"
+    switch(monkeypatch, isa="avx2_vnni")
+    assert _native.tier() == "avx2"
+    switch(monkeypatch, isa="amx")
+    assert _native.tier() == "avx512"
+    pretend_cpu((*AVX2, "avx_vnni"))  # Alder Lake
+    assert _native.runnable_tiers() == ("generic", "avx2", "avx2_vnni")
+    assert _native.tier() == "avx2_vnni"
+    switch(monkeypatch, isa="avx2")
+    assert _native.tier() == "avx2"
+    pretend_cpu((*AVX2, "avx_vnni", *AVX512, "avx512_bf16"), compiler_lacks=("-mavxvnni",))
+    assert _native.runnable_tiers() == ("generic", "avx2", "avx512", "avx512_bf16")
+    switch(monkeypatch, isa=None)
+    assert _native.tier() == "avx512_bf16"
 
 
 def _spy_lib(monkeypatch) -> list:

@@ -85,7 +85,7 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
     return 0;
 }
 
-int hfd_avx2_dots(void) { return HFD_AVX2_DOTS; }
+int hfd_avx2_dots(void) { return HFD_AVX2_DOTS + HFD_AVX_VNNI; }
 
 /* Ask for transparent huge pages on the 2 MiB-aligned interior of [p, p + nbytes), before the
    pages are first written: fewer TLB misses while a weight streams (see PREFETCH). Returns 0, or

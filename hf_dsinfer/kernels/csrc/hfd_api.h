@@ -159,7 +159,8 @@ int hfd_int8_gemv(const void *x, int x_dt, const float *in_scale, const int8_t *
                   int b_dt, void *y, int64_t M, int64_t N, int64_t K, int tiled, int nthreads);
 int hfd_advise_hugepages(void *p, int64_t nbytes);
 /* 1 where the int8 / int4 dot products run the 256-bit loops of hfd_avx2.h (the avx2 tier),
-   0 where they run the AVX-512 code (native or emulated) */
+   2 where those loops use AVX-VNNI (avx2_vnni), 0 where they run the AVX-512 code (native or
+   emulated) */
 int hfd_avx2_dots(void);
 int hfd_dequant_int4_rows(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                           int64_t group, int64_t K, int64_t row0, int64_t row1, void *out,

@@ -228,11 +228,20 @@ HFD_FMA_LANES(hfd_fnmadd_ps, -)
 #endif
 
 #if !defined(__AVX512VNNI__)
-/* vpdpbusd: acc + the sums of 4 adjacent u8 x s8 products, exact (int32 lanes). On AVX2 the u8
+/* vpdpbusd: acc + the sums of 4 adjacent u8 x s8 products, exact (int32 lanes). With AVX-VNNI
+   the 256-bit instruction; on AVX2 the u8
    side is split into nibbles so vpmaddubsw's int16 pair sums (at most 2 * 15 * 128) never
    saturate; the integer sums are the instruction's to the bit. */
 static inline simde__m512i hfd_dpbusd_epi32(simde__m512i acc, simde__m512i a, simde__m512i b) {
-#if defined(__AVX2__)
+#if defined(__AVXVNNI__) /* the 256-bit instruction on each half (the avx2_vnni tier) */
+    __m256i c[2], x[2], w[2];
+    memcpy(c, &acc, 64);
+    memcpy(x, &a, 64);
+    memcpy(w, &b, 64);
+    for (int h = 0; h < 2; h++) c[h] = _mm256_dpbusd_avx_epi32(c[h], x[h], w[h]);
+    memcpy(&acc, c, 64);
+    return acc;
+#elif defined(__AVX2__)
     __m256i c[2], x[2], w[2];
     memcpy(c, &acc, 64);
     memcpy(x, &a, 64);
