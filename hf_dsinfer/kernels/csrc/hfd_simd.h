@@ -426,6 +426,30 @@ static inline void store_f32(void *p, int64_t i, int dt, float v) {
 /* fp32 -> bf16 bits (round to nearest even, NaN kept quiet) in the low 16 bits of each lane:
    torch's float -> bfloat16 conversion, lane-wise (not vcvtneps2bf16, which flushes
    denormals). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The avx2 tiers: the same integer operations on two 256-bit halves (SIMDe's emulation of the
+   mask compare and move was ~4% of an int4 decode step there) */
+static inline __m256i hfd_bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
+                              nan);
+}
+
+static inline __m512i bf16_bits(__m512 v) {
+    __m256 h[2];
+    __m256i r[2];
+    __m512i out;
+    memcpy(h, &v, 64);
+    r[0] = hfd_bf16_bits8(h[0]);
+    r[1] = hfd_bf16_bits8(h[1]);
+    memcpy(&out, r, 64);
+    return out;
+}
+#else
 static inline __m512i bf16_bits(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -433,6 +457,7 @@ static inline __m512i bf16_bits(__m512 v) {
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
 }
+#endif
 
 static inline __m512 bf16_round(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
@@ -453,7 +478,23 @@ static inline __m512 bf16_round_q(__m512 v) {
 }
 
 static inline void store16_bf16(uint16_t *p, __mmask16 mk, __m512 v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    __m256 h[2];
+    memcpy(h, &v, 64);
+    const __m256i r0 = hfd_bf16_bits8(h[0]), r1 = hfd_bf16_bits8(h[1]);
+    /* the 16 results (each < 2^16) in order: vpackusdw packs per 128-bit lane */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
+    if (mk == 0xFFFF) {
+        _mm256_storeu_si256((__m256i *)p, packed);
+    } else {
+        uint16_t t[16];
+        _mm256_storeu_si256((__m256i *)t, packed);
+        for (int i = 0; i < 16; i++)
+            if (mk >> i & 1) p[i] = t[i];
+    }
+#else
     _mm256_mask_storeu_epi16(p, mk, _mm512_cvtepi32_epi16(bf16_bits(v)));
+#endif
 }
 
 /* e^x to about 1 ulp of fp32 (Cody-Waite reduction by ln 2, degree-6 polynomial on
