@@ -41,6 +41,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from hf_dsinfer import settings
 from hf_dsinfer.api import init_inference
 from hf_dsinfer.hardware import read_bandwidth
 from hf_dsinfer.injection.latency import compile_config
@@ -138,15 +139,29 @@ def base_model(name: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(MODELS[name](), dtype=dtype).eval()
 
 
+def labels(configs: list[str], isa: list[str] | None) -> list[str]:
+    """The rows' configurations: each hf_dsinfer one once per ISA tier named (`int4@avx2`), or
+    once at the CPU's own tier; HF's as they are."""
+    out = []
+    for config in configs:
+        tiers = isa if isa and CONFIGS[config] is not None else [None]
+        out += [config if tier is None else f"{config}@{tier}" for tier in tiers]
+    return out
+
+
 def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
+    """One model per label of `labels`: HF's base model, or an injected copy (carrying its ISA
+    tier as its own settings, so it runs that tier's kernels in every call)."""
     base = base_model(name, dtype)
     variants = {}
-    for config in configs:
+    for label in configs:
+        config, _, tier = label.partition("@")
         if CONFIGS[config] is None:
-            variants[config] = base
+            variants[label] = base
         else:
-            variants[config] = init_inference(copy.deepcopy(base), parity_check=False,
-                                                         **CONFIGS[config])
+            extra = {"settings": {"isa": tier}} if tier else {}
+            variants[label] = init_inference(copy.deepcopy(base), parity_check=False,
+                                             **CONFIGS[config], **extra)
     return variants
 
 
@@ -313,6 +328,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", default="decode_bench.png")
+    parser.add_argument("--isa", nargs="+", choices=list(settings.TIERS), default=None,
+                        help="run each hf_dsinfer configuration once per ISA tier named (rows "
+                             "like int4@avx2, side by side in one process); tiers the CPU lacks "
+                             "run the best one below (kernels/_native.py)")
     parser.add_argument("--no-peer", action="store_true",
                         help="leave out the llama.cpp row (shown for smollm2 when installed)")
     return parser
@@ -322,6 +341,7 @@ def main(args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args()
     if args.configs[0] != "hf":
         args.configs = ["hf", *[c for c in args.configs if c != "hf"]]
+    args.configs = labels(args.configs, args.isa)
     bandwidth = read_bandwidth("cpu")
     rows = run(args)
     print(format_table(rows, bandwidth))

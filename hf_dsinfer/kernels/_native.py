@@ -311,7 +311,9 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       0.91x; panel 4-512 rows 1.4-3.5x)
 #   "rows": RoPE and RMSNorm of many bf16 rows (csrc/cpu_decode.c: hfd_rope_rows_bf16,
 #       hfd_rms_rows_bf16) against torch's ops: 2x faster at avx512 and avx512_bf16 (256 rows
-#       of 2048, Zen 5), 8-11x slower at avx2, where SIMDe emulates their 512-bit vectors
+#       of 2048, Zen 5), 8-11x slower at avx2, where SIMDe emulates their 512-bit vectors; with
+#       the avx2 tiers' own bf16 rounding (2026-11-25) still 0.4-0.8x (RMSNorm) and 0.93-0.97x
+#       (RoPE) at avx2_vnni, 16-256 rows (docs/performance.md)
 #   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
 #       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16), and at
 #       avx2 as above (the table look-ups still emulated there; the panels win from 128-256

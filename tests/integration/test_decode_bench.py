@@ -36,3 +36,23 @@ def test_read_bytes_count_one_copy_of_int4_codes():
     packed = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                  if name.endswith(".packed"))
     assert benchmark._read_bytes(model) >= packed
+
+
+def test_bench_runs_each_config_at_each_tier_named(monkeypatch, capsys):
+    """--isa: a row per hf_dsinfer configuration and tier, side by side in one process; each
+    model carries its tier (its own settings), so the kernels it calls are that tier's."""
+    from hf_dsinfer.kernels import _native
+
+    tiers = sorted({"generic", _native.cpu_tier()}, key=_native.TIERS.index)
+    seen, real = [], _native.lib
+    monkeypatch.setattr(_native, "lib",
+                        lambda use="kernels": seen.append(_native.tier()) or real(use))
+    args = benchmark.build_parser().parse_args(
+        ["--models", "tiny", "--batch", "1", "--configs", "hf", "int8", "--isa", *tiers,
+         "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1", "--plot", ""])
+    assert benchmark.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | 1 | hf |" in out and "| tiny | 1 | hf@" not in out
+    for tier in tiers:
+        assert f"| tiny | 1 | int8@{tier} |" in out
+    assert set(tiers) <= set(seen), seen
