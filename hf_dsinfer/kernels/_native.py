@@ -301,7 +301,10 @@ def _load(level: str) -> ctypes.CDLL | None:
 #   "gemv": the int8 GEMV as a linear of its own (an output head, torch-path layers); from avx2
 #       since the avx2 tier has loops of its own (csrc/hfd_avx2.h)
 #   "int4": int4 products against torch's int4 kernel (likewise)
-#   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time
+#   "dequantize": weight rows for the GEMMs of a prefill, 512 rows at a time: from avx2 since
+#       the avx2 tiers' own bf16 rounding (2026-11-25: a 5632 x 2048 int4 / int8 linear of 1024
+#       and 2048 rows 1.01-1.09x with them, the same bits; 0.53x before, a 128-token int8
+#       prefill, when SIMDe emulated the rounding)
 #   "codes": KV-cache codes, and int4 products on codes torch's kernel has no copy of (tiles, the
 #       offload engine's row-major codes, where the alternative is dequantize + GEMM)
 #   "bf16_gemv": bf16 products of a few rows (csrc/cpu_experts.c, and cpu_qgemm.c's panel
@@ -320,7 +323,7 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       rows, kernels/crossovers.py)
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
-MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx512",
+MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx2",
             "codes": "generic", "bf16_gemv": "avx2", "panel": "avx2", "rows": "avx512"}
 
 

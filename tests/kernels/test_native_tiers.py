@@ -123,16 +123,18 @@ HAS_AVX2 = _native.TIERS.index(BEST) >= _native.TIERS.index("avx2")
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="pretends an AVX2 CPU: runs the avx2 library")
-def test_an_avx2_cpu_leaves_only_prefill_dequantization_to_torch(monkeypatch):
-    """On a CPU whose best tier is avx2 (pretended), the decode layer, the int8 GEMV and the
-    int4 products run natively (the tier's own loops, csrc/hfd_avx2.h), while prefill
-    dequantization keeps torch's ops (MIN_TIER), and explain says so; a named tier runs it."""
+def test_an_avx2_cpu_leaves_only_the_row_wise_norm_and_rope_to_torch(monkeypatch):
+    """On a CPU whose best tier is avx2 (pretended), the decode layer, the int8 GEMV, the int4
+    products and prefill dequantization run natively (the tier's own loops, csrc/hfd_avx2.h),
+    while the row-wise RMSNorm / RoPE keep torch's ops (MIN_TIER), and explain says so; a named
+    tier runs them."""
     switch(monkeypatch, isa=None)
     monkeypatch.setattr(_native, "cpu_tier", lambda: "avx2")
     assert _native.lib() is _native._load("avx2")
-    assert all(_native.lib(use) is _native._load("avx2") for use in ("int4", "gemv"))
-    assert _native.lib("dequantize") is None
-    assert "dequantize (the avx2 tier, where 'dequantize' kernels" in _native.describe_tier()
+    assert all(_native.lib(use) is _native._load("avx2")
+               for use in ("int4", "gemv", "dequantize", "panel", "bf16_gemv"))
+    assert _native.lib("rows") is None
+    assert "rows (the avx2 tier, where 'rows' kernels" in _native.describe_tier()
     assert _decode_logits(None) is not None  # asserts the native layer ran
     assert _decode_logits({"bits": 4, "group_size": 32}) is not None
     q4 = Q.quantize_int4(_gaussian(64, 256, seed=12), 32)
@@ -145,7 +147,7 @@ def test_an_avx2_cpu_leaves_only_prefill_dequantization_to_torch(monkeypatch):
     Q.linear_int8(_gaussian(1, 256, seed=10), q8, backend="cpu")
     assert gemv == [1]
     switch(monkeypatch, isa="avx2")
-    assert _native.lib("dequantize") is _native._load("avx2")
+    assert _native.lib("rows") is _native._load("avx2")
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="compares with the avx2 library")
