@@ -12,7 +12,9 @@ One process, configurations interleaved and repeated, medians reported:
                 installed: the same GGUF file in the CPU engine users pick instead
 Models are random-weight, shaped like Llama-1.1B (TinyLlama), OPT-1.3B, Qwen3-0.6B and
 Gemma-3-1B (text), or the embedded
-SmolLM2-135M-Instruct (real weights, `smollm2`). Before timing, each
+SmolLM2-135M-Instruct (real weights, `smollm2`). Prompts are random tokens for the random
+models, and English text for SmolLM2 (on random tokens a real model's top logits tie in bf16, so
+greedy tokens there compare roundings, not paths). Before timing, each
 configuration's first greedy tokens are compared with HF eager. Printed per row: prefill ms,
 decode tok/s (all sequences), speed-up over HF eager, the weight bytes read per decode step as
 GB/s and as a fraction of the memory-read bandwidth measured in the same run, and the model's
@@ -139,6 +141,30 @@ def base_model(name: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(MODELS[name](), dtype=dtype).eval()
 
 
+# the real model's prompt: plain prose, repeated to the prompt length
+PROSE = ("The harbor was quiet in the early morning. Fishing boats rocked against the pier while "
+         "gulls circled above the market, where traders set out crates of fruit, bread and "
+         "cheese. A small girl asked her grandfather why the tide came in twice a day, and he "
+         "explained, as well as he could, how the moon pulls on the oceans of the earth.")
+
+
+def prompt_ids(name: str, vocab: int, batch: int, length: int) -> torch.Tensor:
+    """[batch, length] prompt ids: random for the random-weight models; for the real model
+    (smollm2) PROSE tokenized and repeated, each row from another starting token."""
+    if MODELS[name] is not None:
+        return torch.randint(3, vocab, (batch, length),
+                             generator=torch.Generator().manual_seed(batch))
+    from transformers import AutoTokenizer
+
+    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    text = tokenizer(PROSE, add_special_tokens=False)["input_ids"]
+    reps = (length + 7 * batch) // len(text) + 1
+    stream = (text * reps)
+    return torch.tensor([stream[7 * b: 7 * b + length] for b in range(batch)])
+
+
 def labels(configs: list[str], isa: list[str] | None) -> list[str]:
     """The rows' configurations: each hf_dsinfer one once per ISA tier named (`int4@avx2`), or
     once at the CPU's own tier; HF's as they are."""
@@ -228,8 +254,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         variants = build_variants(name, args.configs, torch.bfloat16)
         vocab = variants["hf"].config.vocab_size if "hf" in variants else 1000
         for batch in args.batch:
-            ids = torch.randint(3, vocab, (batch, args.prompt_len),
-                                generator=torch.Generator().manual_seed(batch))
+            ids = prompt_ids(name, vocab, batch, args.prompt_len)
             group = [Row(name, batch, c, _weight_bytes(variants[c]), _read_bytes(variants[c]))
                      for c in args.configs]
             peer = _peer(args, name, batch, group)

@@ -56,3 +56,19 @@ def test_bench_runs_each_config_at_each_tier_named(monkeypatch, capsys):
     for tier in tiers:
         assert f"| tiny | 1 | int8@{tier} |" in out
     assert set(tiers) <= set(seen), seen
+
+
+def test_prompts_are_random_for_random_models_and_prose_for_the_real_one():
+    """Random tokens would make the real model's greedy comparison one of tied logits."""
+    random = benchmark.prompt_ids("tiny", 100, 2, 8)
+    assert random.shape == (2, 8) and int(random.min()) >= 3 and int(random.max()) < 100
+    assert torch.equal(random, benchmark.prompt_ids("tiny", 100, 2, 8))  # seeded
+    from transformers import AutoTokenizer
+
+    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
+
+    ids = benchmark.prompt_ids("smollm2", 0, 2, 90)  # longer than PROSE: repeated
+    assert ids.shape == (2, 90) and not torch.equal(ids[0], ids[1])
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    assert tokenizer.decode(ids[0]).startswith("The harbor was quiet")
+    assert tokenizer.decode(ids[0]).count("The harbor was quiet") == 2
