@@ -355,8 +355,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--plot", default="decode_bench.png")
     parser.add_argument("--isa", nargs="+", choices=list(settings.TIERS), default=None,
                         help="run each hf_dsinfer configuration once per ISA tier named (rows "
-                             "like int4@avx2, side by side in one process); tiers the CPU lacks "
-                             "run the best one below (kernels/_native.py)")
+                             "like int4@avx2, side by side in one process); only tiers this CPU "
+                             "has (kernels/_native.py)")
     parser.add_argument("--no-peer", action="store_true",
                         help="leave out the llama.cpp row (shown for smollm2 when installed)")
     return parser
@@ -366,6 +366,13 @@ def main(args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args()
     if args.configs[0] != "hf":
         args.configs = ["hf", *[c for c in args.configs if c != "hf"]]
+    if args.isa:
+        from hf_dsinfer.kernels import _native
+
+        if lacking := [t for t in args.isa if t not in _native.runnable_tiers()]:
+            raise SystemExit(f"--isa {' '.join(lacking)}: this CPU (or its compiler) lacks "
+                             f"{'that tier' if len(lacking) == 1 else 'those tiers'}; it runs "
+                             f"{', '.join(_native.runnable_tiers())}. Fix: name those.")
     args.configs = labels(args.configs, args.isa)
     bandwidth = read_bandwidth("cpu")
     rows = run(args)

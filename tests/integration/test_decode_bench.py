@@ -4,6 +4,7 @@ and the bytes a decode step reads (an int4 model's second copy of its codes, tor
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hf_dsinfer
@@ -72,3 +73,13 @@ def test_prompts_are_random_for_random_models_and_prose_for_the_real_one():
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
     assert tokenizer.decode(ids[0]).startswith("The harbor was quiet")
     assert tokenizer.decode(ids[0]).count("The harbor was quiet") == 2
+
+
+def test_bench_refuses_a_tier_the_cpu_lacks(monkeypatch):
+    from hf_dsinfer.kernels import _native
+
+    monkeypatch.setattr(_native, "runnable_tiers", lambda: ("generic", "avx2"))
+    args = benchmark.build_parser().parse_args(["--models", "tiny", "--isa", "avx2", "amx"])
+    with pytest.raises(SystemExit, match="--isa amx: this CPU .* lacks that tier; it runs "
+                                         "generic, avx2. Fix"):
+        benchmark.main(args)
