@@ -31,7 +31,8 @@
  *   signed high plane: u8 x s8 either way), and the int8 loops vpdpwssd for vpmaddwd + add;
  *   both give the same int32 lane sums, so the same bits. Measured on Zen 5 (2026-11-25):
  *   int4 dots 1.38-1.43 -> 1.05-1.08 ns per 32 code bytes and row (one core, L1-resident
- *   codes); Llama-1.1B shaped batch-1 decode 1.08x for int8 and int4 (docs/performance.md).
+ *   codes); Llama-1.1B shaped int4 decode 1.06x and prefill 1.17x, int8 prefill 1.28x (its
+ *   batch-1 decode is bound by memory), batch-16 int8 decode 1.24x (docs/performance.md).
  */
 #ifndef HFD_AVX2_H
 #define HFD_AVX2_H
