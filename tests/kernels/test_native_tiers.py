@@ -107,6 +107,15 @@ def test_avx2_vnni_is_a_branch_off_avx2(monkeypatch, pretend_cpu):
     assert _native.tier() == "avx512_bf16"
 
 
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler")
+def test_a_tier_the_compiler_cannot_build_is_not_offered():
+    """The real check behind runnable_tiers: the compiler is asked about the tier's flags."""
+    assert _native._compiler_takes(("-mavx2", "-mfma")) == (_native.platform.machine().lower()
+                                                            in ("x86_64", "amd64"))
+    assert not _native._compiler_takes(("-mno-such-isa-flag",))
+    assert _native._compiler_takes(())
+
+
 def _spy_lib(monkeypatch) -> list:
     """Record what every _native.lib(use) call returns."""
     real, given = _native.lib, []
