@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib.util
 import resource
 import statistics
@@ -154,15 +155,20 @@ def prompt_ids(name: str, vocab: int, batch: int, length: int) -> torch.Tensor:
     if MODELS[name] is not None:
         return torch.randint(3, vocab, (batch, length),
                              generator=torch.Generator().manual_seed(batch))
+    text = _prose_tokens()
+    stream = text * ((length + 7 * batch) // len(text) + 1)
+    return torch.tensor([stream[7 * b: 7 * b + length] for b in range(batch)])
+
+
+@functools.cache
+def _prose_tokens() -> list[int]:
+    """PROSE in the embedded model's tokens (its GGUF tokenizer is parsed once per process)."""
     from transformers import AutoTokenizer
 
     from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
-    text = tokenizer(PROSE, add_special_tokens=False)["input_ids"]
-    reps = (length + 7 * batch) // len(text) + 1
-    stream = (text * reps)
-    return torch.tensor([stream[7 * b: 7 * b + length] for b in range(batch)])
+    return tokenizer(PROSE, add_special_tokens=False)["input_ids"]
 
 
 def labels(configs: list[str], isa: list[str] | None) -> list[str]:

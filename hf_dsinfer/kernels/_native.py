@@ -162,9 +162,15 @@ def cpu_tier() -> str:
 
 def capped(cap: str) -> str:
     """The tier that runs when the settings cap it at `cap`: the best this CPU has at or below
-    it (on a CPU without AVX-VNNI, a cap of avx2_vnni runs avx2)."""
-    top = min(TIERS.index(cap), TIERS.index(cpu_tier()))
-    return [t for t in runnable_tiers() if TIERS.index(t) <= top][-1]
+    it (on a CPU without AVX-VNNI, a cap of avx2_vnni runs avx2). Asked on every lib() call
+    under a cap, so cached per (cap, this CPU's best tier)."""
+    return _capped(cap, cpu_tier(), runnable_tiers())
+
+
+@functools.lru_cache(maxsize=64)
+def _capped(cap: str, best: str, runnable: tuple[str, ...]) -> str:
+    top = min(TIERS.index(cap), TIERS.index(best))
+    return [t for t in runnable if TIERS.index(t) <= top][-1]
 
 
 def _cache_root() -> Path:

@@ -371,6 +371,12 @@ static inline __attribute__((always_inline)) void int4_dots_avx2(
     for (int r = 0; r < TILE_ROWS; r++) dot[r] = hfd_reduce16_ps(acc[r][0], acc[r][1]);
 }
 
+/* 8 bf16 at p as fp32 (exact) */
+static inline __m256 hfd_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 /* 8 values of dtype dt from element i on as fp32 (exact conversions: load16's values); n < 8
    reads n and gives 0 past them */
 static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
@@ -383,29 +389,16 @@ static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
         at = buf;
     }
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)at);
-    const __m128i h = _mm_loadu_si128((const __m128i *)at);
-    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
+    if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)at);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
 }
 
 /* 8 lanes stored as bf16 at p: bf16_bits (hfd_simd.h) lane for lane, round to nearest even,
    a NaN kept as (bits >> 16) | 0x40 */
 static inline void hfd_store8_bf16(uint16_t *p, __m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
-                           nan);
+    const __m256i r = hfd_bf16_bits8(v); /* hfd_simd.h */
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r),
                                                     _mm256_extracti128_si256(r, 1)));
-}
-
-/* 8 bf16 at p as fp32 (exact) */
-static inline __m256 hfd_bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 /* dst[0 .. n) = fp32 of src's elements i .. i + n (the values load16 gives) */
@@ -414,9 +407,7 @@ static inline void hfd_to_f32(float *dst, const void *src, int64_t i, int64_t n,
                             per block of rows was ~5% of an int4 decode step with hfd_load8) */
         const uint16_t *s = (const uint16_t *)src + i;
         int64_t c = 0;
-        for (; c + 8 <= n; c += 8)
-            _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + c))), 16)));
+        for (; c + 8 <= n; c += 8) _mm256_storeu_ps(dst + c, hfd_bf16x8(s + c));
         for (; c < n; c++) {
             const uint32_t u = (uint32_t)s[c] << 16;
             memcpy(dst + c, &u, 4);
