@@ -13,15 +13,18 @@ from switches import switch
 
 from hf_dsinfer.kernels import _native, moe, private_ops
 from hf_dsinfer.kernels import quant as Q
-from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol
+from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, pin_crossovers
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """No probe run yet in this process (the real ops' verdicts come back afterwards), and no
-    native kernels: where they run, the callers never reach torch's ops."""
+    """No probe run yet in this process (the real ops' verdicts come back afterwards), no
+    native kernels (where they run, the callers never reach torch's ops), and torch's packed
+    ops bounded past these tests' few rows whatever the running tier measured (the generic
+    tier's bound is 1 row: there 3 rows went to dequantize + GEMM and no probe ran)."""
     monkeypatch.setattr(private_ops, "_VERDICTS", {})
     monkeypatch.setattr(_native, "lib", lambda use="kernels": None)
+    pin_crossovers(monkeypatch, int8_pack_max_rows=32, int4_pack_max_rows=32)
     return monkeypatch
 
 
