@@ -45,7 +45,7 @@ from torch.nn.modules import module as torch_module
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dsinfer.errors import NativeUnsupported
-from hf_dsinfer.hf import outputs
+from hf_dsinfer.hf import cache_args, outputs
 from hf_dsinfer.injection.fused import DECODE_MAX_ROWS, FusedBlock, commit_kv, kv_rooms
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.decode import LayerChain
@@ -75,7 +75,7 @@ MODEL_CLASSES = ROPE_MODEL_CLASSES + OPT_MODEL_CLASSES
 CACHE_CLASSES = ("DynamicCache", "StaticCache")
 CACHE_LAYER_CLASSES = ("DynamicLayer", "StaticLayer")  # of a layer without a window
 SLIDING_LAYER_CLASSES = ("DynamicSlidingWindowLayer",)  # of a sliding layer
-_PASSED = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+_PASSED = ("input_ids", "attention_mask", "position_ids", *cache_args.MODEL_NAMES, "inputs_embeds",
            "use_cache", "return_dict", "output_attentions", "output_hidden_states")
 
 
@@ -147,7 +147,7 @@ class NativeDecodeStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = self._why_static or self._refuse(args, kwargs)
         if why is None:
-            sk = int(kwargs["past_key_values"].get_seq_length()) + 1  # keys after the update
+            sk = int(cache_args.model_cache(kwargs).get_seq_length()) + 1  # keys after the update
             rows = kwargs["input_ids"].shape[0]
             raw = self.inner.embed_tokens(kwargs["input_ids"])  # once: its hooks run once
             embedded = self._embed(kwargs, sk, raw)
@@ -174,7 +174,7 @@ class NativeDecodeStep:
         if args or any(k not in _PASSED for k in kwargs):
             return "arguments other than HF generate's"
         ids = kwargs.get("input_ids")
-        cache = kwargs.get("past_key_values")
+        cache = cache_args.model_cache(kwargs)
         if ids is None or kwargs.get("inputs_embeds") is not None:
             return "no input_ids"
         if (ids.dim() != 2 or not 1 <= ids.shape[0] <= DECODE_MAX_ROWS or ids.shape[1] != 1
@@ -317,7 +317,7 @@ class NativeDecodeStep:
 
     def _step(self, layers: list, keep: torch.Tensor | None, sk: int, kwargs: dict,
               embedded: tuple):
-        cache = kwargs["past_key_values"]
+        cache = cache_args.model_cache(kwargs)
         d = self.blocks[0].spec.head_dim
         x, cos, sin = embedded  # cos / sin: per layer
         rows = x.shape[0]
@@ -335,7 +335,7 @@ class NativeDecodeStep:
             self.calls += 1
             self.chained += 1
             return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
-                                           past_key_values=cache)
+                                           **{cache_args.KEYWORD: cache})
         for i, (fused, layer) in enumerate(zip(self.blocks, layers)):
             # a sliding layer's cache returns its last min(sk, window) keys: those the token
             # sees (HF's sliding mask), with the padding mask's last columns
@@ -346,7 +346,8 @@ class NativeDecodeStep:
             fused.paths.took("native_in" if path == "native_in" else "step_loop")
             fused.calls += 1
         self.calls += 1
-        return BaseModelOutputWithPast(last_hidden_state=self._finish(x), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self._finish(x),
+                                       **{cache_args.KEYWORD: cache})
 
 
 def _layer_kind_ok(layer: Any, window: int | None) -> bool:

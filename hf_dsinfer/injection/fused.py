@@ -23,6 +23,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hf_dsinfer.errors import NativeUnsupported, TensorParallelError
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.hf.outputs import recording
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection import policy as P
@@ -291,7 +292,7 @@ class FusedBlock:
                 self.paths.took("hf", why)
             return self.hf_forward(*args, **kwargs)
         if counting:  # the path the call takes; _decode_step refines it
-            self._path = "paged" if named.get(paged.PAGED_ARG) is not None else "torch"
+            self._path = "paged" if paged.cache_of(self, named) is not None else "torch"
         out = self._layouts[self.spec.layout](named["hidden_states"], named)
         if counting:
             self.calls += 1
@@ -462,12 +463,12 @@ class FusedBlock:
         kind); up to the layer's rows_max sequences the batched one (DecodeLayer.rows_why says
         which weights). The checks are per call here; NativeDecodeStep makes them once per
         step for every layer and then calls `native_token` as this does."""
-        if named.get(paged.PAGED_ARG) is not None:
-            return self._paged_decode(x, named)
+        if (paged_cache := paged.cache_of(self, named)) is not None:
+            return self._paged_decode(x, named, paged_cache)
         b = x.shape[0]
         if x.shape[1] != 1 or not self._native_call(x, b):
             return None
-        cache = named.get(self.policy.cache_arg)
+        cache = cache_args.dense_cache(named, self.policy.cache_arg)
         if cache is None:
             return None
         layer, cos, sin = self._native_layer_for(named, b)
@@ -507,7 +508,7 @@ class FusedBlock:
             return None, None, None
         return layer, cos, sin
 
-    def _paged_decode(self, x: torch.Tensor, named: dict) -> torch.Tensor | None:
+    def _paged_decode(self, x: torch.Tensor, named: dict, cache: Any) -> torch.Tensor | None:
         """A continuous-batching forward in which every request of the packed row brings one
         token (paged.decode_only: its decode steps, no prefill chunk), by the native layer:
         one request the batch-1 layer, several the batched one (attn_in_rows, the paged
@@ -521,7 +522,7 @@ class FusedBlock:
         layer, cos, sin = self._native_layer_for(named, t)
         if layer is None:
             return None
-        cache, rows = named[paged.PAGED_ARG], x.reshape(t, 1, -1).contiguous()
+        rows = x.reshape(t, 1, -1).contiguous()
         if t == 1:
             q, k, v = layer.step_in(rows, cos, sin)  # q [1, heads, 1, d], k / v [1, kv, 1, d]
         else:  # [t, heads, 1, d] views of [t, 1, heads, d]: as [1, heads, t, d]
@@ -644,13 +645,13 @@ class FusedBlock:
         b, s, _ = x.shape
         q, k, v = self._project_qkv(x)
         q, k = self._rotate(q, k, named)
-        cache = named.get(self.policy.cache_arg)
+        cache = cache_args.dense_cache(named, self.policy.cache_arg)
         if cache is not None:
             if s == 1 and (done := self._attend_in_cache(cache, q, k, v, named, b)) is not None:
                 return done
             idx = self.spec.layer_idx
             k, v = append_kv(cache, k, v, idx) if s == 1 else cache.update(k, v, idx)
-        elif (paged_cache := named.get(paged.PAGED_ARG)) is not None:  # continuous batching
+        elif (paged_cache := paged.cache_of(self, named)) is not None:  # continuous batching
             k, v, segments = paged.update(self, paged_cache, k, v, named)
             if segments is not None:
                 return self._attend(q, k, v, named, b, s, segments=segments)
@@ -731,7 +732,7 @@ class FusedBlock:
             if self.policy.rope_half_table:  # [.., D/2] -> Llama's [.., D] (same products)
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         elif positions == P.ROPE_TABLE:
-            cos, sin = _gptj_cos_sin(self._attn.embed_positions, named["position_ids"], q.dtype)
+            cos, sin = _gptj_cos_sin(self._attn, named, q.dtype)
         else:
             return q, k
         return apply_rotary(q, k, cos, sin, interleaved=self.policy.rotary_interleaved,
@@ -909,9 +910,16 @@ def _config_rotary_dim(attn: nn.Module, head_dim: int) -> int:
     return head_dim if factor is None else int(head_dim * factor)
 
 
-def _gptj_cos_sin(table: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
-    """GPT-J keeps a [max_pos, rotary_dim] table of [sin | cos]; HF gathers it by position and
-    casts to the activations' dtype before use. Returns interleaved cos, sin [B, S, rotary_dim]."""
-    sincos = table.to(position_ids.device)[position_ids].to(dtype)  # [B, S, R]
-    sin, cos = sincos.chunk(2, dim=-1)
+def _gptj_cos_sin(attn: nn.Module, named: dict, dtype: torch.dtype):
+    """GPT-J's sin / cos, [B, S, rotary_dim / 2] each, cast to the activations' dtype: gathered by
+    the model's rotary module and passed as `position_embeddings` = (sin, cos) (transformers
+    >= 5.24), or, before, gathered by position from the attention module's [max_pos,
+    rotary_dim] table of [sin | cos] (policies/gptj.py). Returns interleaved cos, sin
+    [B, S, rotary_dim]."""
+    table = getattr(attn, "embed_positions", None)
+    if table is None:
+        sin, cos = (t.to(dtype) for t in named["position_embeddings"])
+    else:
+        position_ids = named["position_ids"]
+        sin, cos = table.to(position_ids.device)[position_ids].to(dtype).chunk(2, dim=-1)
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.injection import policy as P
 from hf_dsinfer.kernels.mla import mla_attention_absorbed, mla_attention_expanded
 from hf_dsinfer.kernels.rotary import apply_rotary
@@ -92,7 +93,7 @@ class MlaAttention:
         kv = self._norm(self.layout.kv_a_norm, kv).view(b, 1, s, spec.latent_dim)
         k_rot = k_rot.reshape(b, 1, s, spec.rope_dim)
         q_rot, k_rot = self._rotate(q_rot, k_rot, named)
-        cache = named.get(fused.policy.cache_arg)
+        cache = cache_args.dense_cache(named, fused.policy.cache_arg)
         if cache is not None:  # HF caches the latent and the rotary key, [B, 1, S, r | dr]
             kv, k_rot = cache.update(kv, k_rot, fused.spec.layer_idx)
         mask = named.get("attention_mask")

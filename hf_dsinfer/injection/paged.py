@@ -4,7 +4,7 @@ transformers' ContinuousBatchingManager (`generate_batch`, `init_continuous_batc
 `transformers serve --continuous-batching`) calls the model on every scheduled request at once,
 packed into one row: prefill chunks under a token budget and one-token decode steps side by side.
 A decoder block then gets hidden_states [1, T, H], position_ids [1, T] (each token's position in
-its own request), `past_key_values=None`, the attention mask of its layer type [1, 1, T, K]
+its own request), no dense cache, the attention mask of its layer type [1, 1, T, K]
 (additive: 0 where query i may read key j, dtype min elsewhere) and, as keyword arguments:
 
     cache                       the PagedAttentionCache
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_dsinfer.errors import ContinuousBatchingError
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.injection import policy as P
 
 if TYPE_CHECKING:
     from hf_dsinfer.injection.fused import FusedBlock
 
-# the keyword argument that carries the PagedAttentionCache, and those `cache.update` reads
-PAGED_ARG = "cache"
+# the keyword arguments `cache.update` reads (the cache itself: hf.cache_args.paged_cache)
 UPDATE_ARGS = ("cu_seq_lens_k", "max_length_k", "read_index", "write_index", "block_table")
 
 
@@ -84,11 +84,16 @@ def call_why(fused: FusedBlock, named: dict[str, Any]) -> str | None:
     return None
 
 
+def cache_of(fused: FusedBlock, named: dict[str, Any]) -> Any:
+    """The PagedAttentionCache this block call carries (None: not a continuous-batching call)."""
+    return cache_args.paged_cache(named, fused.policy.cache_arg)
+
+
 def defer_why(fused: FusedBlock, named: dict[str, Any]) -> str | None:
     """Why this continuous-batching call goes to the HF forward (counted), or None: it is not
     one, or it runs fused. Raises when a forward carrying a paged cache reached this block
     without it."""
-    if named.get(PAGED_ARG) is None:
+    if cache_of(fused, named) is None:
         if fused.paged.expected:
             fused.paged.refused += 1
             raise _not_passed_error(fused)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.injection.paths import PathRecord
 
 # Relative L2 error ||fused - hf|| / ||hf|| of a block's output. fp32 differences come only from
@@ -130,11 +131,12 @@ def _replay(ref: nn.Module, cache_arg: str, calls: list, config: Any) -> torch.T
     """A reference block's outputs for the recorded calls of its twin, with a cache of its own."""
     cache = DynamicCache(config=config)
     signature = inspect.signature(type(ref).forward)
+    name = cache_args.parameter(type(ref).forward, cache_arg)
     outs = []
     for args, kwargs, _ in calls:
         bound = signature.bind(ref, *args, **kwargs)
-        if cache_arg in bound.arguments:
-            bound.arguments[cache_arg] = cache
+        if name is not None and name in bound.arguments:
+            bound.arguments[name] = cache
         out = type(ref).forward(*bound.args, **bound.kwargs)
         outs.append((out[0] if isinstance(out, tuple) else out).float())
     return torch.cat(outs, dim=1)
@@ -147,9 +149,10 @@ def prefill_and_step(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
     not compared anyway."""
     base = getattr(model, "base_model", model)
     cache = DynamicCache(config=model.config)
-    base(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache,
-         use_cache=True)
-    base(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    base(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
+         **{cache_args.KEYWORD: cache})
+    base(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True,
+         **{cache_args.KEYWORD: cache})
 
 
 def run_parity_gate(model: nn.Module, blocks: dict[str, Any],

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from hf_dsinfer.errors import PolicyError
+from hf_dsinfer.hf import cache_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ RMS_STYLES = {RMS: "llama", RMS_FP32: "fp32", RMS_UNIT_OFFSET: "gemma"}
 
 # Position sources.
 ROPE = "rope"                # (cos, sin) passed to the block as `position_embeddings`
-ROPE_TABLE = "rope_table"    # GPT-J: sin|cos table buffer on the attention module, by position_ids
+ROPE_TABLE = "rope_table"    # GPT-J: interleaved sin / cos (policies/gptj.py: where they come from)
 ALIBI = "alibi"              # BLOOM: `alibi` argument [B * H, 1, S_k]
 NO_POSITIONS = "none"        # learned absolute positions added before the blocks
 
@@ -196,7 +197,9 @@ class Policy:
     scale_inverted: bool = False          # GPT-J stores sqrt(head_dim): scale = 1 / value
     scale_query: bool = False             # OPT multiplies q by the scale before QK^T
     residual_post_ln: Any = False         # BLOOM's apply_residual_connection_post_layernorm
-    cache_arg: str = "past_key_values"    # block-forward argument carrying the HF Cache
+    # block-forward argument carrying the HF Cache (hf.cache_args: the installed release's name;
+    # a block call is also searched under the names other releases use)
+    cache_arg: str = cache_args.KEYWORD
     returns_tuple: bool = False           # block returns (hidden_states, attn_weights)
     # Tensor parallelism: block-relative linear path -> "colwise" / "rowwise". None: take it
     # from the HF config's `base_model_tp_plan` (families transformers already has a plan for).

@@ -35,6 +35,7 @@ from torch import nn
 
 from hf_dsinfer import state
 from hf_dsinfer.errors import DSInferError
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.kernels import crossovers
 from hf_dsinfer.kernels.quant import Int4Weight
 from hf_dsinfer.offload.cache import KV_READ_THREADS, BlockCache, attends_in_cache
@@ -43,7 +44,6 @@ from hf_dsinfer.offload.packed import PackedInt4Linear
 from hf_dsinfer.offload.policy import OffloadPolicy, format_bytes
 from hf_dsinfer.offload.store import WeightStore
 
-CACHE_ARGS = ("past_key_values", "layer_past", "past_key_value")
 _KV_DIRS = itertools.count()
 
 
@@ -226,7 +226,7 @@ class OffloadedLayer:
             self.engine.release(self.index)
 
     def _run(self, named: dict[str, Any]) -> Any:
-        cache_arg = next((n for n in CACHE_ARGS if isinstance(named.get(n), BlockCache)), None)
+        cache_arg = next((n for n in cache_args.NAMES if isinstance(named.get(n), BlockCache)), None)
         if cache_arg is None:  # a forward outside our generate(): the whole batch at once
             return self.inner(**named)
         cache: BlockCache = named[cache_arg]
@@ -326,7 +326,7 @@ def offload_generate(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`model.generate` of an offloaded model: one BlockCache per block of the batch."""
     engine: OffloadEngine = state.get(model, "engine")
     generate = functools.partial(type(model).generate, model)
-    if kwargs.get("past_key_values") is not None:
+    if cache_args.model_cache(kwargs) is not None:
         return generate(*args, **kwargs)  # the caller's own cache: no micro-batching
     if args:
         kwargs["inputs"], args = args[0], args[1:]
@@ -356,7 +356,7 @@ def _generate_block(model, engine: OffloadEngine, generate, args, kwargs: dict[s
     cache = BlockCache(len(engine.blocks), rows, engine.policy, engine.device,
                        _kv_folder(engine.policy), total, engine.stats, engine.attends)
     try:
-        return generate(*args, past_key_values=cache, **kwargs)
+        return generate(*args, **cache_args.with_cache(kwargs, cache))
     finally:
         engine.drain()
         cache.close()

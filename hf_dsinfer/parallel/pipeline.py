@@ -46,6 +46,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from hf_dsinfer import state
 from hf_dsinfer.errors import ParityError, PipelineParallelError, StageExit
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.injection.layers import layers_path
 from hf_dsinfer.injection.parity import run_parity_gate
 from hf_dsinfer.injection.policy import Policy
@@ -438,7 +439,7 @@ class PipelinedBaseForward:
             return self.forward(*args, **kwargs)
         kwargs = _by_name(self.forward, args, kwargs)  # GPT-2's head passes input_ids by position
         ranks = self.runner.ranks
-        cache = kwargs.get("past_key_values")
+        cache = cache_args.model_cache(kwargs)
         if isinstance(cache, Cache):
             bind_stage_cache(cache, self.runner.layers)
         device = _device_of(kwargs)
@@ -451,7 +452,7 @@ class PipelinedBaseForward:
             finish_sends(sent, ranks, ranks.next)
         last = broadcast_from_last(None if out is None else _first(out), ranks, device)
         if out is None:
-            out = StageOutput(last_hidden_state=last, past_key_values=cache)
+            out = StageOutput(last_hidden_state=last, **{cache_args.KEYWORD: cache})
             return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
         return out
 

@@ -43,6 +43,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_dsinfer.config import DSInferConfig
 from hf_dsinfer.errors import PipelineParallelError
+from hf_dsinfer.hf import cache_args
 from hf_dsinfer.parallel.pipeline import (
     MESSAGE_HEADER,
     StageRunner,
@@ -122,7 +123,7 @@ class MicroBatch:
 
     @property
     def cache(self) -> DynamicCache:
-        return self.kwargs["past_key_values"]
+        return cache_args.model_cache(self.kwargs)
 
 
 def _split_kwargs(kwargs: dict[str, Any], rows: torch.Tensor, batch: int) -> dict[str, Any]:
@@ -167,7 +168,7 @@ def _merge(parts: list[MicroBatch], layers: range) -> MicroBatch:
             own = [p.cache.layers[i] for p in parts]
             cache.layers[i].keys = torch.cat([layer.keys for layer in own])
             cache.layers[i].values = torch.cat([layer.values for layer in own])
-    kwargs["past_key_values"] = cache
+    kwargs = cache_args.with_cache(kwargs, cache)
     return MicroBatch(torch.cat([p.rows for p in parts]),
                       torch.cat([p.input_ids for p in parts]), kwargs, parts[0].steps)
 
@@ -277,13 +278,13 @@ class ScheduleLoop:
                 f"generate({asked[0]}=True) on a pipeline-parallel model: attentions and hidden "
                 "states stay on the stage that computed them. Fix: drop it (output_scores and "
                 "output_logits are returned).")
-        cache = model_kwargs.get("past_key_values")
+        cache = cache_args.model_cache(model_kwargs)
         if not model_kwargs.get("use_cache", True) or (cache is not None
                                                        and cache.get_seq_length() > 0):
             raise PipelineParallelError(
                 "generate on a pipeline-parallel model needs use_cache=True and starts from an "
                 "empty cache (each stage keeps per-micro-batch caches of its own layers). Fix: "
-                "drop use_cache=False / past_key_values=.")
+                "drop use_cache=False / cache= (past_key_values=).")
 
     # -- set-up ----------------------------------------------------------------------------------
     def _setup(self, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> None:
@@ -322,8 +323,7 @@ class ScheduleLoop:
         kwargs = _split_kwargs(model_kwargs, rows, input_ids.shape[0])
         cache = DynamicCache(config=self.model.config)
         bind_stage_cache(cache, self.runner.layers)
-        kwargs["past_key_values"] = cache
-        return MicroBatch(rows, input_ids[rows], kwargs)
+        return MicroBatch(rows, input_ids[rows], cache_args.with_cache(kwargs, cache))
 
     def _generation_mb(self, g: int) -> MicroBatch:
         if g not in self.gens:
@@ -347,7 +347,7 @@ class ScheduleLoop:
         self.stats["compute_s"] += time.perf_counter() - start
         self.stats["prompt_forwards" if first else "decode_forwards"] += 1
         mb.kwargs = self.model._update_model_kwargs_for_generation(
-            CausalLMOutputWithPast(past_key_values=mb.cache), mb.kwargs)
+            CausalLMOutputWithPast(**{cache_args.KEYWORD: mb.cache}), mb.kwargs)
         mb.steps += 1
         return out if self.ranks.is_last else hidden
 
