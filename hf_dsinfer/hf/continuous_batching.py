@@ -30,12 +30,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers.generation.continuous_batching import PagedAttentionCache
+from transformers.generation.continuous_batching import (
+    ContinuousBatchingManager,
+    PagedAttentionCache,
+)
 
 from hf_dsinfer import hardware, state
 from hf_dsinfer.errors import ContinuousBatchingError
 
 _WRAPPED = ("generate_batch", "init_continuous_batching")
+# transformers >= 5.24 runs the manager's thread in its caller's inference mode; before, the
+# thread ran outside it and could not update a cache that warmup made in inference mode
+THREAD_KEEPS_INFERENCE_MODE = "use_inference_mode" in inspect.signature(
+    ContinuousBatchingManager._run_generation_loop).parameters
 _ABSENT = object()
 
 
@@ -193,7 +200,8 @@ def _release_threads_on_start(manager: Any) -> None:
 
 
 def _fix(bound: dict) -> str:
-    if torch.is_inference_mode_enabled() and bound.get("warmup", True):
+    if (torch.is_inference_mode_enabled() and bound.get("warmup", True)
+            and not THREAD_KEEPS_INFERENCE_MODE):
         # warmup builds the manager's cache and buffers here, as inference tensors, and its
         # thread (which does not inherit inference mode) then updates them in place
         return ("under torch.inference_mode(), pass warmup=False (or call generate_batch "

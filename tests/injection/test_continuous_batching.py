@@ -20,10 +20,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
 )
+from transformers.generation.continuous_batching import PagedAttentionCache
 
 import hf_dsinfer
 from hf_dsinfer.errors import ContinuousBatchingError
-from hf_dsinfer.hf.continuous_batching import result_problems
+from hf_dsinfer.hf.cache_args import KEYWORD
+from hf_dsinfer.hf.continuous_batching import THREAD_KEEPS_INFERENCE_MODE, result_problems
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection.walker import get_report
 from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
@@ -33,14 +35,20 @@ NEW_TOKENS = 6
 BUDGET = 32  # max_batch_tokens: the 40-token prompt is prefilled in two chunks
 PAGE = 8
 LENGTHS = (5, 17, 9, 40, 3)
-# HF's generate_batch itself gives wrong tokens for these: their model code does not pass the
-# paged cache to the blocks; an injected model raises instead
-NO_PAGED_CACHE = ("bloom", "gptj")
-# transformers 5.23's own generate_batch fails every DeepSeek-V3 request (its paged cache is
-# sized by head_dim = qk_rope_head_dim, MLA writes the expanded keys); the injected model's MLA
-# blocks defer to that HF forward, and hf_dsinfer raises with HF's error chained
-NO_HF_CB = ("deepseek_v3",)
-CB_FAMILIES = [f for f in FAMILIES if f not in NO_PAGED_CACHE] + [
+RENAMED = KEYWORD == "cache"  # transformers >= 5.24 (hf/cache_args.py)
+# HF's generate_batch itself gives wrong tokens for these before 5.24: their model code does not
+# pass the paged cache to the blocks; an injected model raises instead. 5.24's GPT-J passes it.
+NO_PAGED_CACHE = () if RENAMED else ("bloom", "gptj")
+# HF's own generate_batch fails every request of these:
+# - DeepSeek-V3 (5.23, 5.24): its paged cache is sized by head_dim = qk_rope_head_dim, MLA
+#   writes the expanded keys;
+# - OPT, BLOOM, GPT-NeoX (5.24): their model forwards call cache.get_seq_length(), which the
+#   PagedAttentionCache has not.
+# The injected model completes every request where its own code stands in for the failing
+# part (GPT-NeoX), and otherwise raises with HF's error chained (test_hf_failures_raise).
+NO_HF_CB = ("deepseek_v3",) + (
+    ("opt", "opt_post_ln", "bloom", "gpt_neox", "gpt_neox_sequential") if RENAMED else ())
+CB_FAMILIES = [f for f in FAMILIES if f not in NO_PAGED_CACHE + NO_HF_CB] + [
     m for m in MOE_MODELS if m not in NO_HF_CB]
 
 
@@ -132,6 +140,23 @@ def test_model_without_paged_cache_raises(family):
     assert "calls refused" in hf_dsinfer.explain(model)
 
 
+@pytest.mark.parametrize("family", NO_HF_CB)
+def test_hf_failures_raise(family):
+    """Where HF's own generate_batch fails requests, the injected model never returns them short:
+    every request complete and equal to per-prompt generate, or ContinuousBatchingError with
+    the failure chained."""
+    prompts = _prompts()
+    ref = make_model(family)
+    expected = _generate_each(ref, prompts)
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    try:
+        tokens = _generate_batch(model, prompts)
+    except ContinuousBatchingError as err:
+        assert "requests failed" in str(err)
+        return
+    assert tokens == expected
+
+
 def test_error_in_fused_block_reaches_caller():
     """An exception in a fused block, in the manager's thread, is raised by generate_batch
     (chained), instead of requests coming back short with a log line."""
@@ -150,15 +175,23 @@ def test_error_in_fused_block_reaches_caller():
     assert all(len(t) == NEW_TOKENS for t in _generate_batch(model, _prompts()[:3]))
 
 
-def test_inference_mode_with_warmup_raises_with_fix():
-    """HF's own generate_batch under inference_mode with its default warmup returns every
-    request empty (its thread cannot update the cache made in inference mode); ours raises
-    and says what to change."""
+def test_inference_mode_with_warmup_completes_or_raises_with_fix():
+    """Before transformers 5.24, HF's own generate_batch under inference_mode with its default
+    warmup returned every request empty (its thread, outside inference mode, could not update
+    the cache made in it); ours raises and says what to change. From 5.24 the thread keeps the
+    caller's inference mode, and every request completes."""
     model = hf_dsinfer.init_inference(make_model("llama"))
     cb = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=64, page_size=PAGE)
-    with torch.inference_mode(), pytest.raises(ContinuousBatchingError, match="warmup=False"):
-        model.generate_batch(_prompts()[:2], generation_config=_gen_config(),
-                             continuous_batching_config=cb)  # warmup=True, HF's default
+    prompts = _prompts()[:2]
+    with torch.inference_mode():
+        if THREAD_KEEPS_INFERENCE_MODE:
+            out = model.generate_batch(prompts, generation_config=_gen_config(),
+                                       continuous_batching_config=cb)  # warmup=True
+            assert [r.generated_tokens for r in out.values()] == _generate_each(model, prompts)
+        else:
+            with pytest.raises(ContinuousBatchingError, match="warmup=False"):
+                model.generate_batch(prompts, generation_config=_gen_config(),
+                                     continuous_batching_config=cb)
 
 
 def test_revert_restores_hf_entry_points():
@@ -194,7 +227,9 @@ def test_calls_without_mask_or_with_alibi_go_to_hf():
     assert "block-table" in paged.call_why(llama, {"attention_mask": mask,
                                                    "block_table": torch.zeros(1)})
     assert "ALiBi" in paged.call_why(bloom, {"attention_mask": mask})
-    assert paged.defers(llama, {"cache": object(), "attention_mask": None})
+    stand_in = PagedAttentionCache.__new__(PagedAttentionCache)  # what defers checks: its type
+    assert paged.defers(llama, {"cache": stand_in, "attention_mask": None})
+    assert not paged.defers(llama, {"cache": object(), "attention_mask": None})  # a dense one
     assert sum(llama.paged.deferred.values()) == 1
     assert not paged.defers(llama, {"attention_mask": mask})  # not a continuous-batching call
 
