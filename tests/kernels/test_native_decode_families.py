@@ -158,11 +158,19 @@ def _bf16_bits(name: str, monkeypatch) -> None:
     The 11-token prefill runs F.linear here (the bf16 panel kernel pinned off): on the cache
     that kernel's prefill writes (other last bits), gemma3_text's third layer gives outputs one
     bf16 rounding apart between the two decode paths, a difference of their attention not yet
-    located; test_bf16_steps_on_the_panel_kernels_cache checks that data within _close."""
+    located; test_bf16_steps_on_the_panel_kernels_cache checks that data within _close.
+
+    On a Xeon with AMX (2026-11-25), with F.linear's prefill too, gemma3_text differs the same
+    way: its full-attention layer's output one bf16 rounding apart at the second step, while
+    every K / V the two paths cached is bit-equal (so after the layer's K / V projections:
+    attention or later); moving with ONEDNN_MAX_CPU_ISA, so torch's own kernels there sum in
+    another order than on the AVX-512 CPUs where this was bit-equal. Within _close on AMX
+    CPUs."""
     with monkeypatch.context() as m:
         pin_crossovers(m, bf16_gemm_max_rows=None)
         native, torch_path = _native_against_torch_path(_model(name), m)
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+    if (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and not (name == "gemma3_text" and "amx_bf16" in _native._cpu_flags())):
         assert torch.equal(native, torch_path), (native - torch_path).abs().max()
     else:
         _close(native, torch_path)
