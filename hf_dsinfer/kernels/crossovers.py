@@ -58,6 +58,12 @@ class Crossovers:
 
 # The 2-core Xeon with AMX-BF16/INT8 (480 MB L3) of NOTES.md, 2 threads, weights cycled past
 # the L3; the measurements are in the comments of kernels/quant.py and kernels/linear.py.
+# Measured again there on 2026-11-25 with benchmarks/crossovers.py (`--tiers amx`, medians of
+# 5; table in docs/performance.md): int4 native 32 and int4 pack 32 as below. The panel
+# kernels never won (int4 / int8 panel 0; bf16 panel 8 against oneDNN's AMX F.linear, not
+# against the AMX linear that takes 2-256 rows here), so their bounds stay None. The int8 GEMV
+# won up to 32 rows against the vector paths. It is kept at 16: AMX-INT8 takes 4-256 rows
+# wherever AMX is allowed.
 XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=32,
                   int4_pack_max_rows=32, amx_bf16_max_rows=256, amx_int8_min_rows=4,
                   amx_int8_max_rows=256)
