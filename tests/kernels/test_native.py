@@ -246,6 +246,15 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
             ref = Q._dequantize_int4_rows(Q.int4_codes(qw)[64:318], qw.scales[64:318],
                                           qw.mins[64:318], group, dtype)
             assert torch.equal(Q.dequantize_int4_rows(qw, dtype, 64, 318), ref)
+    # 768 columns: 384 bytes a row, one whole 256-byte super-chunk (cpu_quant.c's direct
+    # offsets) and a tail in plain order
+    w3 = (_gaussian(64, 768) * 0.05).to(dtype)
+    for group in (32, 128):
+        qw = Q.quantize_int4(w3, group)
+        assert qw.tiled
+        ref = Q._dequantize_int4_rows(Q.int4_codes(qw)[4:60], qw.scales[4:60], qw.mins[4:60],
+                                      group, dtype)
+        assert torch.equal(Q.dequantize_int4_rows(qw, dtype, 4, 60), ref)
     for equalize in (False, True):
         # 320 x 256 is stored as int8 tiles, 320 x 240 (not whole 64-column tiles) row-major
         for q8, tiled in ((Q.quantize_int8(w, equalize=equalize), True),

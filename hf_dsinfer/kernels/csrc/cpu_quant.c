@@ -122,6 +122,17 @@ static inline __m512 codes16(const uint8_t *p) {
 static inline __m512 codes16_at(const uint8_t *row, int64_t o, int64_t row_bytes, int tiled) {
     if (!tiled) return codes16(row + o);
     uint8_t b[8];
+    if (o < row_bytes / INT4_SUPER * INT4_SUPER) {
+        /* inside a whole super-chunk s, with o = 256 s + 16 j + 8 h: int4_order stores row
+           bytes o .. o + 3 at 256 s + 128 h + 4 j and o + 4 .. o + 7 64 bytes further, which
+           tile_at places at 1024 s + 512 h + 4 j and 256 bytes further (the same bytes as
+           below, without either function's arithmetic per 16 codes) */
+        const uint8_t *p = row + 4 * (o & ~(int64_t)(INT4_SUPER - 1)) + 64 * (o & 8) +
+                           ((o & 0xF0) >> 2);
+        memcpy(b, p, 4);
+        memcpy(b + 4, p + 256, 4);
+        return codes16(b);
+    }
     memcpy(b, row + tile_at(int4_order(o, row_bytes), 1), 4);
     memcpy(b + 4, row + tile_at(int4_order(o + 4, row_bytes), 1), 4);
     return codes16(b);
