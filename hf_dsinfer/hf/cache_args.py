@@ -29,10 +29,6 @@ MODEL_NAMES = ("cache", "past_key_values")
 NAMES = ("cache", "past_key_values", "layer_past", "past_key_value")
 
 
-def is_paged(cache: Any) -> bool:
-    return isinstance(cache, PagedAttentionCache)
-
-
 def paged_cache(named: dict[str, Any], arg: str = "cache") -> Any:
     """The PagedAttentionCache a continuous-batching call carries (`cache`, or the block's own
     keyword), or None."""
