@@ -25,9 +25,10 @@ writes the times and crossovers.
     python benchmarks/crossovers.py                        # every tier this CPU has
     python benchmarks/crossovers.py --tiers avx2 --reps 7  # one tier, more repeats
 
-A tier above the CPU's own is refused. The AMX linears are not timed here (their comparisons
-are in the comments of kernels/linear.py and kernels/quant.py); on an AMX CPU the amx tier
-times the same vector paths as the others. Run it on a quiet machine: the threads of the native
+A tier above the CPU's own is refused. On an AMX CPU the amx tier also times the int4 AMX
+kernel (csrc/cpu_moe.c: hfd_int4_amx; its bound amx_int4_max_rows) and, for reference, the bf16
+AMX linear (hfd_linear_bf16, which takes 2-256 bf16 rows there); the int8 AMX kernel is not
+timed here (its comparisons are in the comments of kernels/quant.py). Run it on a quiet machine: the threads of the native
 kernels and of torch share the cores, and on a loaded one the medians of 2+ threads are the
 scheduler's (use --threads 1 there, and say so).
 """
@@ -62,12 +63,14 @@ ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx2_vnni": "AVX2_VNNI",
 # row counts past that one (field: the field it follows; measured in this run, else the tier's
 # value in kernels/crossovers.py: the bf16 GEMV's, which this script does not time).
 AFTER = {"int8_gemm_max_rows": "int8_gemv_max_rows", "int4_gemm_max_rows": "int4_native_max_rows",
-         "bf16_gemm_max_rows": "bf16_gemv_max_rows"}
+         "bf16_gemm_max_rows": "bf16_gemv_max_rows",
+         "amx_int4_max_rows": "int4_native_max_rows"}
 COMPARISONS = {
     "int8_gemv_max_rows": ("int8", "native", ("gemm", "int8pack", "dequant")),
     "int8_gemm_max_rows": ("int8", "gemm", ("int8pack", "dequant")),
     "int8_pack_max_rows": ("int8", "int8pack", ("dequant",)),
-    "int4_native_max_rows": ("int4", "native", ("gemm", "dequant")),
+    "int4_native_max_rows": ("int4", "native", ("gemm", "amx", "dequant")),
+    "amx_int4_max_rows": ("int4", "amx", ("gemm", "dequant")),
     "int4_gemm_max_rows": ("int4", "gemm", ("dequant",)),
     "int4_pack_max_rows": ("int4", "int4pack", ("dequant",)),
     "bf16_gemm_max_rows": ("bf16", "gemm", ("flinear",)),
@@ -110,6 +113,9 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
         paths["int8", "gemm"] = lambda x, i: Q._native_int8_gemm(x, tiles8[i]).to(x.dtype)
     if _native.lib("bf16_gemv") is not None:  # the panel kernel's bf16 use (its MIN_TIER)
         paths["bf16", "gemm"] = lambda x, i: L._native_gemm(lib, x, dense[i], None)
+    if _native.amx_available():  # the amx tier, where the CPU grants the tiles
+        paths["int4", "amx"] = lambda x, i: Q._native_int4_amx(x, tiles4[i])
+        paths["bf16", "amx"] = lambda x, i: L._native_linear(lib, x, dense[i], None)
     if has8:  # as linear_int8_cpu calls it: on a row-major copy where the tier stores tiles
         paths["int8", "int8pack"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x, Q.int8_matrix(w8[i]).contiguous(), w8[i].scales)
@@ -133,7 +139,7 @@ def _child(args) -> None:
     xs = {r: torch.randn(r, args.inp).bfloat16() for r in args.rows}
     for fn in paths.values():  # warm-up: first calls build and page in
         for i in range(args.copies):
-            fn(xs[1], i)
+            fn(xs[min(xs)], i)
     call = 0
     for _ in range(args.reps):
         for rows in args.rows:

@@ -91,6 +91,9 @@ def _explain(model: nn.Module, report: InjectionReport) -> str:
         extras.append(f"quantized: {report.quant.describe()}")
         if report.quant.bits == 8 and on_cpu:
             extras.append(f"int8 CPU kernel: {_int8_cpu_kernel(next(model.parameters()).dtype)}")
+        if report.quant.bits == 4 and on_cpu:
+            extras.append("int4 CPU kernels: "
+                          f"{_int4_cpu_kernels(next(model.parameters()).dtype)}")
     if report.head is not None:
         extras.append(report.head.describe())
     if report.decode is not None:
@@ -232,6 +235,33 @@ def _int8_cpu_kernel(dtype: torch.dtype) -> str:
     if verdict is not None and not verdict.ok:
         return f"dequantize + GEMM (torch's {INT8PACK_MM} refused; native kernel unavailable: {why})"
     return f"torch's _weight_int8pack_mm (native kernel unavailable: {why})"
+
+
+def _int4_cpu_kernels(dtype: torch.dtype) -> str:
+    """Which kernel a 4-bit linear of how many rows runs at this tier (kernels/quant.py:
+    linear_int4_cpu, bounds from kernels/crossovers.py)."""
+    from hf_dsinfer.kernels import _native, crossovers
+
+    bounds, tier = crossovers.rows(), _native.tier()
+    parts, done = [], 0
+    if _native.lib("int4") is not None and bounds.int4_native_max_rows:
+        done = bounds.int4_native_max_rows
+        parts.append(f"1-{done} rows native (kernels/csrc/cpu_decode.c, {tier} tier)")
+    bf16 = dtype == torch.bfloat16
+    if bf16 and bounds.amx_int4_max_rows and _native.amx_available():
+        parts.append(f"{done + 1}-{bounds.amx_int4_max_rows} rows AMX tiles on panels "
+                     "dequantized in cache (kernels/csrc/cpu_moe.c; out features a multiple "
+                     "of 32)")
+        done = bounds.amx_int4_max_rows
+    elif bf16 and bounds.int4_gemm_max_rows and _native.lib("panel") is not None:
+        parts.append(f"{done + 1}-{bounds.int4_gemm_max_rows} rows panels dequantized in cache "
+                     "(kernels/csrc/cpu_qgemm.c)")
+        done = bounds.int4_gemm_max_rows
+    if bounds.int4_pack_max_rows > done:
+        parts.append(f"up to {bounds.int4_pack_max_rows} rows torch's "
+                     "_weight_int4pack_mm_for_cpu where its probe passed")
+    parts.append(f"more rows dequantize + GEMM")
+    return "; ".join(parts)
 
 
 def _moe_rows(report: InjectionReport) -> list[str]:

@@ -261,6 +261,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_gemm_bf16.restype = i32
     lib.hfd_int8_amx.argtypes = [p, i32, p, p, p, p, i32, p, i32, p, i64, i64, i64, i32]
     lib.hfd_int8_amx.restype = i32
+    lib.hfd_int4_amx.argtypes = [p, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
+    lib.hfd_int4_amx.restype = i32
     lib.hfd_amx_int8_available.argtypes = []
     lib.hfd_amx_int8_available.restype = i32
     lib.hfd_decode_attn_in_rows.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32]

@@ -34,6 +34,9 @@ class Crossovers:
     amx_bf16_max_rows: int | None = None
     amx_int8_min_rows: int | None = None
     amx_int8_max_rows: int | None = None
+    # int4 linears of int4_native_max_rows + 1 .. this many bf16 rows on AMX-BF16 tiles, a panel
+    # of the weight dequantized in cache at a time (csrc/cpu_moe.c: hfd_int4_amx; quant.py)
+    amx_int4_max_rows: int | None = None
     # native bf16 GEMV (csrc/cpu_experts.c, hfd_gemv_bf16) for 1..this many bf16 rows of a
     # linear (kernels/linear.py). None: not measured on that tier's machine (the Xeon): torch.mv
     # for one row and the AMX linear above keep their rows there
@@ -64,9 +67,18 @@ class Crossovers:
 # against the AMX linear that takes 2-256 rows here), so their bounds stay None. The int8 GEMV
 # won up to 32 rows against the vector paths. It is kept at 16: AMX-INT8 takes 4-256 rows
 # wherever AMX is allowed.
-XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=32,
+# 2026-11-25 (afternoon), the same Xeon, with the int4 AMX kernel (csrc/cpu_moe.c:
+# hfd_int4_amx), quiet (load ~0.5), 2 threads, medians of 5 (`python benchmarks/crossovers.py
+# --tiers amx --reps 5 --rows 1 2 4 6 8 12 16 24 32 48 64 128 256 512`, then `--reps 3 --rows 8
+# 12 16 512 1024 2048 4096`), ms at 1 / 6 / 8 / 16 / 64 / 256 / 512 / 1024 / 2048 rows: int4 AMX
+# 1.12 / 1.37 / 1.39 / 1.45 / 2.01 / 3.96 / 7.31 / 18.2 / 36.5 against the int4 native kernel
+# 0.48 / 1.07 / 1.38 / 2.51 / 10.0 / 51.5 / 130 / 279 / 566 and dequantize + GEMM 3.84 / 3.81 /
+# 3.84 / 3.81 / 5.71 / 10.4 / 18.7 / 31.1 / 31.3 (bf16 F.linear 1.61 / 1.83 / 1.77 / 1.81 / 2.41
+# / 5.17 / 9.37 / 17.2 / 23.3; the bf16 AMX linear 0.97 / 1.05 / 0.98 / 1.05 / 1.25 / 3.28 /
+# 6.70 / 13.0 / 25.1): int4 native 8 (level with AMX there), int4 AMX to 1024.
+XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=8,
                   int4_pack_max_rows=32, amx_bf16_max_rows=256, amx_int8_min_rows=4,
-                  amx_int8_max_rows=256)
+                  amx_int8_max_rows=256, amx_int4_max_rows=1024)
 
 # The tiers below amx: benchmarks/crossovers.py on a 2-core AMD EPYC Zen 5 (AVX-512 with VNNI and
 # BF16, no AMX, 32 MB L3), 2026-11-24: one 5632 x 2048 weight (Llama-1.1B's MLP) of 8 copies

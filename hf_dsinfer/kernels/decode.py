@@ -15,7 +15,7 @@ For B > 1 sequences (batched decode, beams, continuous batching's decode rows), 
 attn_out_rows do the same per row (each row its own position and keep mask), or attn_in_rows,
 the caller's attention and post_attn_rows. On a CPU with AMX the projections run on its tiles
 (hfd_linear_bf16 of csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the
-CPU also has AMX-INT8), up to 256 rows; without AMX, every projection runs the native kernel
+CPU also has AMX-INT8, hfd_int4_amx for 4-bit codes past the int4 kernel's rows), up to 256 rows; without AMX, every projection runs the native kernel
 the torch path's linear takes for that many rows (bf16 dot products, the int8 GEMV or panel
 kernel, the int4 kernel or panel kernel: csrc/cpu_decode.c's lin_batch, by the tier's
 crossovers), and only for the rows where the torch path runs those (`rows_max`). What it does
@@ -108,8 +108,9 @@ class DecodeLayer:
         the torch path's linears run the kernels the batched layer runs for them (the running
         tier's crossovers: bf16_gemm_max_rows, int8_gemm_max_rows, int4_gemm_max_rows, or the
         GEMVs' bounds where the panel kernel does not run), the least over the layer's kinds."""
-        if self._amx:
-            return AMX_MAX_ROWS
+        if self._amx:  # 4-bit projections: hfd_int4_amx's bound too (the torch path's)
+            int4 = crossovers.TABLE["amx"].amx_int4_max_rows if "int4" in self._kinds else None
+            return min(AMX_MAX_ROWS, int4 or AMX_MAX_ROWS)
         # never past AMX's bound, which the callers hold to (injection.fused.DECODE_MAX_ROWS)
         return min([AMX_MAX_ROWS, *(_kind_max_rows(kind) for kind in self._kinds)])
 
@@ -308,7 +309,8 @@ def _kind_max_rows(kind: str) -> int:
 def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
     """Why the batched calls (csrc/cpu_decode.c: hfd_decode_attn_in_rows) cannot compute this
     layer on this CPU. With AMX they run every projection on its tiles, bf16 weights with
-    hfd_linear_bf16 and int8 row tiles with hfd_int8_amx; without, bf16 weights with the
+    hfd_linear_bf16, int8 row tiles with hfd_int8_amx and 4-bit codes with hfd_int4_linear /
+    hfd_int4_amx (as the torch path's linear_int4_cpu at those rows); without, bf16 weights with the
     native bf16 dot products (lin_batch): the torch path's kernels for those rows, so the same
     bits. HF_DSINFER_NATIVE_AMX and the crossovers are read per call by DecodeLayer.rows_why."""
     if not amx:
@@ -328,9 +330,16 @@ def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
                 return "int8 projections and no AMX-INT8 on this CPU"
             if lin.n % 16:
                 return f"an int8 {lin.n} x {lin.k} projection (AMX-INT8 takes 16-row blocks)"
+        elif lin.kind in (LIN_INT4, LIN_INT4_TILED):
+            g = lin.group
+            if (lin.n % 32 or g <= 0 or g % 32 or lin.k % g
+                    or (lin.kind == LIN_INT4_TILED and (lin.k // 2) % 64)):
+                return (f"a 4-bit {lin.n} x {lin.k} projection in groups of {g} (the AMX int4 "
+                        "kernel takes out features a multiple of 32, groups of 32, in features "
+                        "of 128 tiled)")
         elif lin.kind != LIN_BF16:
-            return ("int4 or row-major int8 projections (batched decode layers take bf16 and "
-                    "int8 row tiles)")
+            return ("row-major int8 projections (batched decode layers take bf16, int8 row "
+                    "tiles and 4-bit codes)")
         elif lin.n % 32 or lin.k % 32:
             return f"a {lin.n} x {lin.k} projection (the AMX kernel takes multiples of 32)"
         if lin.bias and lin.b_dt != _native.DTYPE_CODES[torch.bfloat16]:

@@ -690,9 +690,39 @@ def _native_int4_gemm(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | N
                          dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled))
 
 
+def _native_int4_amx(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | None:
+    """x2 [M, in] (bf16) times the weight on AMX-BF16 tiles (csrc/cpu_moe.c: hfd_int4_amx), a
+    32-row panel of the weight dequantized to bf16 in cache at a time: F.linear(x2,
+    dequantize_int4(W, bf16)) rounded once to bf16, the sums in the tiles' order (oneDNN's own
+    on this CPU up to some tens of rows: the same bits). None where it does not run: no AMX
+    granted (or settings amx=False), x not bf16, or a shape it does not take (out % 32, group
+    % 32)."""
+    scales, mins = qweight.scales, qweight.mins
+    dtypes = _native.DTYPE_CODES
+    if (x2.device.type != "cpu" or x2.dtype != torch.bfloat16 or scales.dtype not in dtypes
+            or mins.dtype != scales.dtype
+            or not (scales.is_contiguous() and mins.is_contiguous()
+                    and qweight.packed.is_contiguous())
+            or not _native.amx_available()):
+        return None
+    m, k = x2.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    code = _native.lib().hfd_int4_amx(
+        x2.data_ptr(), m, qweight.packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+        dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled), y.data_ptr(),
+        torch.get_num_threads())
+    if code == -3:
+        return None
+    _native.check(code, "hfd_int4_amx")
+    return y
+
+
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
-    as stored, tiles or row-major); then, up to int4_gemm_max_rows bf16 rows, the native kernel
+    as stored, tiles or row-major); then, up to amx_int4_max_rows bf16 rows (the amx tier), the
+    AMX kernel where the CPU grants the tiles; else, up to int4_gemm_max_rows bf16 rows, the
+    native kernel
     that dequantizes panels of the weight in cache (where the tier has that bound); else, up to
     int4_pack_max_rows rows (kernels/crossovers.py), _weight_int4pack_mm_for_cpu on torch's
     layout where the weight has it and that kernel passed its probe for x's dtype; chunked
@@ -705,7 +735,10 @@ def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
     y = None
     if rows <= bounds.int4_native_max_rows:
         y = _native_int4(x2, qweight)
-    elif bounds.int4_gemm_max_rows is not None and rows <= bounds.int4_gemm_max_rows:
+    elif bounds.amx_int4_max_rows is not None and rows <= bounds.amx_int4_max_rows:
+        y = _native_int4_amx(x2, qweight)  # bf16 already
+    if y is None and rows > bounds.int4_native_max_rows and (
+            bounds.int4_gemm_max_rows is not None and rows <= bounds.int4_gemm_max_rows):
         y = _native_int4_gemm(x2, qweight)
     if y is not None:
         y = y.to(x.dtype)

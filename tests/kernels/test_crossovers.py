@@ -15,7 +15,8 @@ from tests.kernels.conftest import count_calls, pin_crossovers
 
 BEST = _native.cpu_tier()
 RUNNABLE = _native.runnable_tiers()
-AMX_FIELDS = ("amx_bf16_max_rows", "amx_int8_min_rows", "amx_int8_max_rows")
+AMX_FIELDS = ("amx_bf16_max_rows", "amx_int8_min_rows", "amx_int8_max_rows",
+              "amx_int4_max_rows")
 
 
 def test_every_tier_has_a_row():
@@ -37,8 +38,9 @@ def test_every_tier_has_a_row():
         assert all(isinstance(v, int) and v >= 1 for v in values.values()), (tier, row)
         if tier == "amx":  # the only tier with AMX tiles
             assert all(isinstance(v, int) and v >= 1 for v in amx) and amx[1] <= amx[2]
+            assert amx[3] > row.int4_native_max_rows  # the AMX int4 kernel follows it
         else:
-            assert amx == [None, None, None], f"{tier} has no AMX, but bounds for it: {amx}"
+            assert amx == [None] * len(AMX_FIELDS), f"{tier} has no AMX, but bounds: {amx}"
 
 
 def test_below_its_min_tier_a_kernel_keeps_the_bound_of_the_tier_above():

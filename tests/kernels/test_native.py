@@ -267,7 +267,8 @@ def test_native_dequantize_is_torchs_to_the_bit(monkeypatch, dtype):
     monkeypatch.setattr(Q, "_native_dequant_lib", lambda *a: calls.append(1) or lib)
     bounds = crossovers.rows()  # more rows than any direct kernel takes: the chunked path
     x = _gaussian(max(bounds.int4_native_max_rows, bounds.int4_pack_max_rows,
-                      bounds.int4_gemm_max_rows or 0) + 1, 256, seed=1).to(dtype)
+                      bounds.int4_gemm_max_rows or 0, bounds.amx_int4_max_rows or 0) + 1, 256,
+                  seed=1).to(dtype)
     out = Q.linear_int4(x, Q.quantize_int4(w, 32), backend="cpu")
     assert calls and torch.equal(out, Q.linear_int4_ref(x, Q.quantize_int4(w, 32)))
 

@@ -28,6 +28,7 @@ import hf_dsinfer
 from hf_dsinfer.injection.fused import _norm_eps
 from hf_dsinfer.kernels import _native, abi
 from hf_dsinfer.kernels import decode as native_decode
+from hf_dsinfer.kernels import quant as Q
 from hf_dsinfer.kernels.attention import attention_ref
 from tests.kernels.conftest import pin_crossovers
 
@@ -246,19 +247,18 @@ def test_generate_tokens_match_the_torch_path(cache, grad_mode, monkeypatch):
 
 
 def test_calls_it_does_not_compute_take_the_torch_path(monkeypatch):
-    """int4 batches on AMX, grad enabled, and fp32 models run the torch path; explain says
-    why. Without AMX, int4 batches run the batched layer where its kernels run."""
+    """Grad enabled and fp32 models run the torch path; explain says why. int4 batches run the
+    batched layer where its kernels run (on AMX: hfd_int4_linear / hfd_int4_amx)."""
     model = _inject(_model("llama"), QUANTS["int4"])
     layer = model.model.layers[0].forward.decode_layer()
+    if _native.amx_available():
+        assert layer.rows_why is None
     before = _row_calls(model)
     with torch.no_grad():
         model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
     assert _native_calls(model) == 0
-    if _native.amx_available():
-        assert _row_calls(model) == before
-        assert "batched steps: torch ops (int4 or row-major int8" in hf_dsinfer.explain(model)
-    elif layer.rows_why is None:  # 2 one-token steps after the prefill
+    if layer.rows_why is None:  # 2 one-token steps after the prefill
         assert _row_calls(model) - before == 2 * len(model.model.layers)
     else:
         assert _row_calls(model) == before
@@ -369,6 +369,31 @@ def test_batched_int8_steps_equal_the_torch_path(name, monkeypatch):
     _batched_against_torch_path(model, monkeypatch)
 
 
+@pytest.mark.amx
+@BATCHED
+@pytest.mark.parametrize("kernel", ["hfd_int4_linear", "hfd_int4_amx"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_wide"])
+def test_batched_int4_steps_equal_the_torch_path(name, kernel, monkeypatch):
+    """4-bit codes in the batched layer on AMX: the torch path's kernel for the rows (the int4
+    dot-product kernel up to int4_native_max_rows, pinned to 2 here for the AMX kernel to take
+    the three sequences), so the projections are the same bits; qwen2 adds q/k/v biases after
+    the rounding as the torch path does."""
+    if kernel == "hfd_int4_amx":
+        pin_crossovers(monkeypatch, int4_native_max_rows=2)
+    rows, original = [], Q._native_int4_amx
+
+    def counted(x2, qweight):
+        rows.append(x2.shape[0])
+        return original(x2, qweight)
+
+    monkeypatch.setattr(Q, "_native_int4_amx", counted)
+    model = _inject(_model(name), QUANTS["int4"])
+    assert all(layer.forward.decode_layer().rows_why is None for layer in _layers(model))
+    _batched_against_torch_path(model, monkeypatch)
+    # the torch path's one-token steps of three sequences ran the AMX kernel, or did not
+    assert (3 in rows) == (kernel == "hfd_int4_amx"), rows
+
+
 @pytest.mark.parametrize("kernels", ["gemv", "panel"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_batched_quantized_steps_without_amx(quant, kernels, monkeypatch):
@@ -376,7 +401,7 @@ def test_batched_quantized_steps_without_amx(quant, kernels, monkeypatch):
     the rows: the quantized GEMVs for a few rows, the panel kernels past the tier's bound
     (pinned here to 2 rows, so that three sequences run them)."""
     if _native.amx_available():
-        pytest.skip("with AMX the batched layer takes bf16 and int8 row tiles on AMX")
+        pytest.skip("with AMX the batched layer runs the AMX kernels (tests above)")
     if kernels == "panel":
         pin_crossovers(monkeypatch, int8_gemv_max_rows=2, int4_native_max_rows=2)
     model = _inject(_model("llama"), QUANTS[quant])

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_dsinfer
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import linear as L
-from tests.kernels.conftest import count_calls
+from tests.kernels.conftest import count_calls, pin_crossovers
 
 pytestmark = [pytest.mark.skipif(not _native.amx_available(),
                reason="needs the native library and a CPU that grants AMX tiles"),
@@ -154,3 +154,102 @@ def test_explain_names_the_kernel(monkeypatch):
     switch(monkeypatch, native=False)
     assert ("F.linear (native AMX kernel unavailable: disabled by settings native=False "
             "(HF_DSINFER_NATIVE=0))" in hf_dsinfer.explain(bf16))
+
+
+# ---- 4-bit weights on AMX tiles (kernels/quant.py: linear_int4_cpu -> csrc/cpu_moe.c:
+# hfd_int4_amx) ----
+
+# rows (from int4_native_max_rows + 1: the Xeon's 8), out, in, group, codes: tiles (as the
+# model stores them) or row-major (the offload engine's portable codes); partial panels of x
+# (17, 40 rows), a Llama MLP's 5632 in features, groups of 32 to 128
+INT4_SHAPES = [(9, 64, 128, 32, "tiles"), (16, 256, 2048, 64, "tiles"),
+               (17, 96, 512, 128, "rows"), (40, 128, 256, 32, "tiles"),
+               (12, 32, 5632, 32, "tiles"), (300, 64, 256, 32, "rows")]
+
+
+def _int4_operands(rows, out, inp, group, codes, bias, seed=0):
+    from hf_dsinfer.kernels import quant as Q
+
+    x, w, b = _operands(rows, out, inp, bias, seed)
+    return x, Q.quantize_int4(w, group, portable=codes == "rows"), b
+
+
+@pytest.mark.parametrize("bias", (False, True), ids=("no bias", "bias"))
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_int4_amx_is_f_linear_on_the_dequantized_weight(monkeypatch, shape, bias):
+    """The AMX int4 kernel runs (counted) for the rows past the int4 dot-product kernel's and
+    computes F.linear on dequantize_int4(W, bf16), rounded to bf16, then the bias added: the
+    same bits as oneDNN's AMX GEMM on this CPU for these shapes, within its accuracy always."""
+    from hf_dsinfer.kernels import quant as Q
+
+    calls = count_calls(monkeypatch, Q, "_native_int4_amx")
+    x, qw, b = _int4_operands(*shape, bias)
+    with torch.inference_mode():
+        y = Q.linear_int4(x, qw, b, backend="cpu")
+    assert len(calls) == 1
+    assert qw.tiled == (shape[-1] == "tiles")
+    deq = Q.dequantize_int4(qw, torch.bfloat16)
+    ref = F.linear(x, deq)
+    ref = ref if b is None else ref + b
+    exact = F.linear(x.double(), deq.double())
+    exact = exact if b is None else exact + b.double()
+    err, ref_err = (y.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+    if shape[0] <= 32:  # oneDNN's AMX GEMM sums in the same order at these rows
+        assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("case", ["few rows", "fp32", "out not /32", "past its rows",
+                                  "amx off"])
+def test_int4_cases_the_amx_kernel_does_not_take(monkeypatch, case):
+    """Too few rows (the dot-product kernel's), fp32 x, shapes it does not take, more rows
+    than amx_int4_max_rows, AMX switched off: another kernel computes it, the same answer
+    class; the AMX kernel returns nothing (declines) or is not asked."""
+    from hf_dsinfer.kernels import quant as Q
+
+    rows, out = {"few rows": (2, 64), "out not /32": (12, 48)}.get(case, (12, 64))
+    if case == "past its rows":
+        pin_crossovers(monkeypatch, amx_int4_max_rows=10)
+    if case == "amx off":
+        switch(monkeypatch, amx=False)
+    took, original = [], Q._native_int4_amx
+
+    def watched(x2, qweight):
+        y = original(x2, qweight)
+        took.append(y is not None)
+        return y
+
+    monkeypatch.setattr(Q, "_native_int4_amx", watched)
+    x, qw, b = _int4_operands(rows, out, 128, 32, "tiles", True)
+    if case == "fp32":
+        x, b = x.float(), b.float()
+    with torch.inference_mode():
+        y = Q.linear_int4(x, qw, b, backend="cpu")
+    deq = Q.dequantize_int4(qw, x.dtype)
+    ref = F.linear(x.double(), deq.double(), b.double())
+    assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert not any(took)
+    # and without that reason, the same call takes it
+    if case in ("past its rows", "amx off"):
+        pin_crossovers(monkeypatch, amx_int4_max_rows=64)
+        switch(monkeypatch, amx=True)
+        took.clear()
+        with torch.inference_mode():
+            Q.linear_int4(x, qw, b, backend="cpu")
+        assert took == [True]
+
+
+def test_explain_names_the_int4_kernels():
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = hf_dsinfer.init_inference(
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval(),
+        dtype=torch.bfloat16, quant={"bits": 4, "group_size": 32})
+    text = hf_dsinfer.explain(model)
+    from hf_dsinfer.kernels import crossovers
+
+    bounds = crossovers.rows()
+    assert (f"rows AMX tiles on panels dequantized in cache (kernels/csrc/cpu_moe.c"
+            in text), text
+    assert f"-{bounds.amx_int4_max_rows} rows AMX tiles" in text
+    assert "more rows dequantize + GEMM" in text

@@ -968,14 +968,40 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
    same bits; the GEMV is faster for so few rows) */
 #define INT8_AMX_MIN_ROWS 4
 
+static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint16_t *y, int nt);
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out);
+
 /* y [rows, n] = bf16(x W^T + bias) for a bf16 weight (AMX-BF16) or int8 row tiles (AMX-INT8,
-   or the GEMV under 4 rows): what the torch path's linear computes for those weights, to the
-   bit. Other kinds: -3. */
-static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt) {
+   or the GEMV under 4 rows); y = bf16(bf16(x W^T) + bias) for 4-bit codes (hfd_int4_linear up
+   to bounds[1] rows, then hfd_int4_amx on AMX-BF16 tiles): what the torch path's linear
+   computes for those weights and rows (kernels/quant.py: linear_int4_cpu), to the bit. Other
+   kinds: -3. */
+static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt,
+                        const int64_t *bounds) {
     if (L->bias && L->b_dt != DT_BF16) return -3;
     if (L->kind == LIN_BF16)
         return hfd_linear_bf16(x, (const uint16_t *)L->w, (const uint16_t *)L->bias, y, rows,
                                L->n, L->k, nt);
+    if (is_int4(L)) {
+        const int tiled = L->kind == LIN_INT4_TILED;
+        int rc;
+        if (!bounds) return -3;
+        if (rows <= bounds[1]) {
+            float *f = (float *)malloc((size_t)(rows * L->n) * sizeof(float));
+            if (!f) return -2;
+            rc = hfd_int4_linear(x, DT_BF16, rows, (const uint8_t *)L->w, L->scales, L->mins,
+                                 (int)L->s_dt, L->group, L->n, L->k, tiled, f, nt);
+            if (!rc) round_then_bias(f, L, rows, y, nt);
+            free(f);
+            return rc;
+        }
+        rc = hfd_int4_amx(x, rows, (const uint8_t *)L->w, L->scales, L->mins, (int)L->s_dt,
+                          L->group, L->n, L->k, tiled, y, nt);
+        if (!rc && L->bias)
+            for (int64_t r = 0; r < rows; r++)
+                add_bf16(y + r * L->n, (const uint16_t *)L->bias, L->n, 0.f, y + r * L->n);
+        return rc;
+    }
     if (L->kind != LIN_INT8_TILED) return -3;
     if (rows < INT8_AMX_MIN_ROWS)
         return hfd_int8_gemv(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum,
@@ -984,8 +1010,6 @@ static int lin_amx_rows(const hfd_lin *L, const uint16_t *x, int64_t rows, uint1
     return hfd_int8_amx(x, DT_BF16, L->in_scale, (const int8_t *)L->w, L->rowsum, L->scales,
                         (int)L->s_dt, L->bias, DT_BF16, y, rows, L->n, L->k, nt);
 }
-
-static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out);
 
 /* y [rows, n] = bf16(bf16(f) + bias) from fp32 products f: the torch path's rounding of its
    int8 panel and int4 products (kernels/quant.py: the product to bf16, then the bias added). */
@@ -1008,7 +1032,7 @@ static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint
    -3 for what it does not take (kernels/decode.py: rows_why checks first), -2 out of memory. */
 static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt,
                      const int64_t *bounds) {
-    if (hfd_amx_available()) return lin_amx_rows(L, x, rows, y, nt);
+    if (hfd_amx_available()) return lin_amx_rows(L, x, rows, y, nt, bounds);
     if (L->bias && L->b_dt != DT_BF16) return -3;
     if (L->kind == LIN_BF16) {
         const uint16_t *w = (const uint16_t *)L->w, *b = (const uint16_t *)L->bias;

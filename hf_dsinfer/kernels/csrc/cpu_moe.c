@@ -641,6 +641,69 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     return 0;
 }
 
+/* ---- 4-bit weights on AMX-BF16: the int4 linear of many rows (hfd_int4_amx) ----
+ *
+ * y [M, N] = bf16(x [M, K] @ deq(W)^T) for bf16 x, deq(W) the 4-bit weight dequantized to bf16
+ * as kernels/quant.py's dequantize_int4 gives it (cpu_qgemm.c's table dequantization, to the bit),
+ * so y is hfd_linear_bf16 on that bf16 weight: the caller adds a bias after this rounding, as
+ * the torch path's int4 linear does. Each thread takes whole tasks of 32 weight rows: it
+ * dequantizes the task's rows into its own buffer (2 x 16 rows, K * 64 bytes: in L2), then
+ * runs hfd_linear_bf16's 2 x 2 tile blocks over every panel of x with A tiles from that buffer.
+ * The 4-bit codes are read from memory once per call, the dequantized rows never leave the
+ * core's cache: where the dot-product kernel (cpu_decode.c: hfd_int4_linear) does integer work
+ * per row of x, and dequantize + GEMM writes and reads the whole bf16 weight, this costs the
+ * dequantization of the weight once plus tile products that cost little per row. */
+int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
+                 const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                 uint16_t *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % 32 || K <= 0 || K % 32 || group <= 0 || group % 32 || K % group
+        || (tiled && (K / 2) % 64) || !amx_usable())
+        return -3;
+    const int64_t P = (M + 15) / 16, blocks = N / 32, G = K / group;
+    int owned;
+    uint32_t *xp = (uint32_t *)scratch_get((size_t)(P * K * 32), &owned);
+    if (!xp) return -2;
+    int nt = nthreads > 0 ? nthreads : 1;
+    if (nt > blocks) nt = (int)blocks;
+    const size_t bytes = ((size_t)(32 * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
+                         & ~(size_t)63;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        int me = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) pack_panels(x, M, K, p, p + 1, xp);
+        uint16_t *wb = (uint16_t *)aligned_alloc(64, bytes);
+        if (!wb) {
+            failed = 1;
+        } else {
+            uint8_t *tmp = (uint8_t *)(wb + 32 * K);
+            float *sf = (float *)(tmp + TILE_ROWS * K / 2), *mf = sf + G + 16;
+            tile_state ts = {0};
+            epilogue *ep = &ts.ep;
+            prefetcher none = {0};
+            amx_configure();
+            for (int64_t b = blocks * me / nth; b < blocks * (me + 1) / nth; b++) {
+                hfd_int4_panel_bf16(packed, scales, mins, s_dt, group, K, tiled, b * 32, 32, wb,
+                                    tmp, sf, mf);
+                for (int64_t p = 0; p < P; p += 2) {
+                    int nb = P - p >= 2 ? 2 : 1;
+                    amx_2x2(wb, wb + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K, nb,
+                            &none, ep);
+                    epilogue_rows(ep, store_tiles(&ts, nb), y + p * 16 * N + b * 32, N,
+                                  M - p * 16, nb, NULL, NULL);
+                }
+            }
+            epilogue_finish(ep);
+            _tile_release();
+            free(wb);
+        }
+    }
+    scratch_put(xp, owned);
+    return failed ? -2 : 0;
+}
+
 /* ---- int8 weights on AMX-INT8: the int8 linear of many rows (hfd_int8_amx) ----
  *
  * hfd_int8_gemv's numerics (cpu_quant.c: each row of x as 24-bit fixed point in three unsigned
