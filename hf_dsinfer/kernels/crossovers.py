@@ -76,7 +76,13 @@ class Crossovers:
 # 3.84 / 3.81 / 5.71 / 10.4 / 18.7 / 31.1 / 31.3 (bf16 F.linear 1.61 / 1.83 / 1.77 / 1.81 / 2.41
 # / 5.17 / 9.37 / 17.2 / 23.3; the bf16 AMX linear 0.97 / 1.05 / 0.98 / 1.05 / 1.25 / 3.28 /
 # 6.70 / 13.0 / 25.1): int4 native 8 (level with AMX there), int4 AMX to 1024.
-XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=8,
+# Again after the two-group dequantization tables (cpu_qgemm.c: dequant_row; `--reps 5 --rows 1
+# 4 6 8 12 16 32 64 256 1024 2048`, load ~1), ms at 1 / 6 / 8 / 16 / 32 / 64 / 256 / 1024 / 2048
+# rows: int4 AMX 0.99 / 1.26 / 1.22 / 1.25 / 1.21 / 1.86 / 3.86 / 15.2 / 30.5, int4 native 0.47 /
+# 1.06 / 1.35 / 2.51 / 4.66 / 9.95 / 47.3 / 247 / 511, dequantize + GEMM 3.78 / 3.78 / 3.79 /
+# 3.83 / 4.24 / 5.67 / 10.0 / 30.5 / 32.9: int4 native 6, int4 AMX to 2048 (kept at 1024: the
+# first run had dequantize + GEMM ahead at 2048).
+XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=6,
                   int4_pack_max_rows=32, amx_bf16_max_rows=256, amx_int8_min_rows=4,
                   amx_int8_max_rows=256, amx_int4_max_rows=1024)
 

@@ -159,7 +159,7 @@ def test_explain_names_the_kernel(monkeypatch):
 # ---- 4-bit weights on AMX tiles (kernels/quant.py: linear_int4_cpu -> csrc/cpu_moe.c:
 # hfd_int4_amx) ----
 
-# rows (from int4_native_max_rows + 1: the Xeon's 8), out, in, group, codes: tiles (as the
+# rows (from int4_native_max_rows + 1: the Xeon's 6), out, in, group, codes: tiles (as the
 # model stores them) or row-major (the offload engine's portable codes); partial panels of x
 # (17, 40 rows), a Llama MLP's 5632 in features, groups of 32 to 128
 INT4_SHAPES = [(9, 64, 128, 32, "tiles"), (16, 256, 2048, 64, "tiles"),
