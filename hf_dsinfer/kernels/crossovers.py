@@ -54,9 +54,12 @@ class Crossovers:
 
     def int4_codes_max_rows(self, dtype) -> int:
         """The most rows of x in `dtype` that a kernel reading the 4-bit codes as stored takes
-        (more: dequantize + GEMM, which the offload engine does once per prefill)."""
-        gemm = self.int4_gemm_max_rows if dtype == torch.bfloat16 else None
-        return max(self.int4_native_max_rows, gemm or 0)
+        (more: dequantize + GEMM, which the offload engine does once per prefill): the panel
+        kernel's and, where the CPU grants AMX tiles, the AMX kernel's bf16 rows too."""
+        bf16 = dtype == torch.bfloat16
+        gemm = self.int4_gemm_max_rows if bf16 else None
+        amx = self.amx_int4_max_rows if bf16 and _native.amx_available() else None
+        return max(self.int4_native_max_rows, gemm or 0, amx or 0)
 
 
 # The 2-core Xeon with AMX-BF16/INT8 (480 MB L3) of NOTES.md, 2 threads, weights cycled past
