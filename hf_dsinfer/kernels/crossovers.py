@@ -85,6 +85,11 @@ class Crossovers:
 # 1.06 / 1.35 / 2.51 / 4.66 / 9.95 / 47.3 / 247 / 511, dequantize + GEMM 3.78 / 3.78 / 3.79 /
 # 3.83 / 4.24 / 5.67 / 10.0 / 30.5 / 32.9: int4 native 6, int4 AMX to 2048 (kept at 1024: the
 # first run had dequantize + GEMM ahead at 2048).
+# Again with the next block dequantized between the tile steps (cpu_moe.c: dq_job; `--reps 5
+# --rows 1 6 8 16 32 64 256 1024`, twice): int4 AMX 1.12 / 1.09 / 1.00 / 1.12 / 1.15 / 1.68 / 3.58
+# / 16.2 ms at 1 / 6 / 8 / 16 / 32 / 64 / 256 / 1024 rows, against the int4 native kernel's
+# 0.47 / 1.11 / 1.39 / 2.48 and the bf16 AMX linear's 0.98 / 1.01 / 1.00 / 0.96 / 1.11 / 1.18 /
+# 3.40 / 12.9: the bounds stay.
 XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_rows=6,
                   int4_pack_max_rows=32, amx_bf16_max_rows=256, amx_int8_min_rows=4,
                   amx_int8_max_rows=256, amx_int4_max_rows=1024)

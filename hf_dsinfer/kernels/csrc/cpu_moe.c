@@ -326,12 +326,38 @@ static inline prefetcher prefetch_plan(const uint16_t *a, int64_t b_off, int64_t
     return pf;
 }
 
+/* The dequantization of a 4-bit weight's next 32-row block into a bf16 buffer, a quad of rows
+   (TILE_ROWS) per unit, run between the k steps of this block's tile products (hfd_int4_amx):
+   the tile unit works through the products issued before a unit while the vector units
+   dequantize. NULL or no units left: nothing. */
+typedef struct {
+    const uint8_t *packed;
+    const void *scales, *mins;
+    int s_dt, tiled, next, units;
+    int64_t group, K, n0, every, step;
+    uint16_t *out;
+    uint8_t *tmp;
+    float *sf, *mf;
+} dq_job;
+
+static inline void dq_unit(dq_job *j) {
+    const int u = j->next++;
+    hfd_int4_panel_bf16(j->packed, j->scales, j->mins, j->s_dt, j->group, j->K, j->tiled,
+                        j->n0 + u * TILE_ROWS, TILE_ROWS, j->out + u * TILE_ROWS * j->K, j->tmp,
+                        j->sf, j->mf);
+}
+
+static inline void dq_step(dq_job *j) {
+    if (j && j->next < j->units && ++j->step % j->every == 0) dq_unit(j);
+}
+
 /* C tiles 0..3 = (A0, A1) x (B0, B1) over K: tile 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1;
    with nb = 1 only tiles 0 and 2. B tiles of k step s at b + s * bstep (uint32). One unit of the
-   pending epilogue and some prefetches per k step. */
+   pending epilogue, some prefetches and the side dequantization's turn (dq: NULL, none) per k
+   step. */
 static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
                            const uint32_t *b0, const uint32_t *b1, int64_t bstep, int64_t K,
-                           int nb, prefetcher *pf, epilogue *ep) {
+                           int nb, prefetcher *pf, epilogue *ep, dq_job *dq) {
     _tile_zero(0);
     _tile_zero(2);
     if (nb == 2) {
@@ -348,6 +374,7 @@ static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
             _tile_dpbf16ps(3, 5, 7);
             if (ep->next < ep->units) epilogue_unit(ep);
             prefetch_step(pf);
+            dq_step(dq);
         }
     } else {
         for (int64_t k = 0, s = 0; k < K; k += 32, s++) {
@@ -358,6 +385,7 @@ static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
             _tile_dpbf16ps(2, 5, 6);
             if (ep->next < ep->units) epilogue_unit(ep);
             prefetch_step(pf);
+            dq_step(dq);
         }
     }
     epilogue_finish(ep); /* short K: whatever the k steps did not cover */
@@ -483,7 +511,7 @@ static int moe_amx(const uint16_t *x, const uint16_t *gate_up, const uint16_t *d
                         for (int64_t p = g0; p < g1; p += 2) {
                             int nb = g1 - p >= 2 ? 2 : 1;
                             amx_2x2(w0, w1, lda, bx + p * bpanel, bx + (p + 1) * bpanel, bstep, K,
-                                    nb, &pf, ep);
+                                    nb, &pf, ep, NULL);
                             float (*c)[256] = store_tiles(&ts, nb);
                             if (phase == 0) {
                                 /* a's B tile (k step b / 2, panel p) rows (b & 1) * 8.. */
@@ -628,7 +656,7 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                 for (int64_t p = g0; p < g1; p += 2) {
                     int nb = g1 - p >= 2 ? 2 : 1;
                     amx_2x2(w0, w0 + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K, nb,
-                            &pf, ep);
+                            &pf, ep, NULL);
                     epilogue_rows(ep, store_tiles(&ts, nb), y + p * 16 * N + b * 32, N,
                                   M - p * 16, nb, NULL, bias ? bias + b * 32 : NULL);
                 }
@@ -648,7 +676,9 @@ int hfd_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
  * so y is hfd_linear_bf16 on that bf16 weight: the caller adds a bias after this rounding, as
  * the torch path's int4 linear does. Each thread takes whole tasks of 32 weight rows: it
  * dequantizes the task's rows into its own buffer (2 x 16 rows, K * 64 bytes: in L2), then
- * runs hfd_linear_bf16's 2 x 2 tile blocks over every panel of x with A tiles from that buffer.
+ * runs hfd_linear_bf16's 2 x 2 tile blocks over every panel of x with A tiles from that buffer,
+ * dequantizing the next task's rows into a second buffer a quad of rows at a time between the
+ * k steps (dq_job), so the tile unit and the vector units work at once.
  * The 4-bit codes are read from memory once per call, the dequantized rows never leave the
  * core's cache: where the dot-product kernel (cpu_decode.c: hfd_int4_linear) does integer work
  * per row of x, and dequantize + GEMM writes and reads the whole bf16 weight, this costs the
@@ -666,8 +696,10 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
     if (!xp) return -2;
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > blocks) nt = (int)blocks;
-    const size_t bytes = ((size_t)(32 * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
+    /* two 32-row buffers: the block whose tiles run, and the next one, dequantized meanwhile */
+    const size_t bytes = ((size_t)(64 * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
                          & ~(size_t)63;
+    const int64_t steps = (P + 1) / 2 * (K / 32), units = 32 / TILE_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -678,22 +710,29 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
         if (!wb) {
             failed = 1;
         } else {
-            uint8_t *tmp = (uint8_t *)(wb + 32 * K);
+            uint8_t *tmp = (uint8_t *)(wb + 64 * K);
             float *sf = (float *)(tmp + TILE_ROWS * K / 2), *mf = sf + G + 16;
             tile_state ts = {0};
             epilogue *ep = &ts.ep;
             prefetcher none = {0};
             amx_configure();
-            for (int64_t b = blocks * me / nth; b < blocks * (me + 1) / nth; b++) {
-                hfd_int4_panel_bf16(packed, scales, mins, s_dt, group, K, tiled, b * 32, 32, wb,
+            const int64_t b0 = blocks * me / nth, b1 = blocks * (me + 1) / nth;
+            if (b0 < b1)
+                hfd_int4_panel_bf16(packed, scales, mins, s_dt, group, K, tiled, b0 * 32, 32, wb,
                                     tmp, sf, mf);
+            for (int64_t b = b0; b < b1; b++) {
+                uint16_t *cur = wb + ((b - b0) & 1) * 32 * K;
+                dq_job next = {packed, scales, mins, s_dt, tiled, 0, b + 1 < b1 ? (int)units : 0,
+                               group, K, (b + 1) * 32, steps / units > 0 ? steps / units : 1, 0,
+                               wb + ((b - b0 + 1) & 1) * 32 * K, tmp, sf, mf};
                 for (int64_t p = 0; p < P; p += 2) {
                     int nb = P - p >= 2 ? 2 : 1;
-                    amx_2x2(wb, wb + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K, nb,
-                            &none, ep);
+                    amx_2x2(cur, cur + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K,
+                            nb, &none, ep, &next);
                     epilogue_rows(ep, store_tiles(&ts, nb), y + p * 16 * N + b * 32, N,
                                   M - p * 16, nb, NULL, NULL);
                 }
+                while (next.next < next.units) dq_unit(&next);
             }
             epilogue_finish(ep);
             _tile_release();
