@@ -52,29 +52,36 @@ def test_dequantization_is_quants_to_the_bit(n, k, group, portable, s_dt):
     assert torch.equal(y.t(), Q.dequantize_int4(qw, torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("kernel", ("panel", "amx"))
-def test_dequantization_of_extreme_groups_is_quants_to_the_bit(kernel):
-    """Groups of zeros, of tiny weights (mins under 2^-100: such a row takes the exact
-    rounding, not vcvtne2ps2bf16, which flushes denormals), of huge ones, and ordinary ones, in
-    one weight: the dequantized values are quant.py's, bit for bit, in the panel kernel and in
-    the AMX kernel (one-hot rows of x: each output is one weight). Denormal weights themselves
-    cannot be seen so: both kernels' bf16 products treat denormal inputs as zero (DAZ)."""
-    if kernel == "amx" and not _native.amx_available():
-        pytest.skip("no AMX tiles here")
+def _extreme_weight():
+    """Groups of zeros, of tiny weights (mins under 2^-100: such a row takes the exact rounding,
+    not vcvtne2ps2bf16, which flushes denormals), of huge ones, and ordinary ones."""
     w = _gaussian(64, 512, seed=3) * 0.05
     w[0:4, 0:32] = 0.0                   # a group of zeros (scale 0, min 0)
     w[4:8, 32:64] *= 1e-36               # scales ~1e-38 (bf16 keeps them; fp32 products denormal)
     w[8:12, 64:96] *= 1e-33
     w[12:16, 96:128] *= 1e30             # large but finite
     w[16:20, 0:32] = 1e-36               # a constant group: min 1e-36, the values the min
-    qw = Q.quantize_int4(w.bfloat16(), 32)
-    eye = torch.eye(512, dtype=torch.bfloat16)
-    if kernel == "panel":
-        y = Q._native_int4_gemm(eye, qw)
-    else:
-        y = torch.cat([Q._native_int4_amx(eye[i:i + 128], qw) for i in range(0, 512, 128)])
+    return Q.quantize_int4(w.bfloat16(), 32)
+
+
+def test_dequantization_of_extreme_groups_is_quants_to_the_bit():
+    """The extreme groups above, dequantized by the panel kernel: quant.py's values, bit for
+    bit (one-hot rows of x: each output is one weight). Denormal weights themselves cannot be
+    seen so: the bf16 products treat denormal inputs as zero (DAZ)."""
+    qw = _extreme_weight()
+    y = Q._native_int4_gemm(torch.eye(512, dtype=torch.bfloat16), qw)
     assert y is not None
     assert torch.equal(y.t().bfloat16(), Q.dequantize_int4(qw, torch.bfloat16))
+
+
+@pytest.mark.amx
+@pytest.mark.skipif(not _native.amx_available(), reason="needs a CPU that grants AMX tiles")
+def test_amx_dequantization_of_extreme_groups_is_quants_to_the_bit():
+    """The same through the AMX int4 kernel (csrc/cpu_moe.c: hfd_int4_amx), 128 rows a call."""
+    qw = _extreme_weight()
+    eye = torch.eye(512, dtype=torch.bfloat16)
+    y = torch.cat([Q._native_int4_amx(eye[i:i + 128], qw) for i in range(0, 512, 128)])
+    assert torch.equal(y.t(), Q.dequantize_int4(qw, torch.bfloat16))
 
 
 @pytest.mark.parametrize("n,k,group,portable", SHAPES)
