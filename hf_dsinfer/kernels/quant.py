@@ -41,8 +41,9 @@ bf16 F.linear at one row, but cost more per extra row; a chunked dequantize + F.
 (dequantize 512 output rows, which stay in cache, then a bf16 GEMM) costs about the same at any
 row count. Up to int8_pack_max_rows / int4_pack_max_rows rows use the packed kernels,
 above them the chunked path, except where the native kernels (csrc/) run: int8 on them up to
-int8_gemv_max_rows rows (to AMX_INT8_MAX_ROWS on AMX), int4 up to int4_native_max_rows (see
-linear_int8_cpu, linear_int4_cpu); those bounds are per ISA tier, in kernels/crossovers.py.
+int8_gemv_max_rows rows (to AMX_INT8_MAX_ROWS on AMX), int4 up to int4_native_max_rows and on
+AMX tiles from there to amx_int4_max_rows bf16 rows (see linear_int8_cpu, linear_int4_cpu);
+those bounds are per ISA tier, in kernels/crossovers.py.
 torch's packed kernels are private ops: each is used only after a probe on this CPU agreed with
 the reference (private_ops.verified), else the chunked path runs.
 """
