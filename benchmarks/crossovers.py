@@ -28,9 +28,9 @@ writes the times and crossovers.
 A tier above the CPU's own is refused. On an AMX CPU the amx tier also times the int4 AMX
 kernel (csrc/cpu_moe.c: hfd_int4_amx; its bound amx_int4_max_rows) and, for reference, the bf16
 AMX linear (hfd_linear_bf16, which takes 2-256 bf16 rows there); the int8 AMX kernel is not
-timed here (its comparisons are in the comments of kernels/quant.py). Run it on a quiet machine: the threads of the native
-kernels and of torch share the cores, and on a loaded one the medians of 2+ threads are the
-scheduler's (use --threads 1 there, and say so).
+timed here (its comparisons are in the comments of kernels/quant.py). Run it on a quiet
+machine: the threads of the native kernels and of torch share the cores, and on a loaded one
+the medians of 2+ threads are the scheduler's (use --threads 1 there, and say so).
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def _int4_cpu_kernels(dtype: torch.dtype) -> str:
     if bounds.int4_pack_max_rows > done:
         parts.append(f"up to {bounds.int4_pack_max_rows} rows torch's "
                      "_weight_int4pack_mm_for_cpu where its probe passed")
-    parts.append(f"more rows dequantize + GEMM")
+    parts.append("more rows dequantize + GEMM")
     return "; ".join(parts)
 
 

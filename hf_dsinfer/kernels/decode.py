@@ -15,8 +15,9 @@ For B > 1 sequences (batched decode, beams, continuous batching's decode rows), 
 attn_out_rows do the same per row (each row its own position and keep mask), or attn_in_rows,
 the caller's attention and post_attn_rows. On a CPU with AMX the projections run on its tiles
 (hfd_linear_bf16 of csrc/cpu_moe.c for bf16 weights, hfd_int8_amx for int8 row tiles where the
-CPU also has AMX-INT8, hfd_int4_amx for 4-bit codes past the int4 kernel's rows), up to 256 rows; without AMX, every projection runs the native kernel
-the torch path's linear takes for that many rows (bf16 dot products, the int8 GEMV or panel
+CPU also has AMX-INT8, hfd_int4_amx for 4-bit codes past the int4 kernel's rows), up to 256
+rows; without AMX, every projection runs the native kernel the torch path's linear takes for
+that many rows (bf16 dot products, the int8 GEMV or panel
 kernel, the int4 kernel or panel kernel: csrc/cpu_decode.c's lin_batch, by the tier's
 crossovers), and only for the rows where the torch path runs those (`rows_max`). What it does
 not take goes to the torch path: `rows_why` says why (measured: docs/performance.md).

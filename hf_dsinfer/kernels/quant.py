@@ -723,8 +723,8 @@ def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
     """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
     as stored, tiles or row-major); then, up to amx_int4_max_rows bf16 rows (the amx tier), the
     AMX kernel where the CPU grants the tiles; else, up to int4_gemm_max_rows bf16 rows, the
-    native kernel
-    that dequantizes panels of the weight in cache (where the tier has that bound); else, up to
+    native kernel that dequantizes panels of the weight in cache (where the tier has that
+    bound); else, up to
     int4_pack_max_rows rows (kernels/crossovers.py), _weight_int4pack_mm_for_cpu on torch's
     layout where the weight has it and that kernel passed its probe for x's dtype; chunked
     dequantize + GEMM otherwise. The product is rounded to x's dtype, then the bias added, as

@@ -249,7 +249,6 @@ def test_explain_names_the_int4_kernels():
     from hf_dsinfer.kernels import crossovers
 
     bounds = crossovers.rows()
-    assert (f"rows AMX tiles on panels dequantized in cache (kernels/csrc/cpu_moe.c"
-            in text), text
+    assert "rows AMX tiles on panels dequantized in cache (kernels/csrc/cpu_moe.c" in text, text
     assert f"-{bounds.amx_int4_max_rows} rows AMX tiles" in text
     assert "more rows dequantize + GEMM" in text

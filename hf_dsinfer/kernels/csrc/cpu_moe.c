@@ -334,7 +334,7 @@ typedef struct {
     const uint8_t *packed;
     const void *scales, *mins;
     int s_dt, tiled, next, units;
-    int64_t group, K, n0, every, step;
+    int64_t group, K, n0, every, left; /* a unit every `every` k steps; `left` to the next */
     uint16_t *out;
     uint8_t *tmp;
     float *sf, *mf;
@@ -348,7 +348,10 @@ static inline void dq_unit(dq_job *j) {
 }
 
 static inline void dq_step(dq_job *j) {
-    if (j && j->next < j->units && ++j->step % j->every == 0) dq_unit(j);
+    if (j && j->next < j->units && --j->left == 0) {
+        j->left = j->every;
+        dq_unit(j);
+    }
 }
 
 /* C tiles 0..3 = (A0, A1) x (B0, B1) over K: tile 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1;
@@ -699,7 +702,9 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
     /* two 32-row buffers: the block whose tiles run, and the next one, dequantized meanwhile */
     const size_t bytes = ((size_t)(64 * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
                          & ~(size_t)63;
-    const int64_t steps = (P + 1) / 2 * (K / 32), units = 32 / TILE_ROWS;
+    /* the next block's units spread over this block's k steps */
+    const int64_t units = 32 / TILE_ROWS, steps = (P + 1) / 2 * (K / 32);
+    const int64_t every = steps / units > 0 ? steps / units : 1;
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -723,7 +728,7 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
             for (int64_t b = b0; b < b1; b++) {
                 uint16_t *cur = wb + ((b - b0) & 1) * 32 * K;
                 dq_job next = {packed, scales, mins, s_dt, tiled, 0, b + 1 < b1 ? (int)units : 0,
-                               group, K, (b + 1) * 32, steps / units > 0 ? steps / units : 1, 0,
+                               group, K, (b + 1) * 32, every, every,
                                wb + ((b - b0 + 1) & 1) * 32 * K, tmp, sf, mf};
                 for (int64_t p = 0; p < P; p += 2) {
                     int nb = P - p >= 2 ? 2 : 1;
