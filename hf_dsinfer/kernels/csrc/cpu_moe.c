@@ -194,10 +194,37 @@ static inline __m512 gated_silu16(__m512 g, __m512 u) {
     return _mm512_mul_ps(s, bf16_round_q(u));
 }
 
+/* r[i] (16 dwords each) -> r[j] holding dword j of every input row: a 16 x 16 transpose */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4q + p] now holds dwords 4c + p' of rows 4q..4q+3 per 128-bit lane c; gather lanes */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
 /* The epilogue of one pair of panels, C tiles stored in c: tile q (panel p + q) of A0 at c[q], of
    A1 at c[2 + q]. EPI_GATED (MoE phase 1) units: 16 per panel, one row of gate/up each; EPI_ROWS
-   (MoE phase 2, the dense linear) units: one y row each, rows[0] of panel p then rows[1] of
-   panel p + 1. */
+   (MoE phase 2, the dense linear) units: one per panel, its rows[q] rows of y. */
 enum { EPI_GATED = 0, EPI_ROWS = 1 };
 
 typedef struct {
@@ -226,26 +253,25 @@ static inline void epilogue_unit(epilogue *ep) {
         else
             ep->held = bits;
     } else {
-        int q = u >= ep->rows[0], i = q ? u - ep->rows[0] : u;
-        const __m512i idx = _mm512_add_epi32(
-            _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0),
-            _mm512_set1_epi32(i));
-        __m512 v0 = _mm512_i32gather_ps(idx, ep->c[q], 4);
-        __m512 v1 = _mm512_i32gather_ps(idx, ep->c[2 + q], 4);
-        if (ep->bias) { /* y = bf16(x @ W^T + bias), one rounding as torch's linear */
-            v0 = _mm512_add_ps(v0, load16(ep->bias, 0, DT_BF16, 0xFFFF));
-            v1 = _mm512_add_ps(v1, load16(ep->bias, 16, DT_BF16, 0xFFFF));
+        /* panel u: column i of its tiles (A0's at c[u], A1's at c[2 + u]) is y row i's 32
+           values, 16 from each; a tile transposed in registers gives all 16 columns (gathering
+           each column took ~19% of a 256-row int4 AMX linear) */
+        const int q = u;
+        for (int h = 0; h < 2; h++) {
+            __m512i t[16];
+            for (int r = 0; r < 16; r++) t[r] = _mm512_load_si512(ep->c[2 * h + q] + 16 * r);
+            transpose16_epi32(t);
+            const __m512 b = ep->bias ? load16(ep->bias, 16 * h, DT_BF16, 0xFFFF)
+                                      : _mm512_setzero_ps();
+            for (int i = 0; i < ep->rows[q]; i++) {
+                __m512 v = _mm512_castsi512_ps(t[i]);
+                if (ep->bias) v = _mm512_add_ps(v, b); /* y = bf16(x @ W^T + bias), one rounding */
+                if (ep->rw[q]) /* y = bf16(bf16(a @ Wd^T) * w) */
+                    v = _mm512_mul_ps(bf16_round_q(v), _mm512_set1_ps(ep->rw[q][i]));
+                _mm256_storeu_si256((__m256i *)(ep->y_dst[q] + i * ep->ldy + 16 * h),
+                                    _mm512_cvtepi32_epi16(bf16_bits_q(v)));
+            }
         }
-        if (ep->rw[q]) { /* y = bf16(bf16(a @ Wd^T) * w) */
-            __m512 w = _mm512_set1_ps(ep->rw[q][i]);
-            v0 = _mm512_mul_ps(bf16_round_q(v0), w);
-            v1 = _mm512_mul_ps(bf16_round_q(v1), w);
-        }
-        __m256i lo = _mm512_cvtepi32_epi16(bf16_bits_q(v0));
-        __m256i hi = _mm512_cvtepi32_epi16(bf16_bits_q(v1));
-        uint16_t *dst = ep->y_dst[q] + i * ep->ldy;
-        _mm256_storeu_si256((__m256i *)dst, lo);
-        _mm256_storeu_si256((__m256i *)(dst + 16), hi);
     }
 }
 
@@ -291,7 +317,7 @@ static inline void epilogue_rows(epilogue *ep, float (*c)[256], uint16_t *y0, in
     ep->rw[1] = rw ? rw + 16 : NULL;
     ep->bias = bias;
     ep->ldy = ldy;
-    ep->units = ep->rows[0] + ep->rows[1];
+    ep->units = ep->rows[1] > 0 ? 2 : 1;
 }
 
 /* L2 prefetch of the 32 weight rows the next task reads (rows 0..15 from a, 16..31 from b, ld
@@ -339,6 +365,7 @@ typedef struct {
     uint8_t *tmp;
     float *sf, *mf;
     int64_t pf_done, pf_per; /* lines of the coming unit prefetched so far; per k step */
+    int64_t ld; /* out's rows apart */
 } dq_job;
 
 /* The lines a unit reads: its TILE_ROWS rows of codes (K / 2 bytes each, adjacent whether
@@ -360,8 +387,8 @@ static inline const char *dq_line(const dq_job *j, int64_t i) {
 static inline void dq_unit(dq_job *j) {
     const int u = j->next++;
     hfd_int4_panel_bf16(j->packed, j->scales, j->mins, j->s_dt, j->group, j->K, j->tiled,
-                        j->n0 + u * TILE_ROWS, TILE_ROWS, j->out + u * TILE_ROWS * j->K, j->tmp,
-                        j->sf, j->mf);
+                        j->n0 + u * TILE_ROWS, TILE_ROWS, j->out + u * TILE_ROWS * j->ld, j->ld,
+                        j->tmp, j->sf, j->mf);
     j->pf_done = 0;
 }
 
@@ -730,7 +757,11 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > blocks) nt = (int)blocks;
     /* two 32-row buffers: the block whose tiles run, and the next one, dequantized meanwhile */
-    const size_t bytes = ((size_t)(64 * K * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
+    /* the buffers' rows are LD apart, a line more than K: rows 2K bytes apart would put a
+       tile's 16 rows in one L1 set whenever K is a multiple of 2048 (tiles alone, 256 rows of
+       a 5632 x 2048 weight: 2.27 ms against 2.51) */
+    const int64_t LD = K + 32;
+    const size_t bytes = ((size_t)(64 * LD * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
                          & ~(size_t)63;
     /* the next block's units spread over this block's k steps */
     const int64_t units = 32 / TILE_ROWS, steps = (P + 1) / 2 * (K / 32);
@@ -745,7 +776,7 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
         if (!wb) {
             failed = 1;
         } else {
-            uint8_t *tmp = (uint8_t *)(wb + 64 * K);
+            uint8_t *tmp = (uint8_t *)(wb + 64 * LD);
             float *sf = (float *)(tmp + TILE_ROWS * K / 2), *mf = sf + G + 16;
             tile_state ts = {0};
             epilogue *ep = &ts.ep;
@@ -754,17 +785,17 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
             const int64_t b0 = blocks * me / nth, b1 = blocks * (me + 1) / nth;
             if (b0 < b1)
                 hfd_int4_panel_bf16(packed, scales, mins, s_dt, group, K, tiled, b0 * 32, 32, wb,
-                                    tmp, sf, mf);
+                                    LD, tmp, sf, mf);
             for (int64_t b = b0; b < b1; b++) {
-                uint16_t *cur = wb + ((b - b0) & 1) * 32 * K;
+                uint16_t *cur = wb + ((b - b0) & 1) * 32 * LD;
                 dq_job next = {packed, scales, mins, s_dt, tiled, 0, b + 1 < b1 ? (int)units : 0,
                                group, K, (b + 1) * 32, every, every,
-                               wb + ((b - b0 + 1) & 1) * 32 * K, tmp, sf, mf, 0, 0};
+                               wb + ((b - b0 + 1) & 1) * 32 * LD, tmp, sf, mf, 0, 0, LD};
                 next.pf_per = (dq_code_lines(&next) + 2 * dq_scale_lines(&next) + every - 1)
                               / every;
                 for (int64_t p = 0; p < P; p += 2) {
                     int nb = P - p >= 2 ? 2 : 1;
-                    amx_2x2(cur, cur + 16 * K, K, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K,
+                    amx_2x2(cur, cur + 16 * LD, LD, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K,
                             nb, &none, ep, &next);
                     epilogue_rows(ep, store_tiles(&ts, nb), y + p * 16 * N + b * 32, N,
                                   M - p * 16, nb, NULL, NULL);
@@ -806,33 +837,6 @@ static int amx_int8_usable(void) {
 #endif
 }
 
-/* r[i] (16 dwords each) -> r[j] holding dword j of every input row: a 16 x 16 transpose */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4q + p] now holds dwords 4c + p' of rows 4q..4q+3 per 128-bit lane c; gather lanes */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-}
 
 /* y [M, N] (x's dtype) = scale[n] * sum_k x[m, k] * in_scale[k] * q[n, k] + bias[n], q the
    [N, K] int8 weight stored as row tiles; hfd_int8_gemv's arguments. Returns 0, -2 out of

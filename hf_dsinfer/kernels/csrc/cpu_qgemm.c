@@ -309,19 +309,19 @@ static void dequant_int8_row(const int8_t *q, int64_t r, int64_t K, int tiled, f
 }
 
 /* Rows n0 .. n0 + rows (a multiple of TILE_ROWS) of a 4-bit weight [N, K] dequantized to bf16
-   (K apart) at out, as qgemm's panels: the table dequantization above, codes row-major or in
+   (ldo apart) at out, as qgemm's panels: the table dequantization above, codes row-major or in
    tiles. Scratch: tmp TILE_ROWS * K / 2 bytes, sf and mf K / group + 16 floats each. For the AMX
    kernel of cpu_moe.c (hfd_int4_amx), which multiplies such a panel on tiles. */
 void hfd_int4_panel_bf16(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                          int64_t group, int64_t K, int tiled, int64_t n0, int64_t rows,
-                         uint16_t *out, uint8_t *tmp, float *sf, float *mf) {
+                         uint16_t *out, int64_t ldo, uint8_t *tmp, float *sf, float *mf) {
     const int64_t G = K / group;
     for (int64_t r = 0; r < rows; r += TILE_ROWS) {
         const uint8_t *codes[TILE_ROWS];
         tile_codes(packed, n0 + r, K / 2, tiled, tmp, codes);
         for (int t = 0; t < TILE_ROWS; t++) {
             row_scales(scales, mins, s_dt, n0 + r + t, G, sf, mf);
-            dequant_row(codes[t], sf, mf, group, K, out + (r + t) * K);
+            dequant_row(codes[t], sf, mf, group, K, out + (r + t) * ldo);
         }
     }
 }
@@ -360,7 +360,7 @@ static int qgemm(const uint16_t *x, int64_t M, const qweight_t *w, int64_t N, in
                 const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
                 if (w->bits == 4)
                     hfd_int4_panel_bf16(w->q, w->scales, w->mins, w->s_dt, w->group, K,
-                                        w->tiled, n0, rows, panel, tmp, sf, mf);
+                                        w->tiled, n0, rows, panel, K, tmp, sf, mf);
                 else
                     for (int64_t r = 0; r < rows; r++)
                         dequant_int8_row(w->q, n0 + r, K, w->tiled,

@@ -126,7 +126,7 @@ int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void
 /* internal (cpu_moe.c's hfd_int4_amx): rows n0 .. n0 + rows of a 4-bit weight as bf16 */
 void hfd_int4_panel_bf16(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                          int64_t group, int64_t K, int tiled, int64_t n0, int64_t rows,
-                         uint16_t *out, uint8_t *tmp, float *sf, float *mf);
+                         uint16_t *out, int64_t ldo, uint8_t *tmp, float *sf, float *mf);
 int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                   int64_t M, int64_t N, int64_t K, int nthreads);
 
