@@ -183,8 +183,10 @@ def _continuous_batching_line(report: InjectionReport) -> str | None:
     line += f"; {calls} fused calls so far"
     if calls:
         segmented = sum(f.paged.segmented for f in fused)
-        line += (f" ({segmented} attending per request over its own keys, the others over the "
-                 "whole packed row with its mask)")
+        in_place = sum(f.paged.in_place for f in fused)
+        line += (f" ({segmented} attending per request over its own keys, {in_place} of them "
+                 "reading the keys where the cache keeps them; the others over the whole packed "
+                 "row with its mask)")
     if deferred:
         line += "; calls sent to the HF forward: " + "; ".join(
             f"{why} ({n})" for why, n in sorted(deferred.items()))

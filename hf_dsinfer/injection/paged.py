@@ -36,6 +36,7 @@ carries a paged cache, and a block that receives none in such a forward raises.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ import torch
 from hf_dsinfer.errors import ContinuousBatchingError
 from hf_dsinfer.hf import cache_args
 from hf_dsinfer.injection import policy as P
+from hf_dsinfer.kernels.attention import SlotRows
 
 if TYPE_CHECKING:
     from hf_dsinfer.injection.fused import FusedBlock
@@ -57,6 +59,7 @@ class PagedStats:
 
     calls: int = 0
     segmented: int = 0  # of those, attended per request (`segments`)
+    in_place: int = 0  # of those, keys read where the cache keeps them (`read_in_place`)
     deferred: dict[str, int] = dataclasses.field(default_factory=dict)
     refused: int = 0  # calls of a forward with a paged cache that reached the block without it
     # set by hf.continuous_batching for the span of a forward that carries a paged
@@ -116,7 +119,9 @@ def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
     values its queries may read, [1, Hkv, K, D] with K the mask's last dimension, and the
     requests' segments of the row (see `segments`; None: attend over the whole row)."""
     kwargs = {name: named[name] for name in UPDATE_ARGS if name in named}  # update edits it
-    keys, values = cache.update(k, v, fused.spec.layer_idx, kwargs)
+    direct = None if torch.compiler.is_compiling() else read_in_place(
+        cache, k, v, fused.spec.layer_idx, kwargs)
+    keys, values = direct or cache.update(k, v, fused.spec.layer_idx, kwargs)
     mask = named["attention_mask"]
     if keys.shape[2] != mask.shape[-1]:
         raise ContinuousBatchingError(
@@ -131,7 +136,63 @@ def update(fused: FusedBlock, cache: Any, k: torch.Tensor, v: torch.Tensor,
     found = segments(mask, named.get("cu_seq_lens_q"), cu_k)
     if found is not None:
         fused.paged.segmented += 1
+    if isinstance(keys, SlotRows):
+        if found is None:  # attention over the whole row: the keys as HF's update returns them
+            keys, values = keys.rows(), values.rows()
+        else:
+            fused.paged.in_place += 1
     return keys, values, found
+
+
+# Per cache allocator (held weakly): True once a call of HF's own update showed that its token
+# views and read index are what read_in_place reads; False when they were not.
+_verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def read_in_place(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                  kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """HF's index-based `cache.update` for a full-attention layer, without its gather: the new
+    k, v [1, Hkv, T, D] written at the write index as HF writes them, and the keys / values the
+    queries may read returned as SlotRows over the layer's cache (HF's read index, left in
+    place) instead of `index_select` copies of every key of the batch, made for each layer of
+    every forward (~10% of a served SmolLM2's generation thread at 16 clients, py-spy). kwargs
+    get the layer type's key offsets, as from `cache.update`. None (nothing done): another
+    cache or allocator (sliding windows, flash's block table), no key to read, or HF's update
+    did not match at its first call for this allocator: that call ran HF's `update` and checked
+    that the slots it wrote and the rows it returned are the ones read here, so a transformers
+    whose cache differs runs its own update (this reads its attributes, not a public API)."""
+    if kwargs.get("block_table") is not None or "read_index" not in kwargs:
+        return None
+    try:
+        allocator = cache.layer_to_allocator[layer_idx]
+        views = allocator._kv_token_views[layer_idx]
+        slot_index, layer_type = allocator.index, allocator.layer_type
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+    if type(allocator).__name__ != "FullAttentionCacheAllocator":
+        return None
+    read, write = kwargs["read_index"][slot_index], kwargs["write_index"][slot_index]
+    if read.numel() == 0:
+        return None  # HF returns the new k, v themselves: no gather to skip
+    k_slots, v_slots = views
+    verdict = _verified.get(allocator)
+    if verdict is None:  # first call: HF's update, then is it what we would have done?
+        keys, values = cache.update(k, v, layer_idx, kwargs)
+        new_k, new_v = (x.squeeze(0).transpose(0, 1) for x in (k, v))
+        verdict = bool(
+            torch.equal(k_slots.index_select(0, write), new_k)
+            and torch.equal(v_slots.index_select(0, write), new_v)
+            and torch.equal(SlotRows(k_slots, read).rows(), keys)
+            and torch.equal(SlotRows(v_slots, read).rows(), values))
+        _verified[allocator] = verdict
+        return keys, values  # HF's own result for this call
+    if not verdict:
+        return None
+    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][layer_type].to(torch.int32)
+    kwargs["max_length_k"] = kwargs["max_length_k"][layer_type]
+    k_slots.index_copy_(0, write, k.squeeze(0).transpose(0, 1))
+    v_slots.index_copy_(0, write, v.squeeze(0).transpose(0, 1))
+    return SlotRows(k_slots, read), SlotRows(v_slots, read)
 
 
 # the last (mask, query offsets, key offsets) checked, and its segments: every layer of one

@@ -251,7 +251,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_rope_rows_bf16.restype = i32
     lib.hfd_attend_rows.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64,
                                     i64, p, i64, ctypes.c_float, ctypes.c_float, p, i64, i64,
-                                    i32]
+                                    p, i32]
     lib.hfd_attend_rows.restype = i32
     lib.hfd_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_gemm_bf16.restype = i32

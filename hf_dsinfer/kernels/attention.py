@@ -339,6 +339,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     return fn(q, k, v, scale=scale, mask=mask, causal=causal, bias=bias, window=window)
 
 
+class SlotRows:
+    """Keys or values left where a paged KV cache stores them: they stand for the tensor
+    [1, Hkv, K, D] whose key j is slot index[j] of `slots` [S, Hkv, D], the tensor that
+    `slots.index_select(0, index)` (transposed) would copy out. `attention_segments` reads them
+    in place: its native rows kernel through the index, other segments by `rows` of their own
+    range only."""
+
+    __slots__ = ("index", "slots")
+
+    def __init__(self, slots: torch.Tensor, index: torch.Tensor):
+        if slots.dim() != 3 or index.dim() != 1:
+            raise ValueError(f"SlotRows: expected slots [S, Hkv, D] and a 1-D index, got "
+                             f"{tuple(slots.shape)} and {tuple(index.shape)}")
+        self.slots = slots
+        self.index = index if index.dtype == torch.int64 else index.to(torch.int64)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((1, self.slots.shape[1], self.index.numel(), self.slots.shape[2]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
+
+    def rows(self, k0: int = 0, k1: int | None = None) -> torch.Tensor:
+        """Keys k0:k1 as a tensor [1, Hkv, k1 - k0, D] (a gathered copy)."""
+        picked = self.slots.index_select(0, self.index[k0:k1])
+        return picked.transpose(0, 1).unsqueeze(0)
+
+
+def dense_kv(x: torch.Tensor | SlotRows) -> torch.Tensor:
+    """x as a tensor: SlotRows gathered, a tensor as it is."""
+    return x.rows() if isinstance(x, SlotRows) else x
+
+
 def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        segments: list[tuple[int, int, int, int]], *, scale: float,
                        mask: torch.Tensor, backend: str | None = None,
@@ -353,7 +392,10 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     On the CPU path, the segments of one query (continuous batching's decode rows) are attended
     in one call of the native kernel (`attend_rows_native`) where it takes them (bf16, no
-    sinks, a mask of keep / masked only), instead of one torch call per request."""
+    sinks, a mask of keep / masked only), instead of one torch call per request.
+
+    k and v may be SlotRows (both over the same index): keys left in a paged cache. The native
+    kernel then reads them in place and each other segment gathers its own keys only."""
     out = q.new_empty(q.shape)
     rest = segments
     if _dispatch.resolve(backend, q.device) == "cpu":
@@ -361,10 +403,12 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if plan is not None:
             spans, keep, rest = plan
             attend_rows_native(q, k, v, spans, keep, scale, softcap, out)
+    in_slots = isinstance(k, SlotRows)
     for q0, q1, k0, k1 in rest:
+        ks, vs = (k.rows(k0, k1), v.rows(k0, k1)) if in_slots else (k[:, :, k0:k1], v[:, :, k0:k1])
         out[:, :, q0:q1] = attention(
-            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale=scale,
-            mask=mask[..., q0:q1, k0:k1], backend=backend, softcap=softcap, sinks=sinks)
+            q[:, :, q0:q1], ks, vs, scale=scale, mask=mask[..., q0:q1, k0:k1], backend=backend,
+            softcap=softcap, sinks=sinks)
     return out
 
 
@@ -377,12 +421,16 @@ _last_plan: tuple = (None, None, None)
 def rows_plan(q, k, v, segments, mask, sinks):
     """(spans [n, 3] int64 of (t, k0, k1), keep [n, K] uint8 or None, the other segments) for
     the single-query segments the native kernel takes; None where it takes none of them."""
+    kt, vt = (k.slots, v.slots) if isinstance(k, SlotRows) else (k, v)
     if (sinks is not None or torch.compiler.is_compiling() or q.device.type != "cpu"
             or not (q.dtype == k.dtype == v.dtype == torch.bfloat16)
             or q.shape[0] != 1 or q.shape[-1] % 32 or q.shape[-1] > NATIVE_ROWS_MAX_D
-            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                             or v.requires_grad))
+            or q.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1
+            or isinstance(k, SlotRows) != isinstance(v, SlotRows)
+            or (isinstance(k, SlotRows) and k.index is not v.index
+                and not torch.equal(k.index, v.index))
+            or (torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad
+                                             or vt.requires_grad))
             or _native.lib() is None):
         return None
     global _last_plan
@@ -417,15 +465,23 @@ NATIVE_ROWS_MAX_D = 256
 
 
 def attend_rows_native(q, k, v, spans, keep, scale, softcap, out) -> None:
-    """out[0, :, t] = attention of q[0, :, t] over keys k0:k1 of k / v for each (t, k0, k1) of
-    spans, by the native kernel (csrc/cpu_decode.c: hfd_attend_rows, the numerics of the native
+    """out[0, :, t] = attention of q[0, :, t] over keys k0:k1 of k / v (tensors, or SlotRows
+    read in place) for each (t, k0, k1) of spans, by the native kernel (csrc/cpu_decode.c: hfd_attend_rows, the numerics of the native
     decode layer's attention: torch's CPU flash attention's without a soft-cap, the torch path's
     eager ones with it)."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    slots = None
+    if isinstance(k, SlotRows):  # slots [S, Hkv, D]: kv head stride 1, key stride 0
+        slots, index = (k.slots, v.slots), k.index
+        kp, khs, kss = slots[0].data_ptr(), slots[0].stride(1), slots[0].stride(0)
+        vp, vhs, vss = slots[1].data_ptr(), slots[1].stride(1), slots[1].stride(0)
+    else:
+        kp, khs, kss = k.data_ptr(), k.stride(1), k.stride(2)
+        vp, vhs, vss = v.data_ptr(), v.stride(1), v.stride(2)
     code = _native.lib().hfd_attend_rows(
-        q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(1), v.stride(2), spans.data_ptr(), spans.shape[0], hq, hkv, d,
-        None if keep is None else keep.data_ptr(), 0 if keep is None else keep.stride(0),
-        float(scale), float(softcap or 0.0), out.data_ptr(), out.stride(1), out.stride(2),
-        torch.get_num_threads())
+        q.data_ptr(), q.stride(1), q.stride(2), kp, khs, kss, vp, vhs, vss, spans.data_ptr(),
+        spans.shape[0], hq, hkv, d, None if keep is None else keep.data_ptr(),
+        0 if keep is None else keep.stride(0), float(scale), float(softcap or 0.0),
+        out.data_ptr(), out.stride(1), out.stride(2),
+        None if slots is None else index.data_ptr(), torch.get_num_threads())
     _native.check(code, "hfd_attend_rows")

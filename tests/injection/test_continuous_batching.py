@@ -28,6 +28,7 @@ from hf_dsinfer.hf.cache_args import KEYWORD
 from hf_dsinfer.hf.continuous_batching import THREAD_KEEPS_INFERENCE_MODE, result_problems
 from hf_dsinfer.injection import paged
 from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels import attention as A
 from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
 from tests.tiny_models import FAMILIES, MOE_MODELS, VOCAB, make_model
 
@@ -327,3 +328,76 @@ def test_tensor_parallel_manager_refusals(monkeypatch):
     with pytest.raises(ContinuousBatchingError, match=r"\[2\] KV heads per rank out of 3"):
         model.init_continuous_batching(continuous_batching_config=config)
     assert "_device_mesh" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma2", "mixtral_8x2"])
+def test_keys_read_in_place_equal_hf_update(monkeypatch, family):
+    """The fused blocks read the paged cache's keys where it keeps them (paged.read_in_place:
+    HF's writes, no gather of every key of the batch per layer), counted; the tokens are HF's
+    own generate_batch's and those of the same model with HF's cache.update doing the reads."""
+    prompts = _prompts()
+    ref = make_model(family)
+    hf_batch = _generate_batch(ref, prompts)
+    model = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    fused = list(get_report(model).blocks.values())
+    with torch.inference_mode():
+        in_place = _generate_batch(model, prompts)
+        counted = sum(f.paged.in_place for f in fused)
+        monkeypatch.setattr(paged, "read_in_place", lambda *a, **k: None)
+        updated = _generate_batch(model, prompts)
+    assert in_place == updated == hf_batch
+    assert counted > 0 and sum(f.paged.in_place for f in fused) == counted
+    assert all(f.paged.in_place <= f.paged.segmented for f in fused)
+    assert "of them reading the keys where the cache keeps them" in hf_dsinfer.explain(model)
+
+
+class FullAttentionCacheAllocator:  # the name read_in_place takes
+    def __init__(self, slots):
+        self._kv_token_views = {0: slots}
+        self.index, self.layer_type = 0, "full_attention"
+
+
+class _StubCache:
+    """A paged cache whose update returns what read_in_place would read, or (`differs`) other
+    keys: a transformers whose cache does not work as read_in_place assumes."""
+
+    def __init__(self, differs: bool):
+        self.slots = (torch.zeros(8, 2, 4), torch.zeros(8, 2, 4))
+        self.layer_to_allocator = [FullAttentionCacheAllocator(self.slots)]
+        self.differs, self.updates = differs, 0
+
+    def update(self, k, v, layer_idx, kwargs):
+        self.updates += 1
+        write, read = kwargs["write_index"][0], kwargs["read_index"][0]
+        for cache, x in zip(self.slots, (k, v)):
+            cache.index_copy_(0, write, x.squeeze(0).transpose(0, 1))
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"]["full_attention"]
+        kwargs["max_length_k"] = kwargs["max_length_k"]["full_attention"]
+        out = [c.index_select(0, read).transpose(0, 1).unsqueeze(0) for c in self.slots]
+        return (out[0] + 1, out[1]) if self.differs else tuple(out)
+
+
+def _stub_kwargs():
+    return {"read_index": [torch.tensor([5, 1, 2])], "write_index": [torch.tensor([2])],
+            "cu_seq_lens_k": {"full_attention": torch.tensor([0, 3])},
+            "max_length_k": {"full_attention": 3}}
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_read_in_place_checks_hf_update_first(differs):
+    """The first call for an allocator runs HF's update and compares; in place afterwards only
+    where it matched, HF's update every time where it did not."""
+    cache = _StubCache(differs)
+    k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    first = paged.read_in_place(cache, k, v, 0, _stub_kwargs())
+    assert cache.updates == 1 and not isinstance(first[0], A.SlotRows)
+    kwargs = _stub_kwargs()
+    second = paged.read_in_place(cache, k + 1, v, 0, kwargs)
+    if differs:
+        assert second is None and cache.updates == 1
+        return
+    assert isinstance(second[0], A.SlotRows) and cache.updates == 1
+    assert torch.equal(cache.slots[0][2], (k + 1)[0, :, 0])  # written as HF writes
+    assert torch.equal(second[0].rows(), cache.slots[0].index_select(0, kwargs["read_index"][0])
+                       .transpose(0, 1).unsqueeze(0))
+    assert kwargs["max_length_k"] == 3 and kwargs["cu_seq_lens_k"].dtype == torch.int32

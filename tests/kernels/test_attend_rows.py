@@ -97,3 +97,49 @@ def test_calls_it_does_not_take_keep_the_torch_path(monkeypatch):
     assert_close_tol(out, _torch_path(monkeypatch, q, k, v, found, scale=0.2, mask=biased))
     A.attention_segments(q, k, v, found, scale=0.2, mask=mask, backend="ref")  # not the CPU path
     assert not calls
+
+
+def _in_slots(k: torch.Tensor, v: torch.Tensor, seed: int = 1):
+    """k, v [1, Hkv, K, D] scattered over a larger cache [S, Hkv, D] (other slots random): the
+    SlotRows that stand for them, through a shuffled read index."""
+    gen = torch.Generator().manual_seed(seed)
+    n = k.shape[2]
+    index = torch.randperm(3 * n, generator=gen)[:n]
+    slots = []
+    for x in (k, v):
+        cache = torch.randn(3 * n, x.shape[1], x.shape[3], generator=gen).to(x.dtype)
+        cache[index] = x[0].transpose(0, 1)
+        slots.append(A.SlotRows(cache, index))
+    return slots
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_keys_read_in_place_equal_the_gathered_keys(monkeypatch, window, softcap):
+    """Keys and values left in a paged cache (SlotRows over a shuffled read index): the native
+    rows kernel reads them through the index and the prefill segments gather their own keys
+    only; the result is the gathered tensors' to the bit, and the kernel ran once."""
+    q, k, v, found, mask = _packed(window)
+    ks, vs = _in_slots(k, v)
+    assert torch.equal(ks.rows(), k) and ks.shape == k.shape
+    want = A.attention_segments(q, k, v, found, scale=0.2, mask=mask, softcap=softcap)
+    calls = count_calls(monkeypatch, A, "attend_rows_native")
+    got = A.attention_segments(q, ks, vs, found, scale=0.2, mask=mask, softcap=softcap)
+    assert len(calls) == 1
+    assert torch.equal(got, want)
+
+
+def test_keys_in_place_without_the_native_rows(monkeypatch):
+    """Where the native kernel does not take the rows (fp32 here), every segment gathers its
+    own keys from the slots: the same result as the gathered tensors'."""
+    q, k, v, found, mask = _packed(dtype=torch.float32)
+    ks, vs = _in_slots(k, v)
+    calls = count_calls(monkeypatch, A, "attend_rows_native")
+    got = A.attention_segments(q, ks, vs, found, scale=0.2, mask=mask)
+    assert not calls
+    assert torch.equal(got, A.attention_segments(q, k, v, found, scale=0.2, mask=mask))
+
+
+def test_slot_rows_refuses_bad_shapes():
+    with pytest.raises(ValueError, match=r"expected slots \[S, Hkv, D\] and a 1-D index"):
+        A.SlotRows(torch.zeros(4, 2), torch.zeros(3, dtype=torch.int64))

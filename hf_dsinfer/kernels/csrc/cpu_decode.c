@@ -657,10 +657,12 @@ static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
    probabilities are rounded to bf16, then the fp32 sum over v rounded once. A sliding window
    (window > 0) attends only the `window` keys up to the query's own, HF's mask (kv > q -
    window): the query's key is the last one keep allows (causal decode), which in a static
-   cache's buffer is not the buffer's last. sc: sk floats of scratch. */
+   cache's buffer is not the buffer's last. sc: sk floats of scratch. ix: NULL (key s at
+   kc + s * kss, likewise v) or the slot of each key (key s at kc + ix[s] * kss: rows of a paged
+   cache read where they are, in the order of the caller's read index). */
 static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uint16_t *vc,
                    int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
-                   float softcap, int64_t window, float *sc, uint16_t *o) {
+                   float softcap, int64_t window, float *sc, uint16_t *o, const int64_t *ix) {
     int64_t s0 = 0;
     if (window > 0) {
         int64_t last = sk - 1;
@@ -678,13 +680,14 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
         for (int64_t c = 0; c < d; c += 32) {
             __m256 qh[2], ql[2];
             hfd_bf16_split(q + c, qh, ql);
-            hfd_dpbf16_avx2(a, kc + s * kss + c, qh, ql);
+            hfd_dpbf16_avx2(a, kc + (ix ? ix[s] : s) * kss + c, qh, ql);
         }
         sc[s] = hfd_reduce16_ps(a[0], a[1]);
 #else
         __m512 acc = _mm512_setzero_ps();
+        const uint16_t *kr = kc + (ix ? ix[s] : s) * kss;
         for (int64_t c = 0; c < d; c += 32)
-            acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kc + s * kss + c)),
+            acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
                                    as_bh(_mm512_loadu_si512(q + c)));
         sc[s] = _mm512_reduce_add_ps(acc);
 #endif
@@ -728,8 +731,9 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
         for (int64_t s = s0; s < sk; s++) {
             if (sc[s] == 0.f) continue;
             const __m256 p = _mm256_set1_ps(sc[s]);
+            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
             for (int64_t i = 0; i < d / 8; i++)
-                a8[i] = _mm256_fmadd_ps(p, hfd_load8(vc + s * vss, i * 8, DT_BF16, 8), a8[i]);
+                a8[i] = _mm256_fmadd_ps(p, hfd_load8(vr, i * 8, DT_BF16, 8), a8[i]);
         }
         const __m256 inv8 = _mm256_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
         for (int64_t i = 0; i < d / 8; i++) hfd_store8_bf16(o + i * 8, _mm256_mul_ps(a8[i], inv8));
@@ -742,8 +746,9 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
     for (int64_t s = s0; s < sk; s++) {
         if (sc[s] == 0.f) continue;
         __m512 p = _mm512_set1_ps(sc[s]);
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
         for (int64_t i = 0; i < vecs; i++)
-            acc[i] = _mm512_fmadd_ps(p, load16(vc + s * vss, i * 16, DT_BF16, 0xFFFF), acc[i]);
+            acc[i] = _mm512_fmadd_ps(p, load16(vr, i * 16, DT_BF16, 0xFFFF), acc[i]);
     }
     __m512 inv = _mm512_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
     for (int64_t i = 0; i < vecs; i++) store16_bf16(o + i * 16, 0xFFFF, _mm512_mul_ps(acc[i], inv));
@@ -833,7 +838,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
 #pragma omp for schedule(static)
         for (int64_t hq = 0; hq < L->heads; hq++)
             attend(q + hq * d, kc + (hq / rep) * khs, kss, vc + (hq / rep) * vhs, vss, sk, d,
-                   keep, L->scale, L->softcap, L->window, mine, a + hq * d);
+                   keep, L->scale, L->softcap, L->window, mine, a + hq * d, NULL);
 #pragma omp single
         inputs_for(o_lin, 1, a, &s, in);
         lin_rows(o_lin, in, 1, oy);
@@ -1221,7 +1226,7 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
                 attend(q + r * nq + hq * d, kc + r * kbs + (hq / rep) * khs, kss,
                        vc + r * vbs + (hq / rep) * vhs, vss, sk, d,
                        keep ? keep + r * keep_stride : NULL, L->scale, L->softcap, L->window, mine,
-                       a + r * nq + hq * d);
+                       a + r * nq + hq * d, NULL);
             }
         }
         rc = hfd_decode_post_attn_rows(L, rows, x, a, out, bounds, nt);
@@ -1235,13 +1240,15 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
    k0 .. k1 of k / v with every query head (head h reads kv head h / (heads / kv_heads)), by
    `attend` (the numerics of the decode layer's attention, above). Element (h, t, c) of q at
    q[h * qhs + t * qts + c], of k at k[h * khs + t * kss + c] (likewise v, out); keep (uint8,
-   NULL: every key) masks key k0 + s of row i where keep[i * keep_stride + k0 + s] is 0. d a
-   multiple of 32, at most MAX_D. Returns 0, -1 for bad arguments, -2 out of memory. */
+   NULL: every key) masks key k0 + s of row i where keep[i * keep_stride + k0 + s] is 0. slots
+   (NULL: none): key j is row slots[j] of k / v (at k[h * khs + slots[j] * kss + c]), a paged
+   cache's rows read in place through its read index instead of gathered first. d a multiple
+   of 32, at most MAX_D. Returns 0, -1 for bad arguments, -2 out of memory. */
 int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t *k,
                     int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
                     const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
                     const uint8_t *keep, int64_t keep_stride, float scale, float softcap,
-                    uint16_t *out, int64_t ohs, int64_t ots, int nthreads) {
+                    uint16_t *out, int64_t ohs, int64_t ots, const int64_t *slots, int nthreads) {
     if (n <= 0) return 0;
     if (d % 32 || d > MAX_D || kv_heads <= 0 || heads % kv_heads) return -1;
     int64_t most = 0;
@@ -1261,9 +1268,14 @@ int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t 
         for (int64_t w = 0; w < n * heads; w++) {
             const int64_t i = w / heads, h = w % heads, g = h / rep;
             const int64_t t = spans[3 * i], k0 = spans[3 * i + 1], sk = spans[3 * i + 2] - k0;
-            attend(q + h * qhs + t * qts, k + g * khs + k0 * kss, kss, v + g * vhs + k0 * vss,
-                   vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
-                   mine, out + h * ohs + t * ots);
+            if (slots) /* key j of the spans is slot slots[j] of k / v */
+                attend(q + h * qhs + t * qts, k + g * khs, kss, v + g * vhs, vss, sk, d,
+                       keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0, mine,
+                       out + h * ohs + t * ots, slots + k0);
+            else
+                attend(q + h * qhs + t * qts, k + g * khs + k0 * kss, kss, v + g * vhs + k0 * vss,
+                       vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
+                       mine, out + h * ohs + t * ots, NULL);
         }
     }
     free(sc);

@@ -106,7 +106,7 @@ int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t 
                     int64_t khs, int64_t kss, const uint16_t *v, int64_t vhs, int64_t vss,
                     const int64_t *spans, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
                     const uint8_t *keep, int64_t keep_stride, float scale, float softcap,
-                    uint16_t *out, int64_t ohs, int64_t ots, int nthreads);
+                    uint16_t *out, int64_t ohs, int64_t ots, const int64_t *slots, int nthreads);
 int hfd_rope_rows_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, int64_t rot,
                        int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
                        int64_t cs_stride, int nthreads);
