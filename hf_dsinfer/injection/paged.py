@@ -155,7 +155,8 @@ def read_in_place(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
     k, v [1, Hkv, T, D] written at the write index as HF writes them, and the keys / values the
     queries may read returned as SlotRows over the layer's cache (HF's read index, left in
     place) instead of `index_select` copies of every key of the batch, made for each layer of
-    every forward (~10% of a served SmolLM2's generation thread at 16 clients, py-spy). kwargs
+    every forward (HF's update was 9% of a served SmolLM2's generation thread at 16 clients,
+    py-spy; without the copies `generate_batch` ran 7-8% faster: docs/performance.md). kwargs
     get the layer type's key offsets, as from `cache.update`. None (nothing done): another
     cache or allocator (sliding windows, flash's block table), no key to read, or HF's update
     did not match at its first call for this allocator: that call ran HF's `update` and checked
@@ -192,6 +193,7 @@ def read_in_place(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
     kwargs["max_length_k"] = kwargs["max_length_k"][layer_type]
     k_slots.index_copy_(0, write, k.squeeze(0).transpose(0, 1))
     v_slots.index_copy_(0, write, v.squeeze(0).transpose(0, 1))
+    read = read.to(torch.int64)  # one index tensor for both (HF's is int64 already)
     return SlotRows(k_slots, read), SlotRows(v_slots, read)
 
 

@@ -363,19 +363,10 @@ class SlotRows:
     def dtype(self) -> torch.dtype:
         return self.slots.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self.slots.device
-
     def rows(self, k0: int = 0, k1: int | None = None) -> torch.Tensor:
         """Keys k0:k1 as a tensor [1, Hkv, k1 - k0, D] (a gathered copy)."""
         picked = self.slots.index_select(0, self.index[k0:k1])
         return picked.transpose(0, 1).unsqueeze(0)
-
-
-def dense_kv(x: torch.Tensor | SlotRows) -> torch.Tensor:
-    """x as a tensor: SlotRows gathered, a tensor as it is."""
-    return x.rows() if isinstance(x, SlotRows) else x
 
 
 def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -394,7 +385,7 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     in one call of the native kernel (`attend_rows_native`) where it takes them (bf16, no
     sinks, a mask of keep / masked only), instead of one torch call per request.
 
-    k and v may be SlotRows (both over the same index): keys left in a paged cache. The native
+    k and v may be SlotRows (both over one index tensor): keys left in a paged cache. The native
     kernel then reads them in place and each other segment gathers its own keys only."""
     out = q.new_empty(q.shape)
     rest = segments
@@ -427,8 +418,7 @@ def rows_plan(q, k, v, segments, mask, sinks):
             or q.shape[0] != 1 or q.shape[-1] % 32 or q.shape[-1] > NATIVE_ROWS_MAX_D
             or q.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1
             or isinstance(k, SlotRows) != isinstance(v, SlotRows)
-            or (isinstance(k, SlotRows) and k.index is not v.index
-                and not torch.equal(k.index, v.index))
+            or (isinstance(k, SlotRows) and k.index is not v.index)  # the kernel takes one
             or (torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad
                                              or vt.requires_grad))
             or _native.lib() is None):
@@ -466,9 +456,9 @@ NATIVE_ROWS_MAX_D = 256
 
 def attend_rows_native(q, k, v, spans, keep, scale, softcap, out) -> None:
     """out[0, :, t] = attention of q[0, :, t] over keys k0:k1 of k / v (tensors, or SlotRows
-    read in place) for each (t, k0, k1) of spans, by the native kernel (csrc/cpu_decode.c: hfd_attend_rows, the numerics of the native
-    decode layer's attention: torch's CPU flash attention's without a soft-cap, the torch path's
-    eager ones with it)."""
+    over one index, read in place) for each (t, k0, k1) of spans, by the native kernel
+    (csrc/cpu_decode.c: hfd_attend_rows, the numerics of the native decode layer's attention:
+    torch's CPU flash attention's without a soft-cap, the torch path's eager ones with it)."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     slots = None
     if isinstance(k, SlotRows):  # slots [S, Hkv, D]: kv head stride 1, key stride 0

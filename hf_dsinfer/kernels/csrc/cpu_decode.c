@@ -1268,14 +1268,10 @@ int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t 
         for (int64_t w = 0; w < n * heads; w++) {
             const int64_t i = w / heads, h = w % heads, g = h / rep;
             const int64_t t = spans[3 * i], k0 = spans[3 * i + 1], sk = spans[3 * i + 2] - k0;
-            if (slots) /* key j of the spans is slot slots[j] of k / v */
-                attend(q + h * qhs + t * qts, k + g * khs, kss, v + g * vhs, vss, sk, d,
-                       keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0, mine,
-                       out + h * ohs + t * ots, slots + k0);
-            else
-                attend(q + h * qhs + t * qts, k + g * khs + k0 * kss, kss, v + g * vhs + k0 * vss,
-                       vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
-                       mine, out + h * ohs + t * ots, NULL);
+            const int64_t at = slots ? 0 : k0; /* slots: key j of the spans is slot slots[j] */
+            attend(q + h * qhs + t * qts, k + g * khs + at * kss, kss, v + g * vhs + at * vss,
+                   vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
+                   mine, out + h * ohs + t * ots, slots ? slots + k0 : NULL);
         }
     }
     free(sc);

@@ -254,8 +254,8 @@ static inline void epilogue_unit(epilogue *ep) {
             ep->held = bits;
     } else {
         /* panel u: column i of its tiles (A0's at c[u], A1's at c[2 + u]) is y row i's 32
-           values, 16 from each; a tile transposed in registers gives all 16 columns (gathering
-           each column took ~19% of a 256-row int4 AMX linear) */
+           values, 16 from each; a tile transposed in registers gives all 16 columns at once,
+           where a gather per column did each (same bits) */
         const int q = u;
         for (int h = 0; h < 2; h++) {
             __m512i t[16];
@@ -364,24 +364,29 @@ typedef struct {
     uint16_t *out;
     uint8_t *tmp;
     float *sf, *mf;
-    int64_t pf_done, pf_per; /* lines of the coming unit prefetched so far; per k step */
     int64_t ld; /* out's rows apart */
+    /* the prefetch of the coming unit: a unit reads its TILE_ROWS rows of codes (K / 2 bytes
+       each, adjacent whether row-major or in one tile: code_lines lines), then their scales and
+       their mins (G values each, adjacent: scale_bytes per row, scale_lines lines each) */
+    int64_t code_lines, scale_bytes, scale_lines, pf_done, pf_per;
 } dq_job;
 
-/* The lines a unit reads: its TILE_ROWS rows of codes (K / 2 bytes each, adjacent whether
-   row-major or in one tile), then their scales, then their mins (G values each, adjacent). */
-static inline int64_t dq_code_lines(const dq_job *j) { return TILE_ROWS * j->K / 2 / 64; }
-
-static inline int64_t dq_scale_lines(const dq_job *j) {
-    return (TILE_ROWS * (j->K / j->group) * (j->s_dt == DT_F32 ? 4 : 2) + 63) / 64;
+/* job's prefetch fields from its other ones: every k step prefetches pf_per lines */
+static inline void dq_plan(dq_job *j) {
+    j->code_lines = TILE_ROWS * j->K / 2 / 64;
+    j->scale_bytes = (j->K / j->group) * (j->s_dt == DT_F32 ? 4 : 2);
+    j->scale_lines = (TILE_ROWS * j->scale_bytes + 63) / 64;
+    j->pf_done = 0;
+    j->pf_per = (j->code_lines + 2 * j->scale_lines + j->every - 1) / j->every;
 }
 
 static inline const char *dq_line(const dq_job *j, int64_t i) {
-    const int64_t r = j->n0 + (int64_t)j->next * TILE_ROWS, code = dq_code_lines(j);
-    if (i < code) return (const char *)j->packed + r * (j->K / 2) + 64 * i;
-    const int64_t G = j->K / j->group, es = j->s_dt == DT_F32 ? 4 : 2, sl = dq_scale_lines(j);
-    i -= code;
-    return (const char *)(i < sl ? j->scales : j->mins) + r * G * es + 64 * (i < sl ? i : i - sl);
+    const int64_t r = j->n0 + (int64_t)j->next * TILE_ROWS;
+    if (i < j->code_lines) return (const char *)j->packed + r * (j->K / 2) + 64 * i;
+    i -= j->code_lines;
+    const int first = i < j->scale_lines;
+    return (const char *)(first ? j->scales : j->mins) + r * j->scale_bytes
+           + 64 * (first ? i : i - j->scale_lines);
 }
 
 static inline void dq_unit(dq_job *j) {
@@ -402,7 +407,7 @@ static inline void dq_unit(dq_job *j) {
    the kernel is bound by the vector ports' dequantization, not by the tile loads. */
 static inline void dq_step(dq_job *j) {
     if (!j || j->next >= j->units) return;
-    const int64_t lines = dq_code_lines(j) + 2 * dq_scale_lines(j);
+    const int64_t lines = j->code_lines + 2 * j->scale_lines;
     for (int64_t s = 0; s < j->pf_per && j->pf_done < lines; s++, j->pf_done++)
         _mm_prefetch(dq_line(j, j->pf_done), _MM_HINT_T0);
     if (--j->left == 0) {
@@ -756,10 +761,10 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
     if (!xp) return -2;
     int nt = nthreads > 0 ? nthreads : 1;
     if (nt > blocks) nt = (int)blocks;
-    /* two 32-row buffers: the block whose tiles run, and the next one, dequantized meanwhile */
-    /* the buffers' rows are LD apart, a line more than K: rows 2K bytes apart would put a
-       tile's 16 rows in one L1 set whenever K is a multiple of 2048 (tiles alone, 256 rows of
-       a 5632 x 2048 weight: 2.27 ms against 2.51) */
+    /* two 32-row buffers (the block whose tiles run, and the next one, dequantized meanwhile),
+       their rows LD apart, a line more than K: rows 2K bytes apart would put a tile's 16 rows
+       in one L1 set whenever K is a multiple of 2048 (tiles alone, 256 rows of a 5632 x 2048
+       weight: 2.27 ms against 2.51) */
     const int64_t LD = K + 32;
     const size_t bytes = ((size_t)(64 * LD * 2 + TILE_ROWS * K / 2 + 8 * (G + 16)) + 63)
                          & ~(size_t)63;
@@ -790,9 +795,8 @@ int hfd_int4_amx(const uint16_t *x, int64_t M, const uint8_t *packed, const void
                 uint16_t *cur = wb + ((b - b0) & 1) * 32 * LD;
                 dq_job next = {packed, scales, mins, s_dt, tiled, 0, b + 1 < b1 ? (int)units : 0,
                                group, K, (b + 1) * 32, every, every,
-                               wb + ((b - b0 + 1) & 1) * 32 * LD, tmp, sf, mf, 0, 0, LD};
-                next.pf_per = (dq_code_lines(&next) + 2 * dq_scale_lines(&next) + every - 1)
-                              / every;
+                               wb + ((b - b0 + 1) & 1) * 32 * LD, tmp, sf, mf, LD};
+                dq_plan(&next);
                 for (int64_t p = 0; p < P; p += 2) {
                     int nb = P - p >= 2 ? 2 : 1;
                     amx_2x2(cur, cur + 16 * LD, LD, xp + p * K * 8, xp + (p + 1) * K * 8, 256, K,
@@ -836,7 +840,6 @@ static int amx_int8_usable(void) {
     return 0;
 #endif
 }
-
 
 /* y [M, N] (x's dtype) = scale[n] * sum_k x[m, k] * in_scale[k] * q[n, k] + bias[n], q the
    [N, K] int8 weight stored as row tiles; hfd_int8_gemv's arguments. Returns 0, -2 out of

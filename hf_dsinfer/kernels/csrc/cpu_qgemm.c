@@ -92,8 +92,8 @@ static void tile_codes(const uint8_t *packed, int64_t r, int64_t row_bytes, int 
 
 /* sf[0 .. G), mf[0 .. G) = row r's scales and mins as fp32, zeros after them up to the next
    multiple of 16 (both have room for G + 16). Whole-vector stores: the table code reads single
-   floats back at once, and a masked store does not forward to such a load (a stall per group
-   pair; a quarter of the dequantization's time with masked stores, perf on the AMX Xeon). */
+   floats back at once, and a masked store does not forward to such a load (one thread, one
+   row of a 5632 x 2048 int4 AMX linear: 1.99 ms with masked stores, 1.85-1.90 without). */
 static void row_scales(const void *scales, const void *mins, int s_dt, int64_t r, int64_t G,
                        float *sf, float *mf) {
     for (int64_t g = 0; g < G; g += 16) {
