@@ -34,7 +34,12 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
-from hf_dsinfer.kernels.attention import attend_rows_native, attention_segments, rows_plan
+from hf_dsinfer.kernels.attention import (
+    SlotRows,
+    attend_rows_native,
+    attention_segments,
+    rows_plan,
+)
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
@@ -509,15 +514,25 @@ class FusedBlock:
         return layer, cos, sin
 
     def _paged_decode(self, x: torch.Tensor, named: dict, cache: Any) -> torch.Tensor | None:
-        """A continuous-batching forward in which every request of the packed row brings one
-        token (paged.decode_only: its decode steps, no prefill chunk), by the native layer:
-        one request the batch-1 layer, several the batched one (attn_in_rows, the paged
-        cache's own update, each row attended over its request's keys in one native call,
-        post_attn_rows). None (the torch path) for any other call, and where the cache or the
-        mask is not what the kernels read (then before the cache is touched)."""
+        """A continuous-batching forward by the native layer, when it takes the packed row's
+        T tokens (bf16, T within the batched layer's rows_max; None, the torch path, otherwise,
+        before the cache is touched):
+        - decode-only forwards (paged.decode_only: one token per request): one request the
+          batch-1 layer; several attn_in_rows, the paged cache's own update, each row attended
+          over its request's keys in one native call, post_attn_rows ("paged_native");
+        - forwards with prefill chunks: attn_in_rows over every packed token (each row rotated
+          at its own position), the cache's update, each request's queries attended over its
+          own keys (attention_segments: the decode rows in the native call, each prefill chunk
+          by torch's attention, causal without a mask where its block is), post_attn_rows over
+          every token ("paged_native_mixed"). Per token the same kernels and roundings as the
+          torch path, which computes the chunks' linears on these rows' AMX kernels too.
+        Where the mask is not one the kernels read, the torch path from the attention on (the
+        cache is updated)."""
         t = x.shape[1]
-        if (x.shape[0] != 1 or not paged.decode_only(named, t)
-                or not self._native_call(x, t)):
+        if x.shape[0] != 1 or not self._native_call(x, t):
+            return None
+        decode = paged.decode_only(named, t)
+        if not decode and t == 1:
             return None
         layer, cos, sin = self._native_layer_for(named, t)
         if layer is None:
@@ -531,23 +546,30 @@ class FusedBlock:
         mask = named["attention_mask"]
         out = None
         if t == 1:
+            if isinstance(keys, SlotRows):  # the batch-1 layer reads a [1, kv, K, d] tensor
+                keys, values = keys.rows(), values.rows()
             usable, keep = native_decode.keep_rows(mask, 1, keys.shape[2])
             if usable and native_decode.cache_kv_usable(keys, values, self.spec.head_dim):
                 out = layer.attn_out(rows, q, keys, values, None if keep is None
                                      else keep.reshape(-1))
-        else:
-            plan = None if segments is None else rows_plan(q, keys, values, segments, mask, None)
-            if plan is not None and len(plan[0]) == t and not plan[2]:
-                heads, d = self.spec.num_heads, self.spec.head_dim
-                a = torch.empty(t, heads, d, dtype=torch.bfloat16)
-                spans, keep, _ = plan
-                attend_rows_native(q, keys, values, spans, keep, layer.struct.scale,
-                                   layer.struct.softcap, a.permute(1, 0, 2).unsqueeze(0))
+        elif segments is not None:
+            heads, d = self.spec.num_heads, self.spec.head_dim
+            a = torch.empty(t, heads, d, dtype=torch.bfloat16)
+            if decode:
+                plan = rows_plan(q, keys, values, segments, mask, None)
+                if plan is not None and len(plan[0]) == t and not plan[2]:
+                    spans, keep, _ = plan
+                    attend_rows_native(q, keys, values, spans, keep, layer.struct.scale,
+                                       layer.struct.softcap, a.permute(1, 0, 2).unsqueeze(0))
+                    out = layer.post_attn_rows(rows, a.view(t, heads * d))
+            else:
+                self._attend_segments(q, keys, values, named, segments, q_scaled=True,
+                                      out=a.permute(1, 0, 2).unsqueeze(0))
                 out = layer.post_attn_rows(rows, a.view(t, heads * d))
         if out is None:  # the torch path from the attention on (the cache is updated)
             attn = self._attend(q, keys, values, named, 1, t, q_scaled=True, segments=segments)
             return self._after_attention(x, named, attn)
-        self._path = "paged_native"
+        self._path = "paged_native" if decode else "paged_native_mixed"
         return out.view(1, t, -1)
 
     def native_token(self, layer: native_decode.DecodeLayer, x: torch.Tensor,
@@ -695,16 +717,14 @@ class FusedBlock:
         q_scaled: q already carries OPT's query scaling (the native decode layer's q).
         segments: the packed requests of a continuous-batching row (paged.segments), each
         attending over its own keys."""
+        if segments is not None:  # no ALiBi here (paged.layout_why sends it to HF)
+            return self._project_out(self._attend_segments(q, k, v, named, segments, q_scaled),
+                                     b, s)
         scale = self.spec.scale
         if self.spec.scale_query:  # OPT scales q before QK^T; keep its rounding in half precision
             q, scale = (q if q_scaled else q * scale), 1.0
         mask = named.get("attention_mask")
         sinks = getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None
-        if segments is not None:  # no ALiBi here (paged.layout_why sends it to HF)
-            out = attention_segments(q, k, v, segments, scale=scale, mask=mask,
-                                     backend=self.backend, softcap=self.spec.attn_softcap,
-                                     sinks=sinks)
-            return self._project_out(out, b, s)
         bias = self._alibi(named, b)
         if mask is None and s > 1 and k.shape[2] > s:
             # HF passes no mask only when SDPA's *top-left* causal rule is right, e.g. a
@@ -716,6 +736,20 @@ class FusedBlock:
             backend=self.backend, softcap=self.spec.attn_softcap, sinks=sinks,
         )  # [B, H, S, D]
         return self._project_out(out, b, s)
+
+    def _attend_segments(self, q: torch.Tensor, k: Any, v: Any, named: dict,
+                         segments: list[tuple[int, int, int, int]], q_scaled: bool = False,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention [1, H, T, D] of a continuous-batching row's requests, each over its own
+        keys (attention_segments; written into `out` when given), before the output
+        projection. q_scaled as in _attend."""
+        scale = self.spec.scale
+        if self.spec.scale_query:  # as in _attend
+            q, scale = (q if q_scaled else q * scale), 1.0
+        sinks = getattr(self._attn, self.policy.sinks_attr) if self.spec.sinks else None
+        return attention_segments(q, k, v, segments, scale=scale,
+                                  mask=named["attention_mask"], backend=self.backend,
+                                  softcap=self.spec.attn_softcap, sinks=sinks, out=out)
 
     def _project_out(self, out: torch.Tensor, b: int, s: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:

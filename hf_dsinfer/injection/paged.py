@@ -211,7 +211,9 @@ def segments(mask: torch.Tensor, cu_q: Any, cu_k: Any
     mask [1, 1, T, K] lets each request's queries read its own keys only; None when it does not
     (or the offsets are missing or do not cover the row): then attention runs over the whole
     row with the mask, as HF's does. Attending per segment computes the same softmax over the
-    same unmasked keys, and skips the T x K block products of other requests' keys."""
+    same unmasked keys, and skips the T x K block products of other requests' keys. One request
+    is one segment: its keys stay in the cache (read_in_place) and a causal block attends
+    without the mask (kernels.attention.causal_segments)."""
     if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
         return None
     qs, ks = cu_q.tolist(), cu_k.tolist()
@@ -252,8 +254,8 @@ def _block_diagonal(mask: torch.Tensor, qs: list[int], ks: list[int]
             or qs != sorted(qs) or ks != sorted(ks)):
         return None
     found = [(q0, q1, k0, k1) for q0, q1, k0, k1 in zip(qs, qs[1:], ks, ks[1:]) if q1 > q0]
-    if len(found) < 2:
-        return None  # one request: the whole row already is its segment
+    if not found:
+        return None
     allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] > torch.finfo(mask.dtype).min
     own = torch.zeros_like(allowed)
     for q0, q1, k0, k1 in found:

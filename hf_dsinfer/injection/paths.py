@@ -9,6 +9,8 @@ A block's call ends in one of:
     paged        the same over continuous batching's packed rows and paged KV cache
     paged_native continuous batching's decode-only forwards (one token per request) in the
                  native layer: one request the batch-1 one, several the batched one
+    paged_native_mixed  continuous batching's forwards with prefill chunks in the native
+                 batched layer (every packed token a row), torch attention per request
     native       one token of one sequence in the native layer (two C calls, HF's cache between)
     native_rows  one token of each of several sequences in the native batched layer
     native_in    native projections, then torch attention (a cache or mask the kernel can't read)
@@ -24,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-PATHS = ("hf", "torch", "paged", "paged_native", "native", "native_rows", "native_in",
-         "step_loop", "step_chain", "cache_attend")
+PATHS = ("hf", "torch", "paged", "paged_native", "paged_native_mixed", "native", "native_rows",
+         "native_in", "step_loop", "step_chain", "cache_attend")
 
 
 @dataclasses.dataclass

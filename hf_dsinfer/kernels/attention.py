@@ -373,7 +373,8 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        segments: list[tuple[int, int, int, int]], *, scale: float,
                        mask: torch.Tensor, backend: str | None = None,
                        softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` of packed requests, each over its own keys: q [1, Hq, T, D] holds the queries
     of several sequences one after another, k / v [1, Hkv, K, D] their keys, and `segments`
     (q0, q1, k0, k1) says that queries q0:q1 read only keys k0:k1 (mask [1, 1, T, K] masks every
@@ -386,8 +387,14 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sinks, a mask of keep / masked only), instead of one torch call per request.
 
     k and v may be SlotRows (both over one index tensor): keys left in a paged cache. The native
-    kernel then reads them in place and each other segment gathers its own keys only."""
-    out = q.new_empty(q.shape)
+    kernel then reads them in place and each other segment gathers its own keys only.
+
+    A segment whose block of the mask is the causal rule (query i of n sees its request's keys
+    up to k1 - k0 - n + i: a prefill chunk after the request's earlier tokens) is attended with
+    causal=True and no mask (`causal_segments`, checked once per forward): the same attention,
+    to the bit (tests/kernels/test_attend_rows.py), without building an additive mask per call.
+    out: the [1, Hq, T, D] tensor to write (any strides); by default a new one."""
+    out = q.new_empty(q.shape) if out is None else out
     rest = segments
     if _dispatch.resolve(backend, q.device) == "cpu":
         plan = rows_plan(q, k, v, segments, mask, sinks)
@@ -395,12 +402,47 @@ def attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             spans, keep, rest = plan
             attend_rows_native(q, k, v, spans, keep, scale, softcap, out)
     in_slots = isinstance(k, SlotRows)
-    for q0, q1, k0, k1 in rest:
+    causal = causal_segments(rest, mask)
+    for (q0, q1, k0, k1), is_causal in zip(rest, causal, strict=True):
         ks, vs = (k.rows(k0, k1), v.rows(k0, k1)) if in_slots else (k[:, :, k0:k1], v[:, :, k0:k1])
         out[:, :, q0:q1] = attention(
-            q[:, :, q0:q1], ks, vs, scale=scale, mask=mask[..., q0:q1, k0:k1], backend=backend,
-            softcap=softcap, sinks=sinks)
+            q[:, :, q0:q1], ks, vs, scale=scale,
+            mask=None if is_causal else mask[..., q0:q1, k0:k1], causal=is_causal,
+            backend=backend, softcap=softcap, sinks=sinks)
     return out
+
+
+# The last (mask, segments) checked by causal_segments and its verdicts (as _last_plan).
+_last_causal: tuple = (None, None, None)
+
+
+def causal_segments(segments: list[tuple[int, int, int, int]], mask: torch.Tensor
+                    ) -> list[bool]:
+    """Per segment (q0, q1, k0, k1): True when its block of mask [1, 1, T, K] is exactly the
+    causal rule of `attention` (query i of the n = q1 - q0 sees keys j <= (k1 - k0) - n + i; an
+    additive mask 0 there, masked elsewhere), so that causal=True without the mask attends the
+    same keys with the same scores. Checked once per forward: every layer gets the same mask and
+    segments objects."""
+    global _last_causal
+    last = _last_causal
+    if last[0] is mask and last[1] is segments:
+        return last[2]
+    found = [_is_causal_block(mask, *seg) for seg in segments]
+    _last_causal = (mask, segments, found)
+    return found
+
+
+def _is_causal_block(mask: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> bool:
+    n, m = q1 - q0, k1 - k0
+    if mask.dim() != 4 or mask.shape[:2] != (1, 1) or n < 1 or m < n:
+        return False
+    block = mask[0, 0, q0:q1, k0:k1]
+    rule = (torch.arange(m, device=mask.device)[None, :]
+            <= torch.arange(n, device=mask.device)[:, None] + (m - n))
+    if block.dtype == torch.bool:
+        return bool(torch.equal(block, rule))
+    masked = block <= torch.finfo(block.dtype).min
+    return bool(torch.equal(~masked, rule) and (block[rule] == 0).all())
 
 
 # The last (mask, segments) planned and its plan: every layer of a forward gets the same mask and

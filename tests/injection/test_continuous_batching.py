@@ -299,6 +299,43 @@ def test_segments_attend_like_the_whole_row(window):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bool_mask", [False, True])
+def test_causal_prefill_segments_attend_without_the_mask(monkeypatch, dtype, bool_mask):
+    """Prefill chunks whose block of the mask is the causal rule (a fresh prompt, and a chunk
+    after 10 earlier tokens) attend with causal=True and no mask: the masked attention's bits.
+    A sliding window that masks keys, or a bias in the block, keeps the mask. Checked once per
+    forward (same mask and segments objects)."""
+    from tests.kernels.conftest import count_calls
+
+    q_lens, k_lens = (1, 5, 2, 3), (9, 5, 12, 3)
+    mask, cu_q, cu_k = _packed_mask(q_lens, k_lens)
+    mask = mask == 0 if bool_mask else mask.to(dtype)
+    found = paged.segments(mask, cu_q, cu_k)
+    assert A.causal_segments(found, mask) == [True, True, True, True]
+    windowed, _, _ = _packed_mask(q_lens, k_lens, window=3)
+    assert A.causal_segments(found, windowed.to(dtype)) == [False, False, False, True]
+    biased = _packed_mask(q_lens, k_lens)[0].to(dtype)
+    biased[0, 0, 1, 9] = 0.5
+    assert A.causal_segments(found, biased) == [True, False, True, True]
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, sum(q_lens), 32, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, sum(k_lens), 32, generator=gen).to(dtype) for _ in range(2))
+    monkeypatch.setattr(A, "rows_plan", lambda *a: None)  # every segment through `attention`
+    seen = []
+    attention = A.attention
+    monkeypatch.setattr(A, "attention", lambda *a, **kw: seen.append(kw["causal"])
+                        or attention(*a, **kw))
+    checks = count_calls(monkeypatch, A, "_is_causal_block")
+    got = A.attention_segments(q, k, v, found, scale=0.2, mask=mask)
+    A.attention_segments(q, k, v, found, scale=0.2, mask=mask)  # the next layer: no new check
+    assert seen == [True] * 8 and len(checks) == 4
+    monkeypatch.setattr(A, "causal_segments", lambda segs, m: [False] * len(segs))
+    want = A.attention_segments(q, k, v, found, scale=0.2, mask=mask)
+    assert torch.equal(got, want)
+
+
 def test_segments_refused_where_a_query_reads_another_request():
     mask, cu_q, cu_k = _packed_mask((1, 2), (5, 3), leak=True)
     assert paged.segments(mask, cu_q, cu_k) is None
