@@ -11,6 +11,13 @@ EOS), so every configuration does the same work: the manager packs prefill chunk
 Before timing, each configuration's tokens are compared with HF's (the share that agree: bf16
 and int4 round differently, so greedy paths may part after a near-tie).
 
+Before every call the calling thread's OpenMP workers are released
+(hardware.release_openmp_threads), as an injected model's manager does when it starts: the
+manager computes on its own thread, and beside the caller's idle pool every parallel region of
+HF's would pay a wake-up (HF's SmolLM2 `generate_batch` ran at 55-63 tok/s with the caller's
+pool kept and 102-117 without it, on the 2-core Xeon). HF is measured without that handicap,
+whatever ran before it.
+
 Printed per configuration: output tok/s (generated tokens / wall seconds of generate_batch),
 all tok/s (prompt + generated), the ratio to HF, model forwards per run, and the weight bytes
 those forwards read as GB/s and as a fraction of the memory-read bandwidth measured in the same
@@ -31,7 +38,7 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 import hf_dsinfer
 from hf_dsinfer.benchmark import MODELS, _read_bytes
-from hf_dsinfer.hardware import read_bandwidth
+from hf_dsinfer.hardware import read_bandwidth, release_openmp_threads
 
 CONFIGS = {"hf": None, "bf16": {}, "int4": {"quant": {"bits": 4}}}
 
@@ -74,6 +81,7 @@ def run_once(model, inputs: list[list[int]], args: argparse.Namespace
     counter = ForwardCounter(model)
     try:
         with torch.inference_mode():
+            release_openmp_threads()  # for HF's manager too (see the module's docstring)
             start = time.perf_counter()
             out = model.generate_batch(inputs, generation_config=gen,
                                        continuous_batching_config=cb, warmup=False)
