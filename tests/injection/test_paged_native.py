@@ -202,3 +202,28 @@ def test_release_openmp_threads_frees_this_threads_pool():
     assert seen["released"]
     assert seen["after"] < seen["with_pool"]  # its workers ended
     assert torch.equal(seen["again"], seen["sum"])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2", "smollm3"])
+def test_family_options_in_the_mixed_forwards(family, monkeypatch):
+    """The 2026 Llama-like families' layer options (sandwich and post-only norms, (1 + w) norms,
+    GeGLU, soft-cap, q/k norms, sliding windows, NoPE layers, fp32 RoPE) through the native
+    forwards of continuous batching, prefill chunks included: the torch path's tokens."""
+    from tests.kernels.test_native_decode_families import CONFIGS
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.bfloat16).eval()
+    model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16)
+    _need_rows(model)
+    blocks = list(get_report(model).blocks.values())
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in LENGTHS]
+    with torch.inference_mode():
+        native = _generate_batch(model, prompts)
+        paths = [dict(b.paths.counts) for b in blocks]
+        switch(monkeypatch, native=False)
+        torch_path = _generate_batch(model, prompts)
+    assert all(p.get("paged_native", 0) > 0 for p in paths), paths
+    if blocks[0]._decode.rows_max >= sum(LENGTHS):  # the layer the calls built
+        assert all(p.get("paged_native_mixed", 0) > 0 for p in paths), paths
+    assert native == torch_path
