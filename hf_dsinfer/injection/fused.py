@@ -34,12 +34,7 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
-from hf_dsinfer.kernels.attention import (
-    SlotRows,
-    attend_rows_native,
-    attention_segments,
-    rows_plan,
-)
+from hf_dsinfer.kernels.attention import SlotRows, attention_segments
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
@@ -469,7 +464,7 @@ class FusedBlock:
         which weights). The checks are per call here; NativeDecodeStep makes them once per
         step for every layer and then calls `native_token` as this does."""
         if (paged_cache := paged.cache_of(self, named)) is not None:
-            return self._paged_decode(x, named, paged_cache)
+            return self._paged_native(x, named, paged_cache)
         b = x.shape[0]
         if x.shape[1] != 1 or not self._native_call(x, b):
             return None
@@ -513,19 +508,18 @@ class FusedBlock:
             return None, None, None
         return layer, cos, sin
 
-    def _paged_decode(self, x: torch.Tensor, named: dict, cache: Any) -> torch.Tensor | None:
+    def _paged_native(self, x: torch.Tensor, named: dict, cache: Any) -> torch.Tensor | None:
         """A continuous-batching forward by the native layer, when it takes the packed row's
         T tokens (bf16, T within the batched layer's rows_max; None, the torch path, otherwise,
         before the cache is touched):
-        - decode-only forwards (paged.decode_only: one token per request): one request the
-          batch-1 layer; several attn_in_rows, the paged cache's own update, each row attended
-          over its request's keys in one native call, post_attn_rows ("paged_native");
-        - forwards with prefill chunks: attn_in_rows over every packed token (each row rotated
-          at its own position), the cache's update, each request's queries attended over its
-          own keys (attention_segments: the decode rows in the native call, each prefill chunk
+        - one request's decode step (paged.decode_only, one token): the batch-1 layer;
+        - otherwise attn_in_rows over every packed token (each row rotated at its own
+          position), the paged cache's own update, each request's queries attended over its
+          own keys (attention_segments: the decode rows in one native call, each prefill chunk
           by torch's attention, causal without a mask where its block is), post_attn_rows over
-          every token ("paged_native_mixed"). Per token the same kernels and roundings as the
-          torch path, which computes the chunks' linears on these rows' AMX kernels too.
+          every token. Path "paged_native" for decode-only forwards, "paged_native_mixed" with
+          prefill chunks. Per token the same kernels and roundings as the torch path, which
+          computes the chunks' linears on these rows' AMX kernels too.
         Where the mask is not one the kernels read, the torch path from the attention on (the
         cache is updated)."""
         t = x.shape[1]
@@ -552,20 +546,12 @@ class FusedBlock:
             if usable and native_decode.cache_kv_usable(keys, values, self.spec.head_dim):
                 out = layer.attn_out(rows, q, keys, values, None if keep is None
                                      else keep.reshape(-1))
-        elif segments is not None:
+        elif segments is not None:  # decode rows in one native call, chunks by torch's
             heads, d = self.spec.num_heads, self.spec.head_dim
             a = torch.empty(t, heads, d, dtype=torch.bfloat16)
-            if decode:
-                plan = rows_plan(q, keys, values, segments, mask, None)
-                if plan is not None and len(plan[0]) == t and not plan[2]:
-                    spans, keep, _ = plan
-                    attend_rows_native(q, keys, values, spans, keep, layer.struct.scale,
-                                       layer.struct.softcap, a.permute(1, 0, 2).unsqueeze(0))
-                    out = layer.post_attn_rows(rows, a.view(t, heads * d))
-            else:
-                self._attend_segments(q, keys, values, named, segments, q_scaled=True,
-                                      out=a.permute(1, 0, 2).unsqueeze(0))
-                out = layer.post_attn_rows(rows, a.view(t, heads * d))
+            self._attend_segments(q, keys, values, named, segments, q_scaled=True,
+                                  out=a.permute(1, 0, 2).unsqueeze(0))
+            out = layer.post_attn_rows(rows, a.view(t, heads * d))
         if out is None:  # the torch path from the attention on (the cache is updated)
             attn = self._attend(q, keys, values, named, 1, t, q_scaled=True, segments=segments)
             return self._after_attention(x, named, attn)

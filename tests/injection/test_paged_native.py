@@ -1,7 +1,8 @@
-"""Continuous batching's decode-only forwards in the native decode layer (FusedBlock._paged_decode):
-every request of the packed row brings one token, so each block runs attn_in_rows, the paged
-cache's own update, one native attention call over each row's own keys and post_attn_rows (one
-request: the batch-1 layer). Counted by the block's path record ("paged_native") and the layer's
+"""Continuous batching's forwards in the native decode layer (FusedBlock._paged_native): each
+block runs attn_in_rows over every packed token, the paged cache's own update, each request's
+queries over its own keys (the decode rows in one native attention call, prefill chunks by
+torch's attention) and post_attn_rows (one request's decode step: the batch-1 layer). Decode-only
+forwards count as "paged_native", forwards with prefill chunks as "paged_native_mixed". Counted by the block's path record ("paged_native") and the layer's
 call counters; tokens equal to the torch path's (the same kernels for the linears, per-row code
 between them); calls the layer does not take go to the torch path.
 
@@ -26,9 +27,9 @@ from transformers import (
 import hf_dsinfer
 from hf_dsinfer import hardware
 from hf_dsinfer.injection.walker import get_report
-from hf_dsinfer.kernels import _native
+from hf_dsinfer.kernels import _native, attention
 from hf_dsinfer.kernels import decode as native_decode
-from tests.kernels.conftest import pin_crossovers
+from tests.kernels.conftest import count_calls, pin_crossovers
 from tests.kernels.test_native_decode import _BASE  # head_dim 32: the native decode layer builds
 from tests.switches import switch
 
@@ -90,9 +91,11 @@ def test_decode_rows_run_the_native_layer(grad_mode, monkeypatch):
     context = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
     before = _counts(model)
     blocks = list(get_report(model).blocks.values())
+    rows_attended = count_calls(monkeypatch, attention, "attend_rows_native")
     with context():
         native = _generate_batch(model, _prompts())
         after = _counts(model)
+        assert len(rows_attended) >= len(blocks)  # the decode rows in the native kernel
         paths = [dict(b.paths.counts) for b in blocks]
         switch(monkeypatch, native=False)
         torch_path = _generate_batch(model, _prompts())
