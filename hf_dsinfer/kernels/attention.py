@@ -487,7 +487,11 @@ def _plan_rows(segments, mask):
         if not bool(((block == 0) | masked).all()):
             return None
         keep = ~masked
-    keep = None if bool(keep.all()) else keep.to(torch.uint8).contiguous()
+    # the kernel reads keep only inside each row's span: None where no key in a span is masked
+    # (continuous batching: the other requests' keys are masked, and only they)
+    keys = torch.arange(keep.shape[-1])
+    inside = (keys >= spans[:, 1:2]) & (keys < spans[:, 2:3])
+    keep = None if bool((keep | ~inside).all()) else keep.to(torch.uint8).contiguous()
     rest = [seg for seg in segments if seg[1] - seg[0] != 1]
     return spans, keep, rest
 

@@ -143,3 +143,47 @@ def test_keys_in_place_without_the_native_rows(monkeypatch):
 def test_slot_rows_refuses_bad_shapes():
     with pytest.raises(ValueError, match=r"expected slots \[S, Hkv, D\] and a 1-D index"):
         A.SlotRows(torch.zeros(4, 2), torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("rep", [2, 3, 8, 12])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("case", ["plain", "window", "softcap", "slots"])
+def test_heads_sharing_a_kv_head_equal_one_head_at_a_time(rep, d, case):
+    """The kernel attends the query heads that share a kv head together (csrc/cpu_decode.c:
+    attend_heads: each key and value row read once for up to 8 heads, 16 keys' dot products
+    reduced at once): the same bits as the same heads over their own copy of the kv head
+    (rep 1, one head at a time), with keys a window masks, a soft-cap, keys read in place, and
+    spans of 1 to 40 keys (the 16-key blocks' tails)."""
+    gen = torch.Generator().manual_seed(rep * d)
+    lens = [1, 7, 16, 17, 40, 33]
+    n, hkv, keys = len(lens), 2, sum(lens)
+    ends = torch.tensor(lens).cumsum(0)
+    spans = torch.stack([torch.arange(n), ends - torch.tensor(lens), ends], 1).contiguous()
+    q = torch.randn(1, hkv * rep, n, d, generator=gen).bfloat16()
+    k, v = (torch.randn(1, hkv, keys, d, generator=gen).bfloat16() for _ in range(2))
+    keep = None
+    if case == "window":  # each row reads only its last 5 keys
+        keep = torch.zeros(n, keys, dtype=torch.uint8)
+        for i, (_, k0, k1) in enumerate(spans.tolist()):
+            keep[i, max(k0, k1 - 5):k1] = 1
+    softcap = 5.0 if case == "softcap" else None
+    wide_k, wide_v = (x.repeat_interleave(rep, dim=1).contiguous() for x in (k, v))
+    if case == "slots":
+        k, v = _in_slots(k, v)
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    A.attend_rows_native(q, wide_k, wide_v, spans, keep, 0.125, softcap, want)
+    A.attend_rows_native(q, k, v, spans, keep, 0.125, softcap, got)
+    assert torch.equal(got, want)
+    assert got.abs().sum() > 0
+
+
+def test_rows_plan_drops_a_keep_that_masks_only_other_requests_keys():
+    """Continuous batching's mask masks each decode row's view of the other requests' keys;
+    the kernel reads only the row's own span, so the plan passes no keep matrix unless a key
+    inside a span is masked (a window)."""
+    *_, found, mask = _packed()
+    spans, keep, _ = A._plan_rows(found, mask)
+    assert keep is None and spans.shape[0] == 3
+    *_, found, mask = _packed(window=3)
+    spans, keep, _ = A._plan_rows(found, mask)
+    assert keep is not None and keep.dtype == torch.uint8

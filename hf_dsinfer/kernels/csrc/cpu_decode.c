@@ -651,6 +651,19 @@ static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
 
 #define MAX_D 256 /* head_dim the attention's accumulators hold (injection/native_layer.py) */
 
+static inline __attribute__((always_inline)) float key_dot(const uint16_t *q, const uint16_t *kr,
+                                                           int64_t d);
+static inline float softmax_probs(float *sc, int64_t s0, int64_t sk, float scale, float softcap);
+
+/* The first key a sliding window (window > 0) lets the query read: the query's key is the last
+   one keep allows. 0 without a window. */
+static inline int64_t window_start(const uint8_t *keep, int64_t sk, int64_t window) {
+    if (window <= 0) return 0;
+    int64_t last = sk - 1;
+    while (keep && last >= 0 && !keep[last]) last--;
+    return last + 1 > window ? last + 1 - window : 0;
+}
+
 /* One query head against sk cached keys: o = softmax(q . k * scale) v. Without a soft-cap,
    torch's CPU flash attention numerics (see the header); with one (softcap != 0), the torch
    path's eager numerics: bf16 scores (softcap_scores), fp32 softmax normalized before its
@@ -663,66 +676,19 @@ static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
 static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uint16_t *vc,
                    int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
                    float softcap, int64_t window, float *sc, uint16_t *o, const int64_t *ix) {
-    int64_t s0 = 0;
-    if (window > 0) {
-        int64_t last = sk - 1;
-        while (keep && last >= 0 && !keep[last]) last--;
-        s0 = last + 1 > window ? last + 1 - window : 0;
-    }
-    float mx = -INFINITY;
+    const int64_t s0 = window_start(keep, sk, window);
     for (int64_t s = s0; s < sk; s++) {
         if (keep && !keep[s]) {
             sc[s] = -INFINITY;
             continue;
         }
-#if HFD_AVX2_DOTS
-        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t c = 0; c < d; c += 32) {
-            __m256 qh[2], ql[2];
-            hfd_bf16_split(q + c, qh, ql);
-            hfd_dpbf16_avx2(a, kc + (ix ? ix[s] : s) * kss + c, qh, ql);
-        }
-        sc[s] = hfd_reduce16_ps(a[0], a[1]);
-#else
-        __m512 acc = _mm512_setzero_ps();
-        const uint16_t *kr = kc + (ix ? ix[s] : s) * kss;
-        for (int64_t c = 0; c < d; c += 32)
-            acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
-                                   as_bh(_mm512_loadu_si512(q + c)));
-        sc[s] = _mm512_reduce_add_ps(acc);
-#endif
+        sc[s] = key_dot(q, kc + (ix ? ix[s] : s) * kss, d);
         if (softcap == 0.f) sc[s] *= scale;
     }
-    if (softcap != 0.f) {
-        for (int64_t s = s0; s < sk; s += 16) {
-            __mmask16 mk = mask16(sk - s);
-            __m512 v = _mm512_maskz_loadu_ps(mk, sc + s);
-            __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & mk;
-            _mm512_mask_storeu_ps(sc + s, live, softcap_scores(v, scale, softcap));
-        }
-    }
-    for (int64_t s = s0; s < sk; s++)
-        if (sc[s] > mx) mx = sc[s];
-    if (mx == -INFINITY) { /* nothing to attend (a padding row): zeros, never NaN */
+    const float total = softmax_probs(sc, s0, sk, scale, softcap);
+    if (total == 0.f) { /* nothing to attend (a padding row): zeros, never NaN */
         memset(o, 0, (size_t)d * 2);
         return;
-    }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t s = s0; s < sk; s += 16) {
-        __mmask16 mk = mask16(sk - s);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + s), _mm512_set1_ps(mx)));
-        e = _mm512_maskz_mov_ps(mk, e);
-        sum = _mm512_add_ps(sum, e);
-        _mm512_mask_storeu_ps(sc + s, mk, softcap == 0.f ? bf16_round(e) : e);
-    }
-    const float total = _mm512_reduce_add_ps(sum);
-    if (softcap != 0.f) { /* normalized, then rounded: probs.to(bf16) */
-        const __m512 inv = _mm512_set1_ps(1.0f / total);
-        for (int64_t s = s0; s < sk; s += 16) {
-            __mmask16 mk = mask16(sk - s);
-            _mm512_mask_storeu_ps(sc + s, mk,
-                                  bf16_round(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + s), inv)));
-        }
     }
 #if HFD_AVX2_DOTS
     { /* the same fmas per lane, in 256-bit halves (d % 32 == 0) */
@@ -752,6 +718,239 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
     }
     __m512 inv = _mm512_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
     for (int64_t i = 0; i < vecs; i++) store16_bf16(o + i * 16, 0xFFFF, _mm512_mul_ps(acc[i], inv));
+}
+
+/* q . k of one query head and one key row: vdpbf16ps over d (d % 32 == 0), its lanes summed in
+   gcc's _mm512_reduce_add_ps order; on the avx2 tier the same sums lane for lane. */
+static inline __attribute__((always_inline)) float key_dot(const uint16_t *q, const uint16_t *kr,
+                                                           int64_t d) {
+#if HFD_AVX2_DOTS
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < d; c += 32) {
+        __m256 qh[2], ql[2];
+        hfd_bf16_split(q + c, qh, ql);
+        hfd_dpbf16_avx2(a, kr + c, qh, ql);
+    }
+    return hfd_reduce16_ps(a[0], a[1]);
+#else
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32)
+        acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
+                               as_bh(_mm512_loadu_si512(q + c)));
+    return _mm512_reduce_add_ps(acc);
+#endif
+}
+
+/* The scores sc[s0 .. sk) (q . k * scale without a soft-cap, q . k with one; masked keys -inf)
+   -> what the sum over v reads: without a soft-cap exp(s - max) rounded to bf16 (the sum is
+   divided by the returned total after), with one the normalized probabilities rounded to bf16.
+   Returns the sum of the exponentials (>= 1), or 0 where every key is masked. */
+static inline float softmax_probs(float *sc, int64_t s0, int64_t sk, float scale, float softcap) {
+    if (softcap != 0.f) {
+        for (int64_t s = s0; s < sk; s += 16) {
+            __mmask16 mk = mask16(sk - s);
+            __m512 v = _mm512_maskz_loadu_ps(mk, sc + s);
+            __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & mk;
+            _mm512_mask_storeu_ps(sc + s, live, softcap_scores(v, scale, softcap));
+        }
+    }
+    float mx = -INFINITY;
+    for (int64_t s = s0; s < sk; s++)
+        if (sc[s] > mx) mx = sc[s];
+    if (mx == -INFINITY) return 0.f;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = s0; s < sk; s += 16) {
+        __mmask16 mk = mask16(sk - s);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + s), _mm512_set1_ps(mx)));
+        e = _mm512_maskz_mov_ps(mk, e);
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(sc + s, mk, softcap == 0.f ? bf16_round(e) : e);
+    }
+    const float total = _mm512_reduce_add_ps(sum);
+    if (softcap != 0.f) { /* normalized, then rounded: probs.to(bf16) */
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        for (int64_t s = s0; s < sk; s += 16) {
+            __mmask16 mk = mask16(sk - s);
+            _mm512_mask_storeu_ps(sc + s, mk,
+                                  bf16_round(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + s), inv)));
+        }
+    }
+    return total;
+}
+
+#if defined(__AVX512F__)
+/* The horizontal sums of 16 vectors at once, lane s of the result the sum of v[s] in
+   _mm512_reduce_add_ps's order (lanes i and i + 8, then i and i + 4, then i and i + 2, then
+   the last pair: the same adds, so the same bits), by 30 shuffles, 15 adds and a permute
+   instead of 16 reductions of about 8 operations each. */
+static inline __attribute__((always_inline)) __m512 reduce_add_16x16(const __m512 v[16]) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) /* [v.l2 + v.l0, v.l3 + v.l1] of keys 2i, 2i + 1 (128-bit lanes) */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 4; i++) /* lane L: the 4 sums of i and i + 4 of key 4i + L */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int i = 0; i < 2; i++) /* lane L: the 2 sums of i and i + 2 of keys 8i + L, 8i + 4 + L */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane L, element m: the sum of key L + 4m */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, f);
+}
+#endif
+
+/* The scores of g query heads (head h's query at q + h * qhs) over keys s0 .. sk of one kv
+   head, into sc + h * sk: q . k * scale without a soft-cap, q . k with one (softmax_probs caps
+   them), -inf where keep masks the key. Each dot product is key_dot's. With AVX-512, 16 keys
+   at a time: their 16 vdpbf16ps sums reduced together (reduce_add_16x16, the same bits). */
+static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16_t *kc,
+                         int64_t kss, int64_t s0, int64_t sk, int64_t d, const uint8_t *keep,
+                         float scale, float softcap, float *sc, const int64_t *ix) {
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(softcap == 0.f ? scale : 1.0f);
+    for (int64_t s = s0; s < sk; s += 16) {
+        const int64_t nk = sk - s < 16 ? sk - s : 16;
+        const uint16_t *kr[16];
+        __mmask16 live = mask16(nk);
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t at = s + (j < nk ? j : 0);
+            kr[j] = kc + (ix ? ix[at] : at) * kss;
+            if (j < nk && keep && !keep[at]) live &= (__mmask16)~(1u << j);
+        }
+        for (int64_t h = 0; h < g; h++) {
+            const uint16_t *qh = q + h * qhs;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 32) {
+                const __m512bh qc = as_bh(_mm512_loadu_si512(qh + c));
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], as_bh(_mm512_loadu_si512(kr[j] + c)), qc);
+            }
+            __m512 r = reduce_add_16x16(acc);
+            if (softcap == 0.f) r = _mm512_mul_ps(r, sv);
+            r = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), r);
+            _mm512_mask_storeu_ps(sc + h * sk + s, mask16(nk), r);
+        }
+    }
+#else
+    for (int64_t s = s0; s < sk; s++) {
+        if (keep && !keep[s]) {
+            for (int64_t h = 0; h < g; h++) sc[h * sk + s] = -INFINITY;
+            continue;
+        }
+        const uint16_t *kr = kc + (ix ? ix[s] : s) * kss;
+        for (int64_t h = 0; h < g; h++) {
+            const float dot = key_dot(q + h * qhs, kr, d);
+            sc[h * sk + s] = softcap == 0.f ? dot * scale : dot;
+        }
+    }
+#endif
+}
+
+#define GROUP_MAX 8 /* query heads attend_heads takes at once */
+
+/* The sum over v of G heads at once (G <= GROUP_MAX, a literal at each call): head h's
+   probabilities at sc + h * scs, its output o + h * ohs times inv[h]. Each v row is loaded once
+   for the G heads, 32 dims at a time, and each head's sums are attend's lane for lane, key
+   after key: attend skips a key whose probability is 0, this skips only keys keep masks and
+   adds the others' 0 * v, which leaves a sum that starts at +0 as it was (it cannot become -0)
+   wherever v is finite. */
+static inline __attribute__((always_inline)) void pv_heads(
+        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
+        int64_t sk, int64_t d, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
+        const int64_t *ix) {
+#if HFD_AVX2_DOTS
+    for (int64_t i = 0; i < d; i += 16) {
+        __m256 acc[GROUP_MAX][2];
+        for (int h = 0; h < G; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (int64_t s = s0; s < sk; s++) {
+            if (keep && !keep[s]) continue;
+            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
+            const __m256 v0 = hfd_load8(vr, i, DT_BF16, 8), v1 = hfd_load8(vr, i + 8, DT_BF16, 8);
+            for (int h = 0; h < G; h++) {
+                const __m256 p = _mm256_set1_ps(sc[h * scs + s]);
+                acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m256 iv = _mm256_set1_ps(inv[h]);
+            hfd_store8_bf16(o + h * ohs + i, _mm256_mul_ps(acc[h][0], iv));
+            hfd_store8_bf16(o + h * ohs + i + 8, _mm256_mul_ps(acc[h][1], iv));
+        }
+    }
+#else
+    for (int64_t i = 0; i < d; i += 32) {
+        __m512 acc[GROUP_MAX][2];
+        for (int h = 0; h < G; h++) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+        for (int64_t s = s0; s < sk; s++) {
+            if (keep && !keep[s]) continue;
+            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
+            const __m512 v0 = load16(vr, i, DT_BF16, 0xFFFF);
+            const __m512 v1 = load16(vr, i + 16, DT_BF16, 0xFFFF);
+            for (int h = 0; h < G; h++) {
+                const __m512 p = _mm512_set1_ps(sc[h * scs + s]);
+                acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
+                acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m512 iv = _mm512_set1_ps(inv[h]);
+            store16_bf16(o + h * ohs + i, 0xFFFF, _mm512_mul_ps(acc[h][0], iv));
+            store16_bf16(o + h * ohs + i + 16, 0xFFFF, _mm512_mul_ps(acc[h][1], iv));
+        }
+    }
+#endif
+}
+
+/* attend for g query heads that read one kv head (GQA): head h's query at q + h * qhs, its
+   output at o + h * ohs. The same bits as g calls of attend (each score, probability and sum
+   computed by the same operations in the same order), with each key and value row read once
+   for all g heads instead of g times. sc: min(g, GROUP_MAX) * sk floats of scratch. */
+static void attend_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16_t *kc,
+                         int64_t kss, const uint16_t *vc, int64_t vss, int64_t sk, int64_t d,
+                         const uint8_t *keep, float scale, float softcap, int64_t window,
+                         float *sc, uint16_t *o, int64_t ohs, const int64_t *ix) {
+    for (; g > GROUP_MAX; g -= GROUP_MAX, q += GROUP_MAX * qhs, o += GROUP_MAX * ohs)
+        attend_heads(q, qhs, GROUP_MAX, kc, kss, vc, vss, sk, d, keep, scale, softcap, window,
+                     sc, o, ohs, ix);
+    if (g == 1) {
+        attend(q, kc, kss, vc, vss, sk, d, keep, scale, softcap, window, sc, o, ix);
+        return;
+    }
+    const int64_t s0 = window_start(keep, sk, window);
+    scores_heads(q, qhs, g, kc, kss, s0, sk, d, keep, scale, softcap, sc, ix);
+    float inv[GROUP_MAX];
+    for (int64_t h = 0; h < g; h++) {
+        const float total = softmax_probs(sc + h * sk, s0, sk, scale, softcap);
+        if (total == 0.f) { /* attend's zeros: no key adds to this head's sums */
+            for (int64_t s = s0; s < sk; s++) sc[h * sk + s] = 0.f;
+            inv[h] = 0.f;
+        } else {
+            inv[h] = softcap == 0.f ? 1.0f / total : 1.0f;
+        }
+    }
+    switch (g) {
+        case 2: pv_heads(sc, sk, 2, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 3: pv_heads(sc, sk, 3, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 4: pv_heads(sc, sk, 4, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 5: pv_heads(sc, sk, 5, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 6: pv_heads(sc, sk, 6, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 7: pv_heads(sc, sk, 7, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        default: pv_heads(sc, sk, 8, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+    }
+}
+
+/* Query heads per work item of an attention over `units` (rows x kv heads) with rep query
+   heads per kv head: as many as share a kv head (up to GROUP_MAX), halved while that leaves
+   fewer than 4 items per thread. */
+static int64_t heads_per_item(int64_t units, int64_t rep, int nt) {
+    int64_t g = rep < GROUP_MAX ? rep : GROUP_MAX;
+    while (g > 1 && units * ((rep + g - 1) / g) < 4 * (int64_t)nt) g = (g + 1) / 2;
+    return g;
 }
 
 /* torch's tanh-approximated GELU of fp32 lanes: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
@@ -823,7 +1022,8 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
     uint16_t *x1 = (uint16_t *)malloc((size_t)H * 2);    /* x + attention */
     uint16_t *h = (uint16_t *)malloc((size_t)H * 2);     /* norm of x1 */
     float *y = (float *)malloc((size_t)(2 * I + H) * sizeof(float));
-    float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
+    const int64_t gh = heads_per_item(L->kv_heads, rep, nt), per = (rep + gh - 1) / gh;
+    float *sc = (float *)malloc((size_t)(nt * gh * sk) * sizeof(float));
     if (!a || !x1 || !h || !y || !sc || scratch_init(&s, kmax)) {
         free(a); free(x1); free(h); free(y); free(sc);
         return -2;
@@ -834,11 +1034,14 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
     float *oy[1] = {y}, *gy[2] = {y, y + I}, *dy[1] = {y + 2 * I};
 #pragma omp parallel num_threads(nt)
     {
-        float *mine = sc + (int64_t)omp_get_thread_num() * sk;
+        float *mine = sc + (int64_t)omp_get_thread_num() * gh * sk;
 #pragma omp for schedule(static)
-        for (int64_t hq = 0; hq < L->heads; hq++)
-            attend(q + hq * d, kc + (hq / rep) * khs, kss, vc + (hq / rep) * vhs, vss, sk, d,
-                   keep, L->scale, L->softcap, L->window, mine, a + hq * d, NULL);
+        for (int64_t w = 0; w < L->kv_heads * per; w++) { /* gh heads of kv head j at a time */
+            const int64_t j = w / per, h0 = j * rep + (w % per) * gh;
+            const int64_t g = (j + 1) * rep - h0 < gh ? (j + 1) * rep - h0 : gh;
+            attend_heads(q + h0 * d, d, g, kc + j * khs, kss, vc + j * vhs, vss, sk, d, keep,
+                         L->scale, L->softcap, L->window, mine, a + h0 * d, d, NULL);
+        }
 #pragma omp single
         inputs_for(o_lin, 1, a, &s, in);
         lin_rows(o_lin, in, 1, oy);
@@ -1214,19 +1417,22 @@ int hfd_decode_attn_out_rows(const hfd_layer *L, int64_t rows, const uint16_t *x
     const int64_t d = L->head_dim, rep = L->heads / L->kv_heads, nq = L->heads * d;
     const int nt = nthreads > 0 ? nthreads : 1;
     uint16_t *a = (uint16_t *)malloc((size_t)(rows * nq) * 2); /* the attention output */
-    float *sc = (float *)malloc((size_t)(nt * sk) * sizeof(float));
+    const int64_t gh = heads_per_item(rows * L->kv_heads, rep, nt), per = (rep + gh - 1) / gh;
+    float *sc = (float *)malloc((size_t)(nt * gh * sk) * sizeof(float));
     int rc = (!a || !sc) ? -2 : 0;
     if (!rc) {
 #pragma omp parallel num_threads(nt)
         {
-            float *mine = sc + (int64_t)omp_get_thread_num() * sk;
+            float *mine = sc + (int64_t)omp_get_thread_num() * gh * sk;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < rows * L->heads; t++) {
-                int64_t r = t / L->heads, hq = t % L->heads;
-                attend(q + r * nq + hq * d, kc + r * kbs + (hq / rep) * khs, kss,
-                       vc + r * vbs + (hq / rep) * vhs, vss, sk, d,
-                       keep ? keep + r * keep_stride : NULL, L->scale, L->softcap, L->window, mine,
-                       a + r * nq + hq * d, NULL);
+            for (int64_t t = 0; t < rows * L->kv_heads * per; t++) {
+                const int64_t r = t / (L->kv_heads * per), w = t % (L->kv_heads * per);
+                const int64_t j = w / per, h0 = j * rep + (w % per) * gh;
+                const int64_t g = (j + 1) * rep - h0 < gh ? (j + 1) * rep - h0 : gh;
+                attend_heads(q + r * nq + h0 * d, d, g, kc + r * kbs + j * khs, kss,
+                             vc + r * vbs + j * vhs, vss, sk, d,
+                             keep ? keep + r * keep_stride : NULL, L->scale, L->softcap,
+                             L->window, mine, a + r * nq + h0 * d, d, NULL);
             }
         }
         rc = hfd_decode_post_attn_rows(L, rows, x, a, out, bounds, nt);
@@ -1259,19 +1465,24 @@ int hfd_attend_rows(const uint16_t *q, int64_t qhs, int64_t qts, const uint16_t 
     }
     const int64_t rep = heads / kv_heads;
     const int nt = nthreads > 0 ? nthreads : 1;
-    float *sc = (float *)malloc((size_t)(nt * (most + 16)) * sizeof(float));
+    const int64_t gh = heads_per_item(n * kv_heads, rep, nt), per = (rep + gh - 1) / gh;
+    const int chunk = gh > 1 ? 1 : 4; /* work items of one head: a few per grab */
+    float *sc = (float *)malloc((size_t)(nt * gh * most + 16) * sizeof(float));
     if (!sc) return -2;
 #pragma omp parallel num_threads(nt)
     {
-        float *mine = sc + (int64_t)omp_get_thread_num() * (most + 16);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t w = 0; w < n * heads; w++) {
-            const int64_t i = w / heads, h = w % heads, g = h / rep;
+        float *mine = sc + (int64_t)omp_get_thread_num() * gh * most;
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t w = 0; w < n * kv_heads * per; w++) { /* gh heads of kv head g at a time */
+            const int64_t i = w / (kv_heads * per), u = w % (kv_heads * per);
+            const int64_t g = u / per, h = g * rep + (u % per) * gh;
+            const int64_t nh = (g + 1) * rep - h < gh ? (g + 1) * rep - h : gh;
             const int64_t t = spans[3 * i], k0 = spans[3 * i + 1], sk = spans[3 * i + 2] - k0;
             const int64_t at = slots ? 0 : k0; /* slots: key j of the spans is slot slots[j] */
-            attend(q + h * qhs + t * qts, k + g * khs + at * kss, kss, v + g * vhs + at * vss,
-                   vss, sk, d, keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0,
-                   mine, out + h * ohs + t * ots, slots ? slots + k0 : NULL);
+            attend_heads(q + h * qhs + t * qts, qhs, nh, k + g * khs + at * kss, kss,
+                         v + g * vhs + at * vss, vss, sk, d,
+                         keep ? keep + i * keep_stride + k0 : NULL, scale, softcap, 0, mine,
+                         out + h * ohs + t * ots, ohs, slots ? slots + k0 : NULL);
         }
     }
     free(sc);
