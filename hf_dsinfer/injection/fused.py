@@ -539,9 +539,7 @@ class FusedBlock:
         keys, values, segments = paged.update(self, cache, k, v, named)
         mask = named["attention_mask"]
         out = None
-        if t == 1:
-            if isinstance(keys, SlotRows):  # the batch-1 layer reads a [1, kv, K, d] tensor
-                keys, values = keys.rows(), values.rows()
+        if t == 1:  # the batch-1 layer reads keys left in the cache through the read index
             usable, keep = native_decode.keep_rows(mask, 1, keys.shape[2])
             if usable and native_decode.cache_kv_usable(keys, values, self.spec.head_dim):
                 out = layer.attn_out(rows, q, keys, values, None if keep is None

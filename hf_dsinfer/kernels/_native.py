@@ -241,6 +241,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_decode_attn_in.restype = i32
     lib.hfd_decode_attn_out.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, p, i32]
     lib.hfd_decode_attn_out.restype = i32
+    lib.hfd_decode_attn_out_slots.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, p, p,
+                                              i32]
+    lib.hfd_decode_attn_out_slots.restype = i32
     lib.hfd_decode_layers.argtypes = [p, i64, p, p, p, p, p, p, i64, p, p, i32]
     lib.hfd_decode_layers.restype = i32
     lib.hfd_int4_linear.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]

@@ -353,7 +353,7 @@ class SlotRows:
             raise ValueError(f"SlotRows: expected slots [S, Hkv, D] and a 1-D index, got "
                              f"{tuple(slots.shape)} and {tuple(index.shape)}")
         self.slots = slots
-        self.index = index if index.dtype == torch.int64 else index.to(torch.int64)
+        self.index = index.to(torch.int64).contiguous()  # itself where it already is
 
     @property
     def shape(self) -> torch.Size:

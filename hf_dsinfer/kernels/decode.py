@@ -40,6 +40,7 @@ import torch
 
 from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.kernels import _native, crossovers
+from hf_dsinfer.kernels.attention import SlotRows
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT4,
@@ -158,13 +159,25 @@ class DecodeLayer:
     def attn_out(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None) -> torch.Tensor:
         """The rest of the layer: k, v [1, kv_heads, Sk, d] from the cache (last dim
-        contiguous), keep [Sk] uint8 or None."""
+        contiguous), or SlotRows over one index (keys left in a paged cache, read through the
+        index), keep [Sk] uint8 or None."""
         out = torch.empty_like(x)
         sk = k.shape[2]
-        code = self.lib.hfd_decode_attn_out(
-            self._ref, x.data_ptr(), q.data_ptr(), k.data_ptr(), k.stride(1), k.stride(2),
-            v.data_ptr(), v.stride(1), v.stride(2), sk, None if keep is None else keep.data_ptr(),
-            out.data_ptr(), torch.get_num_threads())
+        keep_ptr = None if keep is None else keep.data_ptr()
+        if isinstance(k, SlotRows):  # slots [S, kv_heads, d]: key j at slots[index[j]]
+            if not isinstance(v, SlotRows) or v.index is not k.index:
+                raise ValueError("attn_out: keys and values in a paged cache must be SlotRows "
+                                 "over one read index")
+            ks, vs = k.slots, v.slots
+            code = self.lib.hfd_decode_attn_out_slots(
+                self._ref, x.data_ptr(), q.data_ptr(), ks.data_ptr(), ks.stride(1), ks.stride(0),
+                vs.data_ptr(), vs.stride(1), vs.stride(0), sk, keep_ptr, k.index.data_ptr(),
+                out.data_ptr(), torch.get_num_threads())
+        else:
+            code = self.lib.hfd_decode_attn_out(
+                self._ref, x.data_ptr(), q.data_ptr(), k.data_ptr(), k.stride(1), k.stride(2),
+                v.data_ptr(), v.stride(1), v.stride(2), sk, keep_ptr, out.data_ptr(),
+                torch.get_num_threads())
         if code:
             _native.check(code, "hfd_decode_attn_out")
         self.calls += 1
@@ -387,7 +400,15 @@ def keep_rows(mask: torch.Tensor | None, rows: int, sk: int) -> tuple[bool, torc
 
 def cache_kv_usable(k: Any, v: Any, d: int, rows: int = 1) -> bool:
     """The cache's keys / values are what the kernels read: bf16 CPU [rows, heads, Sk, d] with
-    contiguous last dims (any other strides)."""
+    contiguous last dims (any other strides); for one row, also SlotRows over one index (keys
+    in a paged cache: attn_out reads them through it)."""
+    if isinstance(k, SlotRows):  # slots [S, heads, d] (the key and value views' S may differ)
+        ks, vs = k.slots, getattr(v, "slots", None)
+        return (rows == 1 and isinstance(v, SlotRows) and v.index is k.index
+                and ks.dtype == vs.dtype == torch.bfloat16
+                and ks.device.type == vs.device.type == "cpu"
+                and ks.shape[1:] == vs.shape[1:] and ks.shape[2] == d
+                and ks.stride(2) == 1 and vs.stride(2) == 1)
     return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16
             and k.device.type == "cpu" and v.device.type == "cpu"

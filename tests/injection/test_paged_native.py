@@ -26,6 +26,7 @@ from transformers import (
 
 import hf_dsinfer
 from hf_dsinfer import hardware
+from hf_dsinfer.injection import paged
 from hf_dsinfer.injection.fused import FusedBlock
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native, attention
@@ -111,13 +112,41 @@ def test_decode_rows_run_the_native_layer(grad_mode, monkeypatch):
 
 
 def test_one_request_runs_the_batch_one_layer(monkeypatch):
-    """A single request's decode steps run the batch-1 layer over its pages (counted)."""
+    """A single request's decode steps run the batch-1 layer over its pages (counted), reading
+    the keys where the cache keeps them (through the read index: no copy of them is made)."""
     model = _model(seed=1)
     prompt = _prompts((9,))
+    gathers, keys_read, checking = [], [], []
+    rows, attn_out = attention.SlotRows.rows, native_decode.DecodeLayer.attn_out
+    read_in_place = paged.read_in_place
+
+    def first_call_check(cache, *a):  # the allocator's one comparison with HF's own update
+        checking.append(paged._verified.get(cache.layer_to_allocator[a[2]]) is None)
+        try:
+            return read_in_place(cache, *a)
+        finally:
+            checking.pop()
+
+    monkeypatch.setattr(paged, "read_in_place", first_call_check)
+    monkeypatch.setattr(attention.SlotRows, "rows",
+                        lambda self, *a: gathers.append((a, any(checking))) or rows(self, *a))
+    monkeypatch.setattr(native_decode.DecodeLayer, "attn_out",
+                        lambda self, x, q, k, *a: keys_read.append(k) or attn_out(self, x, q, k, *a))
     with torch.inference_mode():
         before = _counts(model)
         native = _generate_batch(model, prompt)
         after = _counts(model)
+    assert len(keys_read) == after[0] - before[0] > 0
+    # the first decode step's update is HF's own (paged.read_in_place checks it), then in place
+    assert all(isinstance(k, attention.SlotRows) for k in keys_read[1:])
+    # none of the whole row (the prefill chunk's own keys only), but for the keys and values of
+    # the first-call check, which compares HF's update with the rows read in place
+    assert sum(1 for a, check in gathers if not a and check) <= 2
+    assert all(a for a, check in gathers if not check)
+    monkeypatch.setattr(attention.SlotRows, "rows", rows)
+    monkeypatch.setattr(paged, "read_in_place", read_in_place)
+    monkeypatch.setattr(native_decode.DecodeLayer, "attn_out", attn_out)
+    with torch.inference_mode():
         switch(monkeypatch, native=False)
         torch_path = _generate_batch(model, prompt)
     blocks = len(get_report(model).blocks)

@@ -1012,6 +1012,16 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
                         const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
                         int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
                         uint16_t *out, int nthreads) {
+    return hfd_decode_attn_out_slots(L, x, q, kc, khs, kss, vc, vhs, vss, sk, keep, NULL, out,
+                                     nthreads);
+}
+
+/* hfd_decode_attn_out with the keys read through slots (NULL: key s at kc + s * kss): key s is
+   the cache row slots[s], at kc + slots[s] * kss (likewise v), as a paged cache keeps them. */
+int hfd_decode_attn_out_slots(const hfd_layer *L, const uint16_t *x, const uint16_t *q,
+                              const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
+                              int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
+                              const int64_t *slots, uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d;
     const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
@@ -1040,7 +1050,7 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
             const int64_t j = w / per, h0 = j * rep + (w % per) * gh;
             const int64_t g = (j + 1) * rep - h0 < gh ? (j + 1) * rep - h0 : gh;
             attend_heads(q + h0 * d, d, g, kc + j * khs, kss, vc + j * vhs, vss, sk, d, keep,
-                         L->scale, L->softcap, L->window, mine, a + h0 * d, d, NULL);
+                         L->scale, L->softcap, L->window, mine, a + h0 * d, d, slots);
         }
 #pragma omp single
         inputs_for(o_lin, 1, a, &s, in);

@@ -86,6 +86,10 @@ int hfd_decode_attn_out(const hfd_layer *L, const uint16_t *x, const uint16_t *q
                         const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
                         int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
                         uint16_t *out, int nthreads);
+int hfd_decode_attn_out_slots(const hfd_layer *L, const uint16_t *x, const uint16_t *q,
+                              const uint16_t *kc, int64_t khs, int64_t kss, const uint16_t *vc,
+                              int64_t vhs, int64_t vss, int64_t sk, const uint8_t *keep,
+                              const int64_t *slots, uint16_t *out, int nthreads);
 int hfd_decode_layers(const hfd_layer *const *L, int64_t count, const uint16_t *x,
                       const uint16_t *cos, const uint16_t *sin, uint16_t *const *kc,
                       uint16_t *const *vc, const int64_t *strides, int64_t n,
