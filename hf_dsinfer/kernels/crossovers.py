@@ -160,6 +160,14 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 # bf16 GEMV (1 thread, load 6-10, weights cycled past the L3; 1 row): 1024 x 1024 native 86 us
 # against F.linear 570 and torch.mv 653; 2816 x 1024 224 / 1286 / 1785; 32000 x 1024 7.7 /
 # 12.9 / 21.4 ms; at 4 rows see docs/performance.md. The kernel takes at most 4 rows.
+# A Zen 4 (EPYC Genoa: AVX-512 BF16 and VNNI in 256-bit halves, no AVX-VNNI), 2026-11-27, quiet,
+# 2 threads (`--tiers avx512_bf16 --reps 7 --rows 1 4 6 8 12 16 24 32`), ms at 1 / 8 / 12 / 16 /
+# 32 rows: int8 GEMV 0.38 / 1.52 / 1.98 / 2.33 / 4.99, int8 panel 1.28 / 1.95 / 1.80 / 2.32 /
+# 3.21; int4 native 0.35 / 1.24 / 1.77 / 2.30 / 4.55, int4 panel 0.75 / 1.22 / 1.42 / 1.59 /
+# 2.74; bf16 panel 0.69 / 1.22 / 1.31 / 1.62 / 2.60, F.linear 1.71 / 1.73 / 1.99 / 2.12 / 3.05.
+# Its own bounds would be int8 GEMV 8, int8 pack 12, int4 native 6, bf16 panel 32; at 8-16 rows
+# the kernels it would trade are within 10% of each other there, inside that VM's spread between
+# runs, so this row serves Zen 4 too (docs/performance.md, 2026-11-27).
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=24, int4_native_max_rows=8,
                          int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
                          int8_gemm_max_rows=512, bf16_gemm_max_rows=16)
