@@ -34,8 +34,8 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
-from hf_dsinfer.kernels.attention import SlotRows, attention_segments
 from hf_dsinfer.kernels.attention import attention as attention_op
+from hf_dsinfer.kernels.attention import attention_segments
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
 from hf_dsinfer.kernels.norms import layer_norm, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary

@@ -40,7 +40,6 @@ import torch
 
 from hf_dsinfer.errors import NativeUnsupported
 from hf_dsinfer.kernels import _native, crossovers
-from hf_dsinfer.kernels.attention import SlotRows
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT4,
@@ -50,6 +49,7 @@ from hf_dsinfer.kernels.abi import (
     ROPES,
 )
 from hf_dsinfer.kernels.abi import Layer as _Layer
+from hf_dsinfer.kernels.attention import SlotRows
 
 Watched = list[tuple[dict, str]]  # (a dict of tensors, name) per tensor the layer reads
 # the rows the batched layer takes on AMX (the torch path's AMX linear: linear.CPU_AMX_MAX_ROWS)
