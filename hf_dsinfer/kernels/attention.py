@@ -122,22 +122,24 @@ def _kernels() -> types.SimpleNamespace:
     def _attention_kernel(Q, K, V, O, MASK, BIAS,
                           sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                           smb, smh, smq, smk, sbb, sbh, sbq, sbk,
-                          hkv, rep, sq, sk, dim, scale, mask_min, window,
+                          hkv, rep, sq, sk, dim, dim_v, scale, mask_min, window,
                           MASK_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           DOT_FP32: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-        pid_q, pid_bh = tl.program_id(0), tl.program_id(1)
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        pid_q, pid_bh, pid_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, hk = (pid_bh // hkv).to(tl.int64), pid_bh % hkv
         r = tl.arange(0, BLOCK_G * BLOCK_Q)
-        g = r // BLOCK_Q
+        g = pid_g * BLOCK_G + r // BLOCK_Q  # query head within the group, over grid axis 2
         i = pid_q * BLOCK_Q + r % BLOCK_Q  # query index among Sq
         h = (hk * rep + g).to(tl.int64)  # query head
         row_ok = (g < rep) & (i < sq)
         q_pos = i + (sk - sq)  # absolute position of the query in the key sequence
         d = tl.arange(0, BLOCK_D)
         d_ok = d < dim
+        dv = tl.arange(0, BLOCK_DV)  # value dims: MLA's absorbed decode has dim_v != dim
+        dv_ok = dv < dim_v
         dt = O.dtype.element_ty
 
         q_ptrs = Q + b * sqb + h[:, None] * sqh + i[:, None] * sqs + d[None, :]
@@ -147,7 +149,7 @@ def _kernels() -> types.SimpleNamespace:
 
         m_i = tl.full((BLOCK_G * BLOCK_Q,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_G * BLOCK_Q,), tl.float32)
-        acc = tl.zeros((BLOCK_G * BLOCK_Q, BLOCK_D), tl.float32)
+        acc = tl.zeros((BLOCK_G * BLOCK_Q, BLOCK_DV), tl.float32)
 
         lo = 0
         hi = sk
@@ -191,8 +193,8 @@ def _kernels() -> types.SimpleNamespace:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :],
-                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+            vt = tl.load(V + b * svb + hk * svh + n[:, None] * svs + dv[None, :],
+                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [N, DV]
             # Probabilities are rounded to v's dtype before the matmul, as eager's .to(q.dtype).
             pv = p.to(dt)
             if DOT_FP32:
@@ -201,8 +203,8 @@ def _kernels() -> types.SimpleNamespace:
             m_i = m_new
 
         out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * sos + d[None, :]
-        tl.store(o_ptrs, out.to(dt), mask=row_ok[:, None] & d_ok[None, :])
+        o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * sos + dv[None, :]
+        tl.store(o_ptrs, out.to(dt), mask=row_ok[:, None] & dv_ok[None, :])
 
     return types.SimpleNamespace(
         cdiv=triton.cdiv, next_power_of_2=triton.next_power_of_2,
@@ -221,23 +223,30 @@ def _launch(q, k, v, scale, mask, causal, bias, window, block_q, block_n):
     """Run _attention_kernel with query tiles of block_q positions (per GQA group)."""
     kern = _kernels()
     bsz, hq, sq, dim = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv, sk, dim_v = k.shape[1], k.shape[2], v.shape[-1]
     rep = hq // hkv
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty((bsz, hq, sq, dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((bsz, hq, sq, dim_v), dtype=q.dtype, device=q.device)
     full = (bsz, hq, sq, sk)
     kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     mask_min = torch.finfo(mask.dtype).min if kind == 2 else 0.0
     if kind == 1:
         mask = mask.view(torch.uint8)  # same bytes; Triton loads uint8 more portably than i1
+    block_d = max(16, kern.next_power_of_2(dim))
+    wide = block_d > 256  # MLA's absorbed keys (latent + rope, 576 in DeepSeek-V2/V3)
+    if wide:  # a [D, N] key tile and a [N, DV] value tile must fit in shared memory
+        block_n = 16
     # tl.dot needs at least 16 rows: pad the head group when there are few query positions.
-    block_g = max(kern.next_power_of_2(rep), 16 // block_q)
-    grid = (kern.cdiv(sq, block_q), bsz * hkv)
+    # At most 64 rows per program (16 for wide heads); more heads per kv head (MLA's absorbed
+    # decode: every query head shares one latent) are split over the grid's third axis.
+    rows = 16 if wide else 64
+    block_g = max(min(kern.next_power_of_2(rep), max(1, rows // block_q)), 16 // block_q)
+    grid = (kern.cdiv(sq, block_q), bsz * hkv, kern.cdiv(rep, block_g))
     kern.attention[grid](
         q, k, v, out, mask if mask is not None else q, bias if bias is not None else q,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *_strides4(mask, full), *_strides4(bias, full),
-        hkv, rep, sq, sk, dim, scale, mask_min, window or 0,
+        hkv, rep, sq, sk, dim, dim_v, scale, mask_min, window or 0,
         MASK_KIND=kind, HAS_BIAS=bias is not None, CAUSAL=causal, HAS_WINDOW=window is not None,
         # fp32 inputs: exact fp32 products ("ieee"), not TF32, to stay close to eager; other
         # dtypes use the default (tensor cores with fp32 accumulation).
@@ -246,7 +255,11 @@ def _launch(q, k, v, scale, mask, causal, bias, window, block_q, block_n):
         # so upcasting there computes the same dot product.
         DOT_FP32=q.dtype == torch.bfloat16 and _dispatch.triton_interpreting(),
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=max(16, kern.next_power_of_2(dim)),
+        BLOCK_D=block_d,
+        BLOCK_DV=max(16, kern.next_power_of_2(dim_v)),
+        # wide fp32 tiles take twice the bytes: unpipelined, they fit A100's and H100's
+        # shared memory (tests/kernels/test_triton_aot.py checks every launch's)
+        **({"num_stages": 1} if wide and q.dtype == torch.float32 else {}),
     )
     return out
 

@@ -20,7 +20,8 @@ its pointers aligned), a Python int `i32` (`i64` from 2**31 on, which no case he
 no divisibility hint on ints: the code any shape gets), a Python float `fp32`, a bool or None
 passed to a constexpr parameter its value, and an int argument equal to 1 becomes the constexpr
 1: so a decode step's `sq == 1` or a contiguous last-dim stride is listed among the constexprs,
-as a GPU would compile it. No launcher sets num_warps or num_stages: Triton's defaults (4, 3).
+as a GPU would compile it. Launchers leave num_warps and num_stages at Triton's defaults (4, 3),
+except where a case's `options` says otherwise.
 
 Where a launcher picks block sizes from shapes (next power of two of hidden / head_dim, ...)
 the cases cover the values real models give (named in each label); kernels with a fixed block
@@ -55,6 +56,7 @@ class AotCase:
     dtype: str  # activations' dtype, Triton's name: "fp32", "bf16" or "fp16"
     args: dict[str, str] = field(hash=False)  # runtime argument -> Triton type
     constexprs: dict[str, object] = field(hash=False)  # constexpr argument -> value
+    options: dict[str, int] = field(default_factory=dict, hash=False)  # e.g. num_stages
 
     @property
     def id(self) -> str:
@@ -77,10 +79,12 @@ def act_codes() -> dict[str, int]:
     return _ACT_CODE
 
 
-def case(kernel: str, label: str, dtype: str, spec: str, **constexprs) -> AotCase:
-    """One launch; a constexpr named like a runtime argument replaces it (an int equal to 1)."""
+def case(kernel: str, label: str, dtype: str, spec: str, options: dict | None = None,
+         **constexprs) -> AotCase:
+    """One launch; a constexpr named like a runtime argument replaces it (an int equal to 1);
+    `options`: compile options the launcher sets (num_stages)."""
     args = {k: v for k, v in sig(spec, dtype).items() if k not in constexprs}
-    return AotCase(kernel, label, dtype, args, constexprs)
+    return AotCase(kernel, label, dtype, args, constexprs, options or {})
 
 
 # ----------------------------------------------------------------------------- activations
@@ -116,9 +120,11 @@ def _alibi_cases() -> list[AotCase]:
 
 
 # ----------------------------------------------------------------------------- attention
-# _launch: BLOCK_D = max(16, next_pow2(head_dim)); prefill BLOCK_Q = max(1, 64 // p),
-# BLOCK_N 32, decode (Sq == 1) BLOCK_Q 1, BLOCK_N 64; BLOCK_G = max(p, 16 // BLOCK_Q), with
-# p = next_pow2(Hq // Hkv). A bool mask is passed as uint8, a float mask / ALiBi bias in the
+# _launch: BLOCK_D = max(16, next_pow2(head_dim)), BLOCK_DV the same of the values' head dim;
+# prefill BLOCK_Q = max(1, 64 // p), BLOCK_N 32, decode (Sq == 1) BLOCK_Q 1, BLOCK_N 64;
+# BLOCK_G = max(min(p, 64 // BLOCK_Q), 16 // BLOCK_Q), with p = next_pow2(Hq // Hkv). Wide
+# heads (BLOCK_D > 256: MLA's absorbed decode) take BLOCK_N 16 and at most 16 rows, and in
+# fp32 num_stages 1. A bool mask is passed as uint8, a float mask / ALiBi bias in the
 # activations' dtype (HF builds them so); their last-dim stride is 1 (so a constexpr), and
 # absent ones pass q and zero strides. DOT_PRECISION "ieee" for fp32, else None (tensor
 # cores); DOT_FP32 is False off the interpreter. The fused layers pass causal only for a
@@ -126,19 +132,20 @@ def _alibi_cases() -> list[AotCase]:
 # window case covers the public API (Mistral-style sliding window).
 
 _ATTENTION = ("Q:*T K:*T V:*T O:*T MASK:*M BIAS:*B sqb sqh sqs skb skh sks svb svh svs sob soh "
-              "sos smb smh smq smk sbb sbh sbq sbk hkv rep sq sk dim scale:fp32 mask_min:fp32 "
+              "sos smb smh smq smk sbb sbh sbq sbk hkv rep sq sk dim dim_v scale:fp32 mask_min:fp32 "
               "window")
 
 
 class _Attn(NamedTuple):
     rep: int  # query heads per kv head
-    head_dim: int
+    head_dim: int  # of queries and keys
     decode: bool  # one query per sequence (Sq == 1)
     mask_kind: int  # MASK_KIND: 0 none, 1 bool, 2 additive float
     alibi: bool  # an ALiBi bias
     causal: bool
     window: bool
     dtypes: tuple[str, ...] = ("bf16",)
+    v_dim: int | None = None  # of values, when not head_dim (MLA's absorbed decode)
 
 
 _ATTENTION_LAUNCHES = {
@@ -160,6 +167,9 @@ _ATTENTION_LAUNCHES = {
     "decode-mha-d64-boolmask": _Attn(1, 64, True, 1, False, False, False),
     "decode-mha-d128-floatmask-alibi": _Attn(1, 128, True, 2, True, False, False),
     "decode-mha-d256": _Attn(1, 256, True, 0, False, False, False),
+    # DeepSeek-V3's absorbed MLA decode: 128 heads over one latent KV head, keys latent 512 +
+    # rope 64, values the latent itself; left padding's bool mask
+    "decode-mla-d576-v512-boolmask": _Attn(128, 576, True, 1, False, False, False, DTYPES, 512),
 }
 
 
@@ -170,16 +180,21 @@ def _next_pow2(n: int) -> int:
 def _attention_case(label: str, dt: str, a: _Attn) -> AotCase:
     p = _next_pow2(a.rep)
     block_q = 1 if a.decode else max(1, 64 // p)
+    block_d = max(16, _next_pow2(a.head_dim))
+    wide = block_d > 256  # _launch: 16-key tiles, at most 16 rows per program
     spec = _ATTENTION.replace("*M", "*u8" if a.mask_kind == 1 else "*T").replace("*B", "*T")
     ones = {"rep": 1} if a.rep == 1 else {}  # ints equal to 1 specialize (see the top)
     ones |= {"sq": 1} if a.decode else {}
     ones |= {"smk": 1} if a.mask_kind else {}
     ones |= {"sbk": 1} if a.alibi else {}
-    return case("attention._attention_kernel", label, dt, spec, **ones,
+    options = {"num_stages": 1} if wide and dt == "fp32" else None
+    return case("attention._attention_kernel", label, dt, spec, options, **ones,
                 MASK_KIND=a.mask_kind, HAS_BIAS=a.alibi, CAUSAL=a.causal, HAS_WINDOW=a.window,
                 DOT_PRECISION="ieee" if dt == "fp32" else None, DOT_FP32=False,
-                BLOCK_G=max(p, 16 // block_q), BLOCK_Q=block_q,
-                BLOCK_N=64 if a.decode else 32, BLOCK_D=max(16, _next_pow2(a.head_dim)))
+                BLOCK_G=max(min(p, max(1, (16 if wide else 64) // block_q)), 16 // block_q),
+                BLOCK_Q=block_q, BLOCK_N=16 if wide else (64 if a.decode else 32),
+                BLOCK_D=block_d,
+                BLOCK_DV=max(16, _next_pow2(a.v_dim or a.head_dim)))
 
 
 def _attention_cases() -> list[AotCase]:
@@ -519,7 +534,8 @@ def compile_case(case: AotCase, arch: int) -> AotResult:
                            "started with compiler_process_init.")
     start = time.perf_counter()
     try:
-        kernel = triton_compile(_source(case), target=GPUTarget("cuda", arch, 32))
+        kernel = triton_compile(_source(case), target=GPUTarget("cuda", arch, 32),
+                                options=case.options or None)
         regs, local = cubin_resources(kernel.asm["cubin"])
     except Exception as e:  # noqa: BLE001  (reported by the test that owns the case)
         return AotResult(0, 0, 0, time.perf_counter() - start, f"{type(e).__name__}: {e}")
