@@ -613,7 +613,7 @@ class FusedBlock:
         b, s, _ = x.shape
         d = self.spec.head_dim
         if self.policy.qkv_layout == P.SEPARATE:
-            q, k, v = (self._linear(m, x) for m in self._qkv)
+            q, k, v = [self._linear(m, x) for m in self._qkv]
         elif self.policy.qkv_layout == P.PACKED:
             q, k, v = self._linear(self._qkv[0], x).chunk(3, dim=-1)
         elif self.policy.qkv_layout == P.PACKED_GQA:
@@ -622,9 +622,9 @@ class FusedBlock:
                 [self.spec.num_heads * d, kv, kv], dim=-1)
         else:  # HEAD_INTERLEAVED: per head [q, k, v]
             qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_heads, 3 * d)
-            q, k, v = (t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1))
+            q, k, v = [t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1)]
         q, k, v = self._qk_norm(q, k, v)
-        return (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        return [t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v)]  # [B, H, S, D]
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Qwen3-MoE: RMSNorm over each head's dims; OLMoE: over the whole q / k projection,
@@ -635,7 +635,7 @@ class FusedBlock:
             q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         if self.spec.clip_qkv is not None:
             c = self.spec.clip_qkv
-            q, k, v = (t.clamp(-c, c) for t in (q, k, v))
+            q, k, v = [t.clamp(-c, c) for t in (q, k, v)]
         return q, k, v
 
     def _rms_last(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
