@@ -107,9 +107,11 @@ class DSInferConfig:
             like {"bits": 8}); applied after the parity gate has checked the unquantized blocks.
         compile: capture the whole decode step: generate() uses a preallocated static KV cache
             and a torch.compile'd forward for every decode step (prefill stays eager; CUDA
-            graphs on a GPU). None (default) = auto: on for CUDA models; on CPU only when asked
-            (True), because there a first call of tens of seconds buys little decode speed
-            (docs/performance.md); never with tp_size / ep_size / offload.
+            graphs on a GPU). None (default) = auto: off; on only when asked (True). On CPU a
+            first call of tens of seconds buys little decode speed (docs/performance.md); on
+            the first GPU measured (an H200, torch 2.11) the compiled step ran at 0.14x HF eager
+            where the eager fused step ran at 0.96x (docs/gpu.md). Never with tp_size /
+            ep_size / offload.
         cache: "static" (a preallocated KV cache, as the compiled decode step needs), "dynamic"
             (HF's growing DynamicCache), or None (default): static exactly when compiling.
         tp_size: tensor-parallel degree (Megatron-style slicing of every block, the embedding

@@ -33,19 +33,23 @@ class DecodeMode:
 
 
 def resolve_decode_mode(config: Any, device: torch.device) -> DecodeMode:
-    """compile None = auto: on for CUDA (CUDA graphs remove the per-kernel launch cost that
-    dominates small-batch decode there); off on CPU, where the gain measured by `hf-dsinfer
-    bench` is small for a first call of tens of seconds (docs/performance.md, "Behind the code").
-    Never with tensor/expert
-    parallelism or offload, whose collectives / block schedule run eagerly."""
+    """compile None = auto: off, on every device. On CPU the gain measured by `hf-dsinfer
+    bench` is small for a first call of tens of seconds (docs/performance.md, "Behind the
+    code"). On CUDA it was on until the first GPU run (an H200, torch 2.11, 2026-11-27,
+    docs/gpu.md): Llama-1.1B's compiled decode step ran at 8.2 tok/s against HF eager's 58.7
+    and the eager fused step's 50.6. Its graph broke there: in our dispatcher (importlib's
+    find_spec) and on a generator in the fused block, both fixed since, and in transformers'
+    output capturing (a ContextVar read torch 2.11's Dynamo cannot trace), after which every
+    layer's frame recompiled. Not measured since the fixes; compile=True still asks for it.
+    Never with tensor/expert parallelism or offload, whose collectives / block schedule run
+    eagerly."""
     distributed = config.tp_size > 1 or config.ep_size > 1 or config.offload is not None
     if config.compile is not None:
         compile_, reason = config.compile, f"compile={config.compile}"
     elif distributed:
         compile_, reason = False, "auto: eager with tp/ep/offload"
     else:
-        compile_ = device.type == "cuda"
-        reason = f"auto on {device.type}"
+        compile_, reason = False, f"auto on {device.type}: eager"
     cache = config.cache or ("static" if compile_ else "dynamic")
     return DecodeMode(compile_, cache, reason)
 

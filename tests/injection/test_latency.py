@@ -120,7 +120,8 @@ def test_compiled_decode_same_tokens_and_no_recompile():
 
 @pytest.mark.parametrize("overrides, device, expected", [
     ({}, "cpu", (False, "dynamic")),            # auto on CPU: eager, HF's growing cache
-    ({}, "cuda", (True, "static")),             # auto on CUDA: static cache + CUDA graphs
+    ({}, "cuda", (False, "dynamic")),           # auto on CUDA too (docs/gpu.md)
+    ({"compile": True}, "cuda", (True, "static")),  # asked: static cache + CUDA graphs
     ({"compile": True}, "cpu", (True, "static")),
     ({"compile": False}, "cuda", (False, "dynamic")),
     ({"cache": "static"}, "cpu", (False, "static")),
