@@ -73,6 +73,8 @@ def _commands(code: str) -> list[list[str]]:
 @pytest.mark.parametrize("code, mark", _blocks("bash"))
 def test_bash_block_names_what_exists(code, mark):
     for argv in _commands(code):
+        while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):
+            argv = argv[1:]  # VAR=value before the command: its environment
         if argv[0] == "pip":
             continue  # the set-up commands: CI runs them
         if argv[0] == "torchrun" and "--no-python" in argv and "hf-dsinfer" in argv:
