@@ -6,7 +6,8 @@ entry point calls `pick(...)` with the backend the caller asked for (a fused mod
 one from its DSInferConfig) and gets back which of the three to run.
 
 Backends:
-    "auto"   Triton on CUDA tensors when Triton is installed, the CPU fast path on CPU tensors,
+    "auto"   Triton on CUDA tensors when Triton is installed (kernels.linear excepted: cuBLAS,
+             docs/gpu.md), the CPU fast path on CPU tensors,
              the reference otherwise.
     "ref"    always the plain torch reference.
     "triton" the Triton kernel; on CPU tensors only under TRITON_INTERPRET=1 (tests).
