@@ -2,6 +2,8 @@
 
 One process, configurations interleaved and repeated, medians reported:
     hf          HF eager (the reference)
+    hf-fp32     HF eager on an fp32 copy: on CPUs whose bf16 one-row GEMMs are slow (no native
+                bf16 dot products, or oneDNN's AVX-512 bf16 GEMV on Zen 4) HF's faster dtype
     hf-compile  HF's own static cache + torch.compile'd decode step
     bf16        hf_dsinfer fused blocks, model dtype
     bf16-compile  fused blocks + static cache + compiled decode step
@@ -87,6 +89,7 @@ MODELS = {
 }
 CONFIGS = {
     "hf": None,
+    "hf-fp32": None,
     "hf-compile": None,
     "bf16": {},
     "bf16-compile": {"compile": True},
@@ -188,7 +191,9 @@ def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
     variants = {}
     for label in configs:
         config, _, tier = label.partition("@")
-        if CONFIGS[config] is None:
+        if config == "hf-fp32":
+            variants[label] = copy.deepcopy(base).float()
+        elif CONFIGS[config] is None:
             variants[label] = base
         else:
             extra = {"settings": {"isa": tier}} if tier else {}
@@ -202,7 +207,7 @@ def _generate(model, config: str, ids, new_tokens: int):
               "pad_token_id": 0}
     if config == "hf-compile":
         kwargs.update(cache_implementation="static", compile_config=compile_config())
-    elif config == "hf":
+    elif config in ("hf", "hf-fp32"):
         kwargs.update(disable_compile=True)
     with torch.inference_mode():
         start = time.perf_counter()

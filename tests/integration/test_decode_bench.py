@@ -13,13 +13,13 @@ from hf_dsinfer import benchmark
 
 def test_bench_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     args = benchmark.build_parser().parse_args(
-        ["--models", "tiny", "--batch", "1", "2", "--configs", "hf", "bf16", "int4",
+        ["--models", "tiny", "--batch", "1", "2", "--configs", "hf", "hf-fp32", "bf16", "int4",
          "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
          "--plot", str(tmp_path / "bench.png")])
     assert benchmark.main(args) == 0
     out = capsys.readouterr().out
     assert "memory-read bandwidth measured in this run" in out
-    for config in ("hf", "bf16", "int4"):
+    for config in ("hf", "hf-fp32", "bf16", "int4"):
         for batch in (1, 2):
             assert f"| tiny | {batch} | {config} |" in out
     assert (tmp_path / "bench.png").stat().st_size > 0
