@@ -371,12 +371,23 @@ def test_compiled_decode_has_no_graph_break(triton_calls):
 
 
 @pytest.mark.parametrize("bits", (8, 4))
-def test_quantized_model_generates(triton_calls, bits):
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text"])
+def test_quantized_model_matches_hf_on_dequantized_weights(triton_calls, name, bits):
+    """bf16 weights quantized on the GPU: the fused model's logits are HF's with the
+    dequantized weights (as tests/injection/test_family_quant.py checks on CPU), through the
+    Triton int8 / int4 kernels, and it generates."""
+    from injection.test_family_quant import BF16_REL_L2, _dequantized_copy
+
     quant = {"bits": 8} if bits == 8 else {"bits": 4, "group_size": 32}
-    _, fused = _pair("llama", torch.bfloat16, quant=quant)
+    ref, fused = _pair(name, torch.bfloat16, quant=quant)
+    ref = _dequantized_copy(ref, fused)
     ids, mask = (t.to(DEV) for t in prompts(batch=2))
     with torch.inference_mode():
+        a = ref(ids, attention_mask=mask).logits.float()
+        b = fused(ids, attention_mask=mask).logits.float()
         out = fused.generate(ids, attention_mask=mask, **GEN)
+    valid = mask.bool()
+    rel = (a[valid] - b[valid]).norm() / a[valid].norm()
+    assert rel <= BF16_REL_L2, rel.item()
     assert out.shape == (2, ids.shape[1] + GEN["max_new_tokens"])
-    name = f"linear_int{bits}_triton"
-    assert triton_calls[name] > 0, dict(triton_calls)
+    assert triton_calls[f"linear_int{bits}_triton"] > 0, dict(triton_calls)
