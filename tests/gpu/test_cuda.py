@@ -381,13 +381,30 @@ def test_quantized_model_matches_hf_on_dequantized_weights(triton_calls, name, b
     quant = {"bits": 8} if bits == 8 else {"bits": 4, "group_size": 32}
     ref, fused = _pair(name, torch.bfloat16, quant=quant)
     ref = _dequantized_copy(ref, fused)
-    ids, mask = (t.to(DEV) for t in prompts(batch=2))
+    # 9 rows: up to quant.TRITON_QUANT_MAX_ROWS a CUDA call runs the Triton kernels
+    ids, mask = (t.to(DEV) for t in prompts(batch=1))
+    name = f"linear_int{bits}_triton"
     with torch.inference_mode():
         a = ref(ids, attention_mask=mask).logits.float()
         b = fused(ids, attention_mask=mask).logits.float()
+        assert triton_calls[name] > 0, dict(triton_calls)
         out = fused.generate(ids, attention_mask=mask, **GEN)
     valid = mask.bool()
     rel = (a[valid] - b[valid]).norm() / a[valid].norm()
     assert rel <= BF16_REL_L2, rel.item()
-    assert out.shape == (2, ids.shape[1] + GEN["max_new_tokens"])
-    assert triton_calls[f"linear_int{bits}_triton"] > 0, dict(triton_calls)
+    assert out.shape == (1, ids.shape[1] + GEN["max_new_tokens"])
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_quantized_prefill_runs_cublas(triton_calls, bits):
+    """Past TRITON_QUANT_MAX_ROWS rows a quantized linear dequantizes and runs cuBLAS (the
+    Triton kernels lost 2-6x there on an H200); asking for Triton by name still runs it."""
+    w = _randn(512, 256, dtype=torch.bfloat16, scale=256**-0.5)
+    qw = Q.quantize_int8(w) if bits == 8 else Q.quantize_int4(w, 32, False)
+    fast = Q.linear_int8 if bits == 8 else Q.linear_int4
+    name = f"linear_int{bits}_triton"
+    fast(_randn(Q.TRITON_QUANT_MAX_ROWS + 1, 256, dtype=torch.bfloat16), qw, backend="auto")
+    assert triton_calls[name] == 0
+    fast(_randn(Q.TRITON_QUANT_MAX_ROWS, 256, dtype=torch.bfloat16), qw, backend="auto")
+    fast(_randn(64, 256, dtype=torch.bfloat16), qw, backend="triton")
+    assert triton_calls[name] == 2

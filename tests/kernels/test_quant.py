@@ -167,3 +167,33 @@ def test_int8_cpu_input_size_not_multiple_of_16(k):
     x = torch.randn(2, k, dtype=torch.bfloat16)
     out = Q.linear_int8(x, qw, backend="cpu")
     assert torch.allclose(out.float(), Q.linear_int8_ref(x, qw).float(), rtol=2e-2, atol=2e-2)
+
+
+@requires_triton()
+@pytest.mark.parametrize("bits", (8, 4))
+def test_many_rows_leave_triton_for_the_reference_unless_named(triton_interpret, monkeypatch,
+                                                               bits):
+    """The rule for CUDA calls (backend "auto" resolving to Triton): past
+    TRITON_QUANT_MAX_ROWS rows, dequantize + the reference's GEMM (cuBLAS there); a backend
+    that names Triton keeps it at any row count. Imitated here by resolving "auto" to
+    Triton, whose interpreter runs on these CPU tensors."""
+    from hf_dsinfer.kernels import _dispatch
+
+    real = _dispatch.resolve
+    monkeypatch.setattr(_dispatch, "resolve", lambda backend, device, has_cpu_path=True:
+                        "triton" if backend == "auto" else real(backend, device, has_cpu_path))
+    w = _gaussian(48, 64).to(torch.bfloat16)
+    qw = Q.quantize_int8(w) if bits == 8 else Q.quantize_int4(w, 32, False)
+    fast, triton_fn, ref = ((Q.linear_int8, "linear_int8_triton", "linear_int8_ref") if bits == 8
+                            else (Q.linear_int4, "linear_int4_triton", "linear_int4_ref"))
+    calls = {triton_fn: 0, ref: 0}
+    for name in calls:
+        original = getattr(Q, name)
+        monkeypatch.setattr(Q, name, lambda *a, _f=original, _n=name: calls.__setitem__(
+            _n, calls[_n] + 1) or _f(*a))
+    many = Q.TRITON_QUANT_MAX_ROWS + 1
+    fast(_gaussian(many, 64, seed=1).to(torch.bfloat16), qw, backend="auto")
+    assert calls == {triton_fn: 0, ref: 1}
+    fast(_gaussian(Q.TRITON_QUANT_MAX_ROWS, 64, seed=1).to(torch.bfloat16), qw, backend="auto")
+    fast(_gaussian(many, 64, seed=1).to(torch.bfloat16), qw, backend="triton")
+    assert calls == {triton_fn: 2, ref: 1}
