@@ -3,9 +3,9 @@
 At decode time the logits projection is the largest single matrix-vector product of a step
 (Llama-1.1B: 32000 x 2048, 131 MB in bf16, ~5% of the weights read per token). HF runs it as
 nn.Linear's F.linear; this installs `kernels.linear` instead (torch.mv or the native GEMV for a
-bf16 row on CPU; cuBLAS on CUDA, docs/gpu.md), and with `quant` on, the head is quantized to int8 (per output
-channel, with the native CPU kernel; int8 also for bits=4, as llama.cpp's Q4 files keep their
-output matrix at 6-8 bits). A head tied to the input embedding is quantized too, into an int8
+bf16 row on CPU; cuBLAS on CUDA, docs/gpu.md), and with `quant` on, the head is quantized to
+int8 (per output channel, with the native CPU kernel; int8 also for bits=4, as llama.cpp's Q4
+files keep their output matrix at 6-8 bits). A head tied to the input embedding is quantized too, into an int8
 copy: the table stays for the embedding lookup, so the model grows by the int8 head (SmolLM2:
 +28 MB) while every decode step reads half the bytes for its logits (a large share of a small
 model's int4 step: docs/performance.md, "Behind the code"). llama.cpp's SmolLM2 Q4_1 file does the same with its
