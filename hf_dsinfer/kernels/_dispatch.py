@@ -85,6 +85,13 @@ def resolve(backend: str | None, device: torch.device, has_cpu_path: bool = True
     return requested
 
 
+def triton_named(backend: str | None) -> bool:
+    """True when the call (or, without one, the settings) asks for "triton" by name rather than
+    "auto": some ops run cuBLAS on CUDA under "auto" (kernels.linear, many-row quantized
+    linears: docs/gpu.md) and their Triton kernels only when named."""
+    return (backend or settings.current().kernels) == "triton"
+
+
 def pick(backend: str | None, device: torch.device, ref, triton_fn=None, cpu_fn=None):
     """Return the function to run for `backend` on `device` among ref / triton / cpu.
 

@@ -49,7 +49,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer import settings
 from hf_dsinfer.kernels import _dispatch, _native, crossovers
 
 # Rows of x up to which the Triton launcher uses the GEMV kernel instead of the tiled GEMM:
@@ -288,7 +287,6 @@ def linear(
     runs cuBLAS (F.linear), which on an H200 took 0.026 ms where the Triton GEMV took 0.062
     (1 x 2048 @ 2048 x 2048, bf16) and 0.024 where the Triton GEMM took 0.050 (64 rows):
     docs/gpu.md."""
-    explicit = (backend or settings.current().kernels) == "triton"
-    fn = _dispatch.pick(backend, x.device, ref=linear_ref,
-                        triton_fn=linear_triton if explicit else None, cpu_fn=linear_cpu)
+    fn = _dispatch.pick(backend, x.device, ref=linear_ref, cpu_fn=linear_cpu,
+                        triton_fn=linear_triton if _dispatch.triton_named(backend) else None)
     return fn(x, weight, bias)

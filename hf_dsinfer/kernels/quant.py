@@ -56,7 +56,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer import settings
 from hf_dsinfer.kernels import _dispatch, _native, crossovers
 from hf_dsinfer.kernels.linear import dot_in_fp32
 from hf_dsinfer.kernels.private_ops import verified
@@ -800,7 +799,7 @@ TRITON_QUANT_MAX_ROWS = 16
 
 
 def _many_rows_on_cublas(fn, triton_fn, ref, x: torch.Tensor, backend: str | None):
-    named = (backend or settings.current().kernels) == "triton"
-    if fn is triton_fn and not named and x.numel() // x.shape[-1] > TRITON_QUANT_MAX_ROWS:
+    if (fn is triton_fn and not _dispatch.triton_named(backend)
+            and x.numel() // x.shape[-1] > TRITON_QUANT_MAX_ROWS):
         return ref
     return fn
