@@ -36,8 +36,8 @@ def resolve_decode_mode(config: Any, device: torch.device) -> DecodeMode:
     """compile None = auto: off, on every device. On CPU the gain measured by `hf-dsinfer
     bench` is small for a first call of tens of seconds (docs/performance.md, "Behind the
     code"). On CUDA it was on until the first GPU run (an H200, torch 2.11, 2026-11-27,
-    docs/gpu.md): Llama-1.1B's compiled decode step ran at 8.2 tok/s against HF eager's 58.7
-    and the eager fused step's 50.6. Its graph broke there: in our dispatcher (importlib's
+    docs/gpu.md): Llama-1.1B's compiled decode step ran at 0.14x HF eager, where the eager
+    fused step had run at 0.96x (two runs, HF measured in each). Its graph broke there: in our dispatcher (importlib's
     find_spec) and on a generator in the fused block, both fixed since, and in transformers'
     output capturing (a ContextVar read torch 2.11's Dynamo cannot trace), after which every
     layer's frame recompiled. Not measured since the fixes; compile=True still asks for it.

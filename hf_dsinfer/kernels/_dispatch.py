@@ -56,11 +56,20 @@ def check_backend(name: str) -> str:
 
 
 def resolve(backend: str | None, device: torch.device, has_cpu_path: bool = True) -> str:
-    """Return the concrete backend ("ref", "triton" or "cpu") for a tensor on `device`."""
+    """Return the concrete backend ("ref", "triton" or "cpu") for a tensor on `device`.
+
+    Under torch.compile a call that would run Triton gets the reference: inductor fuses the
+    reference's ops and writes its own Triton kernels for them, in one graph a CUDA graph can
+    capture, where tracing into our launchers (the lazily built kernels, Triton's environment
+    reads, importlib's find_spec in triton_available) broke the graph at every op. On the first
+    real GPU run (an H200, 2026-11-27) those breaks made each decoder layer's cache update a
+    frame of its own that recompiled per layer index until Dynamo's recompile limit, and a
+    quantized model's compiled decode failed inside Dynamo. (CPU entry points make the same
+    choice inside their own functions.)"""
     requested = check_backend(backend or settings.current().kernels)
-    if requested in ("auto", "triton") and device.type == "cuda" \
-            and torch.compiler.is_compiling():
-        return "ref"  # see pick(); and importlib's find_spec, which Dynamo will not trace
+    if torch.compiler.is_compiling() and (
+            requested == "triton" or (requested == "auto" and device.type == "cuda")):
+        return "ref"
     if requested == "auto":
         if device.type == "cuda" and triton_available():
             return "triton"
@@ -93,18 +102,10 @@ def triton_named(backend: str | None) -> bool:
 
 
 def pick(backend: str | None, device: torch.device, ref, triton_fn=None, cpu_fn=None):
-    """Return the function to run for `backend` on `device` among ref / triton / cpu.
-
-    Under torch.compile the Triton choice becomes the reference: inductor fuses the
-    reference's ops and writes its own Triton kernels for them, in one graph a CUDA graph can
-    capture, where tracing into our launchers (the lazily built kernels, Triton's environment
-    reads) broke the graph at every op. On the first real GPU run (an H200, 2026-11-27) those
-    breaks made each decoder layer's cache update a frame of its own that recompiled per layer
-    index until Dynamo's recompile limit, and a quantized model's compiled decode failed
-    inside Dynamo. (CPU entry points make the same choice inside their own functions.)"""
+    """Return the function to run for `backend` on `device` among ref / triton / cpu."""
     choice = resolve(backend, device, has_cpu_path=cpu_fn is not None)
     if choice == "triton":
-        if triton_fn is None or torch.compiler.is_compiling():
+        if triton_fn is None:
             return ref
         return triton_fn
     if choice == "cpu":
