@@ -40,7 +40,8 @@ import hf_dsinfer
 from hf_dsinfer.benchmark import MODELS, _read_bytes
 from hf_dsinfer.hardware import read_bandwidth, release_openmp_threads
 
-CONFIGS = {"hf": None, "bf16": {}, "int4": {"quant": {"bits": 4}}}
+CONFIGS = {"hf": None, "bf16": {}, "int4": {"quant": {"bits": 4}},
+           "int4-a8": {"quant": {"bits": 4, "act_bits": 8}}}
 
 
 def build(name: str, configs: list[str]) -> dict:

@@ -55,11 +55,20 @@ class QuantConfig:
         group_size: int4 group length along the input dim, one of 32/64/128/256; None picks the
             smallest that divides every quantized layer's input size. Ignored for int8.
         symmetric: int4 only: absmax (symmetric) instead of FlexGen's min-max groups.
+        act_bits: 16 (default): the activations stay in the model's dtype, and a quantized
+            linear computes x @ dequantize(W).T. 8, with bits=4 (W4A8): each row of x is
+            quantized to 8 bits per weight group (absmax / 127) and multiplied with the 4-bit
+            codes in integer sums (kernels/quant.py: linear_int4_a8_ref), which CPUs with
+            AVX-512 VNNI run at about twice the rate of bf16 products: for batched decoding and
+            continuous batching, where the products, not the weight reads, are the bound. Other
+            numbers than HF's (docs/performance.md has the perplexity it costs); the native
+            batch-1 decode layer does not take it (explain says so).
     """
 
     bits: int
     group_size: int | None = None
     symmetric: bool = False
+    act_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or isinstance(self.bits, bool):
@@ -73,6 +82,18 @@ class QuantConfig:
                 f"(auto), got {self.group_size!r}. Fix: group_size=128, or leave it out."
             )
         _check_type("quant.symmetric", self.symmetric, (bool,), "True or False")
+        if self.act_bits not in (16, 8) or isinstance(self.act_bits, bool):
+            raise DSInferConfigError(
+                f"DSInferConfig.quant.act_bits: expected 16 (activations in the model's dtype) "
+                f"or 8 (W4A8), got {self.act_bits!r}. Fix: quant={{'bits': 4, 'act_bits': 8}}, "
+                "or leave act_bits out."
+            )
+        if self.act_bits == 8 and self.bits != 4:
+            raise DSInferConfigError(
+                f"DSInferConfig.quant.act_bits=8 is built for 4-bit weights, got bits="
+                f"{self.bits}. Fix: quant={{'bits': 4, 'act_bits': 8}}, or drop act_bits for "
+                "int8 weights."
+            )
 
     @classmethod
     def coerce(cls, value: Any) -> QuantConfig | None:

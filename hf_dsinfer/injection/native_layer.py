@@ -78,6 +78,10 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        at(qw.rowsum, 1), None)
         else:
+            if qw.act_bits != 16:
+                raise NativeUnsupported(
+                    "4-bit weights with 8-bit activations (quant act_bits=8): the native decode "
+                    "layer multiplies bf16 activations; the fused block's linears run W4A8")
             if _native.lib("int4") is None:
                 raise NativeUnsupported(f"int4 weights: {_native.why_unavailable('int4')}")
             if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES

@@ -123,6 +123,8 @@ def quantize_linear(module: nn.Module, conv1d: bool, quant: QuantConfig, group_s
         q = quantize_int8(weight, equalize=True)
     else:
         q = quantize_int4(weight, group_size, symmetric=quant.symmetric)
+        if quant.act_bits == 8:
+            q = q._replace(act_bits=8)
     return QuantizedLinear(q, module.bias, backend)
 
 

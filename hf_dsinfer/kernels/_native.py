@@ -258,6 +258,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_attend_rows.restype = i32
     lib.hfd_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_gemm_bf16.restype = i32
+    lib.hfd_int4_gemm_a8.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
+    lib.hfd_int4_gemm_a8.restype = i32
     lib.hfd_int8_gemm_bf16.argtypes = [p, i64, p, p, i32, i64, i64, i32, p, i32]
     lib.hfd_int8_gemm_bf16.restype = i32
     lib.hfd_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
@@ -328,6 +330,9 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       of 2048, Zen 5), 8-11x slower at avx2, where SIMDe emulates their 512-bit vectors; with
 #       the avx2 tiers' own bf16 rounding (2026-11-25) still 0.4-0.8x (RMSNorm) and 0.93-0.97x
 #       (RoPE) at avx2_vnni, 16-256 rows (docs/performance.md)
+#   "a8": 4-bit weights times 8-bit activations (csrc/cpu_qgemm.c: hfd_int4_gemm_a8) against
+#       its torch reference (an fp32 einsum of the integer codes): vpdpbusd from avx512 on;
+#       at avx2 SIMDe emulates it (2026-11-27, Zen 4 capped: see docs/performance.md)
 #   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
 #       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16), and at
 #       avx2 as above (the table look-ups still emulated there; the panels win from 128-256
@@ -335,7 +340,8 @@ def _load(level: str) -> ctypes.CDLL | None:
 # Matrix kernels of the generic tier were not measured on a CPU whose best tier is generic
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx2",
-            "codes": "generic", "bf16_gemv": "avx2", "panel": "avx2", "rows": "avx512"}
+            "codes": "generic", "bf16_gemv": "avx2", "panel": "avx2", "rows": "avx512",
+            "a8": "avx512"}
 
 
 def _running() -> tuple[str, bool]:

@@ -86,6 +86,7 @@ class Int4Weight(NamedTuple):
     cpu_packed: torch.Tensor | None = None  # torch's int4 CPU layout (this process only)
     cpu_scales_zeros: torch.Tensor | None = None  # [in // group_size, out, 2] (scale, zero)
     tiled: bool = False  # packed holds tiles [out // 4, in // 128, 4, 64]
+    act_bits: int = 16  # 8: x quantized to 8 bits per row and group (linear_int4_a8_ref)
 
 
 # Row tiles (csrc/hfd_simd.h: tile_row): the native kernels stream TILE_ROWS weight rows per
@@ -316,6 +317,39 @@ def linear_int4_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
 
 
 @functools.lru_cache(maxsize=1)
+def quantize_activations_int8(x2: torch.Tensor, group_size: int):
+    """Rows of x [M, in] as 8-bit codes per group of `group_size` columns (the weight's groups):
+    (codes [M, G, group] fp32 integers in [-127, 127], unit [M, G], gsum [M, G]), all fp32:
+    unit = absmax / 127, codes = round-half-even(x * (127 / absmax)), 0 for an all-zero group;
+    gsum is the group's fp32 sum of x (the weight's mins meet x itself)."""
+    m, k = x2.shape
+    xg = x2.float().reshape(m, k // group_size, group_size)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    codes = torch.round(xg * inv[..., None]).clamp(-127, 127)
+    return codes, amax / 127.0, xg.sum(-1)
+
+
+def linear_int4_a8_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
+    """W4A8: x quantized per row and group to 8 bits (quantize_activations_int8), times the 4-bit
+    codes centred (code - 8) in exact integer sums per group (fp32 holds them exactly: |sum| <
+    2^19), each group's sum scaled by scale * unit, min + 8 * scale times the group sums of x;
+    rounded to x's dtype, then the bias. csrc/cpu_qgemm.c's hfd_int4_gemm_a8 computes the same up to the order of the
+    fp32 sums over groups."""
+    g = qweight.group_size
+    x2 = x.reshape(-1, x.shape[-1])
+    codes, unit, gsum = quantize_activations_int8(x2, g)
+    n = qweight.scales.shape[0]
+    w = unpack_int4(int4_codes(qweight)).float().reshape(n, -1, g)  # [N, G, g]
+    sums = torch.einsum("mgk,ngk->mng", codes, w - 8)  # exact integers, the codes centred
+    scales = qweight.scales.float()
+    scale = scales[None] * unit[:, None, :]  # [M, N, G]
+    y = (sums * scale).sum(-1) + gsum @ (qweight.mins.float() + 8 * scales).T
+    y = y.to(x.dtype)
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], n)
+
+
 def _kernels():
     """Import Triton and define the kernels on first use (the module imports without Triton)."""
     import triton
@@ -719,6 +753,31 @@ def _native_int4_amx(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | No
     return y
 
 
+def linear_int4_a8_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
+    """linear_int4_a8_ref's numbers by csrc/cpu_qgemm.c's hfd_int4_gemm_a8 where it runs (the
+    "a8" use of _native.MIN_TIER; x fp32 / bf16 / fp16; out features a multiple of 16), that
+    reference otherwise. Every row count takes the same kernel, so a row's result does not
+    depend on the rows beside it (a request's tokens under continuous batching do not depend on
+    its neighbours)."""
+    lib, dtypes = _native.lib("a8"), _native.DTYPE_CODES
+    scales, mins, n = qweight.scales, qweight.mins, qweight.scales.shape[0]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = None
+    if (lib is not None and x2.device.type == "cpu" and x2.dtype in dtypes
+            and scales.dtype in dtypes and mins.dtype == scales.dtype
+            and scales.is_contiguous() and mins.is_contiguous()
+            and qweight.packed.is_contiguous()):
+        m, k = x2.shape
+        y = _fp32_product(lib, "hfd_int4_gemm_a8", m, n, x2.data_ptr(), dtypes[x2.dtype], m,
+                          qweight.packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                          dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled))
+    if y is None:
+        return linear_int4_a8_ref(x, qweight, bias)
+    y = y.to(x.dtype)
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_int4_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """Up to int4_native_max_rows rows the native int4 kernel where it runs (it reads the codes
     as stored, tiles or row-major); then, up to amx_int4_max_rows bf16 rows (the amx tier), the
@@ -783,7 +842,13 @@ def linear_int4(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """y = x @ dequantize_int4(qweight).T + bias, computed by the backend's int4 kernel."""
+    """y = x @ dequantize_int4(qweight).T + bias, computed by the backend's int4 kernel; with
+    qweight.act_bits == 8, x quantized to 8 bits first (linear_int4_a8_ref's numbers: the
+    native kernel on CPU where it runs, that reference elsewhere)."""
+    if qweight.act_bits == 8:
+        fn = _dispatch.pick(backend, x.device, ref=linear_int4_a8_ref,
+                            cpu_fn=linear_int4_a8_cpu)
+        return fn(x, qweight, bias)
     fn = _dispatch.pick(backend, x.device, ref=linear_int4_ref, triton_fn=linear_int4_triton,
                         cpu_fn=linear_int4_cpu)
     fn = _many_rows_on_cublas(fn, linear_int4_triton, linear_int4_ref, x, backend)

@@ -428,3 +428,266 @@ int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
     }
     return 0;
 }
+
+/* ---- 4-bit weights times int8 activations (W4A8: quant.py's linear_int4_a8_ref) ----
+ *
+ * The kernels above multiply in bf16, and from a few tens of rows on that arithmetic is the
+ * bound: on Zen 4 a continuous-batching step of ~53 rows ran the Llama-1.1B linears at ~275
+ * GFLOP/s of vdpbf16ps on 2 cores whether the weights were bf16 or 4-bit. vpdpbusd does twice
+ * the multiply-adds per instruction (64 u8 x s8 products into 16 int32 lanes), so a model that
+ * accepts 8-bit activations gets them here. The numbers (the same on every tier: integer sums,
+ * then fp32 in a fixed order):
+ *
+ *   x per row and group g (the weight's groups): unit = amax / 127, q = round_even(x * (127 /
+ *   amax)) in [-127, 127] (0 where amax is 0), gsum = the fp32 sum of the group's x;
+ *   y[m, n] = sum over g of float(I[m, n, g]) * (scale[n, g] * unit[m, g])
+ *                          + (min[n, g] + 8 scale[n, g]) * gsum[m, g],
+ *   I the exact int32 sum of q * (code - 8) over the group (|I| <= 256 * 127 * 8 < 2^19), the
+ *   terms added g by g in that order (product term first), from 0. The codes are centred
+ *   (w = (code - 8) scale + (min + 8 scale)) so that x's rounding meets weights of the size of
+ *   w, not of code * scale: on Gaussian weights and inputs that halves the error. vpdpbusd sums
+ *   q * code (codes unsigned); the 8 * sum(q) of each group comes off before the conversion.
+ *
+ * Layout: the x codes go per row in column octets, the 4 even columns of an octet then its 4
+ * odd ones (bytes 8o .. 8o + 3: columns 8o, 8o + 2, 8o + 4, 8o + 6). A panel of weight rows is
+ * put in vpdpbusd's order in a thread's buffer: for octet o and 16 rows, 64 bytes, dword lane i
+ * = row i's code bytes 4o .. 4o + 3 as stored in column order (byte b: column 8o + 2b in the low
+ * nibble, 8o + 2b + 1 in the high one), a 16 x 16 dword transpose of 64 bytes of each row. So
+ * the low nibbles of a lane meet the even columns' x, the high nibbles the odd ones', each with
+ * one broadcast of 4 x bytes: 2 vpdpbusd per 8 columns and 16 rows of a row of x, the unpacking
+ * (and, shift) paid once per panel load for A8_MR rows of x. */
+
+/* Register blocks of A8_MR rows of x by A8_NV vectors of 16 weight rows. Zen 4, 2 threads,
+   Llama-1.1B shapes (5632 x 2048, 2048 x 5632), 32 and 53 rows, GOPS: 6 x 3 379-463, 4 x 4
+   458-518, 8 x 2 496-535, 4 x 3 463-513, 5 x 4 429-451, 6 x 2 507-572 (the bf16 panel kernel
+   above: ~350). */
+#define A8_MR 6
+#define A8_NV 2
+#define A8_P 96  /* most weight rows per panel (a multiple of 16 * A8_NV) */
+
+/* the 16 x 16 transpose of dwords: out[j] lane i = in[i] lane j */
+static inline void transpose16_epi32(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* v[4a + b] lane 4l + c = in[4a + c] lane 4l + b... then 128-bit lanes across 4 groups */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        v[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        v[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* x [M, K] (x_dt) -> codes xq [M, K] in the octet order above, unit and gsum [M, G] */
+static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int64_t group,
+                             int8_t *xq, float *unit, float *gsum, int32_t *qsum, int nt) {
+    const int64_t G = K / group;
+    /* within 16 columns (two octets): evens then odds of each */
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+#pragma omp parallel for num_threads(nt) if (nt > 1 && M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t c0 = m * K + g * group;
+            __m512 sum = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
+            for (int64_t c = 0; c < group; c += 16) {
+                const __m512 v = load16(x, c0 + c, x_dt, 0xFFFF);
+                sum = _mm512_add_ps(sum, v);
+                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            }
+            const float amax = _mm512_reduce_max_ps(mx);
+            gsum[m * G + g] = _mm512_reduce_add_ps(sum);
+            unit[m * G + g] = amax / 127.f;
+            const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            __m512i qs = _mm512_setzero_si512();
+            for (int64_t c = 0; c < group; c += 16) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, c0 + c, x_dt, 0xFFFF), inv));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
+                qs = _mm512_add_epi32(qs, q);
+                q = _mm512_permutexvar_epi32(order, q);
+                _mm_storeu_si128((__m128i *)(xq + c0 + c), _mm512_cvtepi32_epi8(q));
+            }
+            qsum[m * G + g] = 8 * _mm512_reduce_add_epi32(qs);
+        }
+    }
+}
+
+/* Rows n0 .. n0 + rows (a multiple of 16) of the codes in vpdpbusd's order at buf: octet o of
+   vector v at buf + (o * (rows / 16) + v) * 64; as fp32 [G][rows], their scales at sT and
+   min + 8 scale (each rounded once) at mT */
+static void a8_panel(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
+                     int64_t group, int64_t K, int tiled, int64_t n0, int64_t rows, uint8_t *buf,
+                     uint8_t *tmp, float *sT, float *mT) {
+    const int64_t B = K / 2, NVp = rows / 16, G = K / group, whole = B / 64 * 64;
+    for (int64_t v = 0; v < NVp; v++) {
+        const uint8_t *row[16];
+        for (int q = 0; q < 4; q++)
+            tile_codes(packed, n0 + 16 * v + 4 * q, B, tiled, tmp + q * TILE_ROWS * B, row + 4 * q);
+        for (int64_t b = 0; b < whole; b += 64) { /* 16 octets */
+            __m512i t[16];
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(row[i] + b);
+            transpose16_epi32(t);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_si512(buf + ((b / 4 + j) * NVp + v) * 64, t[j]);
+        }
+        for (int64_t b = whole; b < B; b += 4) /* the last octets one dword at a time */
+            for (int i = 0; i < 16; i++)
+                memcpy(buf + ((b / 4) * NVp + v) * 64 + 4 * i, row[i] + b, 4);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float sc = load_f32(scales, (n0 + r) * G + g, s_dt);
+            sT[g * rows + r] = sc;
+            mT[g * rows + r] = load_f32(mins, (n0 + r) * G + g, s_dt) + 8.f * sc;
+        }
+}
+
+/* y[m + i, n0 + 16 v + lane] for i < MR, v < NV (literals at each call site): x codes of rows
+   m.. at xq (K apart), the panel's vectors v0.. of NVp at buf */
+static inline __attribute__((always_inline)) void a8_block(
+        const int8_t *xq, const float *unit, const float *gsum, const int32_t *qsum, int64_t K,
+        int64_t G,
+        int64_t group, const int MR, const int NV, const uint8_t *buf, int64_t NVp, int64_t v0,
+        const float *sT, const float *mT, int64_t rows, float *y, int64_t N, int64_t n0) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    /* the fp32 sums stay in memory (L1) between groups: the registers hold the int32 ones */
+    float f[A8_MR][A8_NV][16] __attribute__((aligned(64)));
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(f[i][v], _mm512_setzero_ps());
+    const int64_t octs = group / 8;
+    for (int64_t g = 0; g < G; g++) {
+        __m512i acc[A8_MR][A8_NV];
+        for (int i = 0; i < MR; i++)
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
+            __m512i lo[A8_NV], hi[A8_NV];
+            for (int v = 0; v < NV; v++) {
+                const __m512i w = _mm512_loadu_si512(buf + (o * NVp + v0 + v) * 64);
+                lo[v] = _mm512_and_si512(w, nib);
+                hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+            }
+            for (int i = 0; i < MR; i++) {
+                int32_t e, d;
+                memcpy(&e, xq + i * K + 8 * o, 4);
+                memcpy(&d, xq + i * K + 8 * o + 4, 4);
+                const __m512i xe = _mm512_set1_epi32(e), xo = _mm512_set1_epi32(d);
+                for (int v = 0; v < NV; v++)
+                    acc[i][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][v], lo[v], xe),
+                                                    hi[v], xo);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const __m512 s = _mm512_loadu_ps(sT + g * rows + 16 * (v0 + v));
+            const __m512 mn = _mm512_loadu_ps(mT + g * rows + 16 * (v0 + v));
+            for (int i = 0; i < MR; i++) {
+                const __m512 su = _mm512_mul_ps(s, _mm512_set1_ps(unit[i * G + g]));
+                const __m512i c = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32(qsum[i * G + g]));
+                __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), su, _mm512_load_ps(f[i][v]));
+                t = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[i * G + g]), t);
+                _mm512_store_ps(f[i][v], t);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(y + i * N + n0 + 16 * (v0 + v), _mm512_load_ps(f[i][v]));
+}
+
+/* every row of x against a panel of `rows` weight rows (from n0) in the thread's buffer */
+static void a8_panel_product(const int8_t *xq, const float *unit, const float *gsum,
+                             const int32_t *qsum, int64_t M,
+                             int64_t K, int64_t group, const uint8_t *buf, int64_t rows,
+                             const float *sT, const float *mT, float *y, int64_t N, int64_t n0) {
+    const int64_t G = K / group, NVp = rows / 16;
+#define A8_CALL(MR, NV) a8_block(xq + m * K, unit + m * G, gsum + m * G, qsum + m * G, K, G, \
+                                 group, MR, NV, \
+                                 buf, NVp, v, sT, mT, rows, y + m * N, N, n0)
+#define A8_ROWS(MR)                                              \
+    for (int64_t v = 0; v < NVp;) {                              \
+        const int64_t nv = NVp - v < A8_NV ? NVp - v : A8_NV;    \
+        if (nv == A8_NV) A8_CALL(MR, A8_NV);                     \
+        else if (nv == 3) A8_CALL(MR, 3 % A8_NV);                \
+        else if (nv == 2) A8_CALL(MR, 2 % A8_NV);                \
+        else A8_CALL(MR, 1);                                     \
+        v += nv;                                                 \
+    }
+    int64_t m = 0;
+    for (; m + A8_MR <= M; m += A8_MR) A8_ROWS(A8_MR)
+    switch (M - m) {
+        case 1: A8_ROWS(1) break;
+        case 2: A8_ROWS(2) break;
+        case 3: A8_ROWS(3) break;
+        case 4: A8_ROWS(4) break;
+        case 5: A8_ROWS(5) break;
+        default: break;
+    }
+#undef A8_ROWS
+#undef A8_CALL
+}
+
+/* y [M, N] (fp32) = x [M, K] (x_dt: DT_F32 / DT_BF16 / DT_F16) with 8-bit activations times the
+ * 4-bit weight [N, K] (as hfd_int4_gemm_bf16 takes it), in the numbers of the header above.
+ * Returns 0; -3 for a shape it does not take (N not a multiple of 16, group not a multiple of
+ * 32 or not dividing K); -2 when its buffers cannot be allocated. */
+int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
+                     const void *scales, const void *mins, int s_dt, int64_t group, int64_t N,
+                     int64_t K, int tiled, float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (N % 16 || K <= 0 || group <= 0 || group % 32 || K % group) return -3;
+    if (tiled && (K / 2) % 64) return -3;
+    int nt = nthreads > 0 ? nthreads : 1;
+    const int64_t G = K / group;
+    int8_t *xq = aligned_alloc(64, ((size_t)(M * K) + 63) & ~(size_t)63);
+    float *unit = malloc(sizeof(float) * (size_t)(3 * M * G));
+    if (!xq || !unit) {
+        free(xq);
+        free(unit);
+        return -2;
+    }
+    float *gsum = unit + M * G;
+    int32_t *qsum = (int32_t *)(gsum + M * G);
+    a8_quantize_rows(x, x_dt, M, K, group, xq, unit, gsum, qsum, nt);
+    /* panels of at most A8_P rows, at least one per thread where N allows */
+    int64_t P = (N + nt - 1) / nt;
+    P = (P + 15) / 16 * 16;
+    if (P > A8_P) P = A8_P;
+    const int64_t panels = (N + P - 1) / P;
+    if (nt > panels) nt = (int)panels;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
+    {
+        const size_t bytes = (size_t)(P * K / 2 + 16 * K / 2 + 2 * 4 * G * P) + 64;
+        uint8_t *buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (!buf) {
+            failed = 1;
+        } else {
+            uint8_t *tmp = buf + P * K / 2;
+            float *sT = (float *)(tmp + 16 * K / 2), *mT = sT + G * P;
+            const int me = omp_get_thread_num(), nth = omp_get_num_threads();
+            for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
+                const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
+                a8_panel(packed, scales, mins, s_dt, group, K, tiled, n0, rows, buf, tmp, sT, mT);
+                a8_panel_product(xq, unit, gsum, qsum, M, K, group, buf, rows, sT, mT, y, N, n0);
+            }
+            free(buf);
+        }
+    }
+    free(xq);
+    free(unit);
+    return failed ? -2 : 0;
+}

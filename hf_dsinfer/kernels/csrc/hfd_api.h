@@ -125,6 +125,9 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
 int hfd_int4_gemm_bf16(const uint16_t *x, int64_t M, const uint8_t *packed, const void *scales,
                        const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                        float *y, int nthreads);
+int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
+                     const void *scales, const void *mins, int s_dt, int64_t group, int64_t N,
+                     int64_t K, int tiled, float *y, int nthreads);
 int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void *scales,
                        int s_dt, int64_t N, int64_t K, int tiled, float *y, int nthreads);
 /* internal (cpu_moe.c's hfd_int4_amx): rows n0 .. n0 + rows of a 4-bit weight as bf16 */
