@@ -1,5 +1,6 @@
 """Continuous-batching throughput: HF's `generate_batch` (sdpa) against the same call on fused
-blocks (bf16, int4 weights), on a random-weight Llama-1.1B-shaped model.
+blocks (bf16; int4 weights; int4 weights with 8-bit activations, "-a8"; groups of 32, the
+default for this shape, or of 128, "-g128"), on a random-weight Llama-1.1B-shaped model.
 
     python benchmarks/generate_batch.py                       # 32 requests, 32 new tokens each
     python benchmarks/generate_batch.py --requests 8 --new-tokens 8 --repeats 1 --model tiny
@@ -41,7 +42,9 @@ from hf_dsinfer.benchmark import MODELS, _read_bytes
 from hf_dsinfer.hardware import read_bandwidth, release_openmp_threads
 
 CONFIGS = {"hf": None, "bf16": {}, "int4": {"quant": {"bits": 4}},
-           "int4-a8": {"quant": {"bits": 4, "act_bits": 8}}}
+           "int4-a8": {"quant": {"bits": 4, "act_bits": 8}},
+           "int4-g128": {"quant": {"bits": 4, "group_size": 128}},
+           "int4-a8-g128": {"quant": {"bits": 4, "group_size": 128, "act_bits": 8}}}
 
 
 def build(name: str, configs: list[str]) -> dict:

@@ -98,6 +98,7 @@ CONFIGS = {
     "int8-compile": {"quant": {"bits": 8}, "compile": True},
     "int4": {"quant": {"bits": 4}},
     "int4-compile": {"quant": {"bits": 4}, "compile": True},
+    "int4-a8": {"quant": {"bits": 4, "act_bits": 8}},
 }
 
 

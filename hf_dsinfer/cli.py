@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hf_dsinfer.default_model import chat_inputs, dsinfer_options, load
+from hf_dsinfer.default_model import QUANT_FLAGS, chat_inputs, dsinfer_options, load
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dsinfer", default=None,
                      help="DSInferConfig fields as a JSON object, e.g. '{\"quant\": {\"bits\": 8}}'")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    gen.add_argument("--quant", choices=["int8", "int4"], default=None,
-                     help="weight-only quantization of the decoder blocks")
+    gen.add_argument("--quant", choices=list(QUANT_FLAGS), default=None,
+                     help="quantization of the decoder blocks' weights (int4-a8: 4-bit weights "
+                          "and 8-bit activations)")
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache + compiled decode step (first call compiles)")
     gen.set_defaults(func=cmd_generate)

