@@ -331,8 +331,11 @@ def _load(level: str) -> ctypes.CDLL | None:
 #       the avx2 tiers' own bf16 rounding (2026-11-25) still 0.4-0.8x (RMSNorm) and 0.93-0.97x
 #       (RoPE) at avx2_vnni, 16-256 rows (docs/performance.md)
 #   "a8": 4-bit weights times 8-bit activations (csrc/cpu_qgemm.c: hfd_int4_gemm_a8) against
-#       its torch reference (an fp32 einsum of the integer codes): vpdpbusd from avx512 on;
-#       at avx2 SIMDe emulates it (2026-11-27, Zen 4 capped: see docs/performance.md)
+#       its torch reference (an fp32 einsum of the integer codes), measured on Zen 4 capped to
+#       each tier with torch and oneDNN capped alike (2026-11-27, a 5632 x 2048 weight, 32 and
+#       128 rows): avx2, with loops of its own (vpmaddubsw), 4.1-12.2 ms against the reference's
+#       45-400 and the W4A16 panel path's 7.0-28.7; generic level with the reference (142-549
+#       against 149-475 ms), so the reference runs there
 #   "panel": 4-bit and int8 weights times many bf16 rows, a panel dequantized in cache at a time
 #       (csrc/cpu_qgemm.c), against dequantize + GEMM: measured on Zen 5 (avx512_bf16), and at
 #       avx2 as above (the table look-ups still emulated there; the panels win from 128-256
@@ -341,7 +344,7 @@ def _load(level: str) -> ctypes.CDLL | None:
 # (aarch64, pre-AVX2 x86); capped there on x86 they are far slower than torch's.
 MIN_TIER = {"kernels": "avx2", "gemv": "avx2", "int4": "avx2", "dequantize": "avx2",
             "codes": "generic", "bf16_gemv": "avx2", "panel": "avx2", "rows": "avx512",
-            "a8": "avx512"}
+            "a8": "avx2"}
 
 
 def _running() -> tuple[str, bool]:

@@ -528,6 +528,71 @@ static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int6
     }
 }
 
+#if HFD_AVX2_DOTS
+/* vpdpbusd on ymm for the operands here (x bytes 1..255 times codes -8..7): with AVX-VNNI the
+   instruction itself, else vpmaddubsw (whose int16 pair sums, at most 2 * 255 * 8, cannot
+   saturate here) and vpmaddwd by 1: the same int32 lane sums. */
+static inline __attribute__((always_inline)) __m256i a8_dot_avx2(__m256i acc, __m256i x,
+                                                                 __m256i w) {
+#if HFD_AVX_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, x, w);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+/* a8_block on the avx2 tier, in 256-bit registers (SIMDe's 512-bit vpdpbusd, which must
+   allow for saturating pairs, ran the 512-bit block ~3x slower than the bf16 panel kernel):
+   MR <= A8_MR2 rows of x by one vector of 16 weight rows as two halves of 8, the same integer
+   sums and the same fp32 operations per lane in the same order, so the same bits. */
+#define A8_MR2 4
+static inline __attribute__((always_inline)) void a8_block_avx2(
+        const uint8_t *xq, const float *unit, const float *gsum, int64_t K, int64_t G,
+        int64_t group, const int MR, const uint8_t *buf, int64_t NVp, int64_t v,
+        const float *sT, const float *mT, const int32_t *cT, int64_t rows, float *y, int64_t N,
+        int64_t n0) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    __m256 f[A8_MR2][2];
+    for (int i = 0; i < MR; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
+    const int64_t octs = group / 8;
+    for (int64_t g = 0; g < G; g++) {
+        __m256i acc[A8_MR2][2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(cT + g * rows + 16 * v + 8 * h));
+            for (int i = 0; i < MR; i++) acc[i][h] = c;
+        }
+        for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h));
+                lo[h] = _mm256_sub_epi8(_mm256_and_si256(w, nib), eight);
+                hi[h] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), eight);
+            }
+            for (int i = 0; i < MR; i++) {
+                int32_t e, d;
+                memcpy(&e, xq + i * K + 8 * o, 4);
+                memcpy(&d, xq + i * K + 8 * o + 4, 4);
+                const __m256i xe = _mm256_set1_epi32(e), xo = _mm256_set1_epi32(d);
+                for (int h = 0; h < 2; h++)
+                    acc[i][h] = a8_dot_avx2(a8_dot_avx2(acc[i][h], xe, lo[h]), xo, hi[h]);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sc = _mm256_loadu_ps(sT + g * rows + 16 * v + 8 * h);
+            const __m256 mn = _mm256_loadu_ps(mT + g * rows + 16 * v + 8 * h);
+            for (int i = 0; i < MR; i++) {
+                const __m256 su = _mm256_mul_ps(sc, _mm256_set1_ps(unit[i * G + g]));
+                f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), su, f[i][h]);
+                f[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gsum[i * G + g]), f[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + i * N + n0 + 16 * v + 8 * h, f[i][h]);
+}
+#endif
+
 /* Rows n0 .. n0 + rows (a multiple of 16) of the codes in vpdpbusd's order at buf: octet o of
    vector v at buf + (o * (rows / 16) + v) * 64; as [G][rows], their scales (fp32) at sT, min +
    8 scale (fp32, each rounded once) at mT, and -128 * sum(code - 8) per group (int32) at cT */
@@ -543,15 +608,60 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
         for (int q = 0; q < 4; q++)
             tile_codes(packed, n0 + 16 * v + 4 * q, B, tiled, tmp + q * TILE_ROWS * B, row + 4 * q);
         for (int64_t b = 0; b < whole; b += 64) { /* 16 octets */
+#if HFD_AVX2_DOTS
+            /* four 8 x 8 transposes in ymm: rows 8r.. by dwords 8d.. -> octets 8d.., half r */
+            for (int r = 0; r < 2; r++)
+                for (int d = 0; d < 2; d++) {
+                    __m256i t[8], u[8];
+                    for (int i = 0; i < 8; i++)
+                        t[i] = _mm256_loadu_si256((const __m256i *)(row[8 * r + i] + b + 32 * d));
+                    for (int i = 0; i < 8; i += 2) {
+                        u[i] = _mm256_unpacklo_epi32(t[i], t[i + 1]);
+                        u[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 1]);
+                    }
+                    for (int i = 0; i < 8; i += 4) { /* t[i + c], 128-bit lane l: column 4l + c */
+                        t[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+                        t[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+                        t[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+                        t[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+                    }
+                    for (int c = 0; c < 4; c++) {
+                        uint8_t *o = buf + ((b / 4 + 8 * d + c) * NVp + v) * 64 + 32 * r;
+                        _mm256_storeu_si256((__m256i *)o, _mm256_permute2x128_si256(t[c], t[c + 4], 0x20));
+                        _mm256_storeu_si256((__m256i *)(o + 4 * NVp * 64),
+                                            _mm256_permute2x128_si256(t[c], t[c + 4], 0x31));
+                    }
+                }
+#else
             __m512i t[16];
             for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(row[i] + b);
             transpose16_epi32(t);
             for (int j = 0; j < 16; j++)
                 _mm512_storeu_si512(buf + ((b / 4 + j) * NVp + v) * 64, t[j]);
+#endif
         }
         for (int64_t b = whole; b < B; b += 4) /* the last octets one dword at a time */
             for (int i = 0; i < 16; i++)
                 memcpy(buf + ((b / 4) * NVp + v) * 64 + 4 * i, row[i] + b, 4);
+#if HFD_AVX2_DOTS
+        for (int64_t g = 0; g < G; g++) { /* -128 * sum(code - 8), by the kernel's instruction */
+            for (int h = 0; h < 2; h++) {
+                const __m256i nb = _mm256_set1_epi8(0x0F), e8 = _mm256_set1_epi8(8);
+                const __m256i one = _mm256_set1_epi8(1);
+                __m256i c = _mm256_setzero_si256();
+                for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h));
+                    c = a8_dot_avx2(c, one, _mm256_sub_epi8(_mm256_and_si256(w, nb), e8));
+                    c = a8_dot_avx2(c, one, _mm256_sub_epi8(
+                        _mm256_and_si256(_mm256_srli_epi16(w, 4), nb), e8));
+                }
+                _mm256_storeu_si256((__m256i *)(cT + g * rows + 16 * v + 8 * h),
+                                    _mm256_mullo_epi32(c, _mm256_set1_epi32(-128)));
+            }
+        }
+        (void)ones;
+        continue;
+#endif
         for (int64_t g = 0; g < G; g++) { /* -128 * sum(code - 8), by the kernel's instruction */
             __m512i c = _mm512_setzero_si512();
             for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
@@ -563,12 +673,14 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
             _mm512_storeu_si512(cT + g * rows + 16 * v, _mm512_mullo_epi32(c, _mm512_set1_epi32(-128)));
         }
     }
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) { /* each row's as fp32 (vectors), then transposed */
+        float *sf = (float *)tmp, *mf = sf + G + 16;
+        row_scales(scales, mins, s_dt, n0 + r, G, sf, mf);
         for (int64_t g = 0; g < G; g++) {
-            const float sc = load_f32(scales, (n0 + r) * G + g, s_dt);
-            sT[g * rows + r] = sc;
-            mT[g * rows + r] = load_f32(mins, (n0 + r) * G + g, s_dt) + 8.f * sc;
+            sT[g * rows + r] = sf[g];
+            mT[g * rows + r] = mf[g] + 8.f * sf[g];
         }
+    }
 }
 
 /* y[m + i, n0 + 16 v + lane] for i < MR, v < NV (literals at each call site): x bytes of rows
@@ -626,6 +738,21 @@ static void a8_panel_product(const uint8_t *xq, const float *unit, const float *
                              const float *sT, const float *mT, const int32_t *cT, float *y,
                              int64_t N, int64_t n0) {
     const int64_t G = K / group, NVp = rows / 16;
+#if HFD_AVX2_DOTS
+#define A8_AVX2(MR)                                                                          \
+    for (int64_t v = 0; v < NVp; v++)                                                        \
+        a8_block_avx2(xq + m * K, unit + m * G, gsum + m * G, K, G, group, MR, buf, NVp, v, \
+                      sT, mT, cT, rows, y + m * N, N, n0)
+    int64_t m = 0;
+    for (; m + A8_MR2 <= M; m += A8_MR2) A8_AVX2(A8_MR2);
+    switch (M - m) {
+        case 1: A8_AVX2(1); break;
+        case 2: A8_AVX2(2); break;
+        case 3: A8_AVX2(3); break;
+        default: break;
+    }
+#undef A8_AVX2
+#else
 #define A8_CALL(MR, NV) a8_block(xq + m * K, unit + m * G, gsum + m * G, K, G, group, MR, NV, \
                                  buf, NVp, v, sT, mT, cT, rows, y + m * N, N, n0)
 #define A8_ROWS(MR)                                    \
@@ -645,6 +772,7 @@ static void a8_panel_product(const uint8_t *xq, const float *unit, const float *
     }
 #undef A8_ROWS
 #undef A8_CALL
+#endif
 }
 
 /* y [M, N] (fp32) = x [M, K] (x_dt: DT_F32 / DT_BF16 / DT_F16) with 8-bit activations times the
@@ -677,13 +805,15 @@ int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
     {
-        const size_t bytes = (size_t)(P * K / 2 + 16 * K / 2 + 3 * 4 * G * P) + 64;
+        /* the panel, 16 rows of codes (or 2 G + 32 floats of one row's scales), sT, mT, cT */
+        const int64_t tmp_bytes = 16 * K / 2 > 4 * (2 * G + 32) ? 16 * K / 2 : 4 * (2 * G + 32);
+        const size_t bytes = (size_t)(P * K / 2 + tmp_bytes + 3 * 4 * G * P) + 64;
         uint8_t *buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         if (!buf) {
             failed = 1;
         } else {
             uint8_t *tmp = buf + P * K / 2;
-            float *sT = (float *)(tmp + 16 * K / 2), *mT = sT + G * P;
+            float *sT = (float *)(tmp + tmp_bytes), *mT = sT + G * P;
             int32_t *cT = (int32_t *)(mT + G * P);
             const int me = omp_get_thread_num(), nth = omp_get_num_threads();
             for (int64_t p = panels * me / nth; p < panels * (me + 1) / nth; p++) {
