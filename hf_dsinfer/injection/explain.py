@@ -91,7 +91,9 @@ def _explain(model: nn.Module, report: InjectionReport) -> str:
         extras.append(f"quantized: {report.quant.describe()}")
         if report.quant.bits == 8 and on_cpu:
             extras.append(f"int8 CPU kernel: {_int8_cpu_kernel(next(model.parameters()).dtype)}")
-        if report.quant.bits == 4 and on_cpu:
+        if report.quant.bits == 4 and on_cpu and report.quant.act_bits == 8:
+            extras.append(f"int4 CPU kernels: {_int4_a8_cpu_kernel()}")
+        elif report.quant.bits == 4 and on_cpu:
             extras.append("int4 CPU kernels: "
                           f"{_int4_cpu_kernels(next(model.parameters()).dtype)}")
     if report.head is not None:
@@ -237,6 +239,17 @@ def _int8_cpu_kernel(dtype: torch.dtype) -> str:
     if verdict is not None and not verdict.ok:
         return f"dequantize + GEMM (torch's {INT8PACK_MM} refused; native kernel unavailable: {why})"
     return f"torch's _weight_int8pack_mm (native kernel unavailable: {why})"
+
+
+def _int4_a8_cpu_kernel() -> str:
+    """Which kernel multiplies 8-bit activations with 4-bit weights here (every row count)."""
+    from hf_dsinfer.kernels import _native
+
+    if _native.lib("a8") is not None:
+        return (f"8-bit activations, every row count: kernels/csrc/cpu_qgemm.c "
+                f"(hfd_int4_gemm_a8, {_native.tier()} tier)")
+    return ("8-bit activations, every row count: the torch reference "
+            f"(kernels/quant.py: linear_int4_a8_ref; {_native.why_unavailable('a8')})")
 
 
 def _int4_cpu_kernels(dtype: torch.dtype) -> str:

@@ -135,10 +135,13 @@ class QuantSummary:
     layers: int
     bytes_before: int
     bytes_after: int
+    act_bits: int = 16
 
     def describe(self) -> str:
         group = f" g{self.group_size}" if self.group_size else ""
-        return (f"int{self.bits}{group} weights in {self.layers} linears: "
+        acts = (" with 8-bit activations (W4A8: the activations quantized per row and group)"
+                if self.act_bits == 8 else "")
+        return (f"int{self.bits}{group} weights{acts} in {self.layers} linears: "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
 
 
@@ -153,7 +156,7 @@ def block_group_size(blocks: list, quant: QuantConfig) -> int | None:
 def quantize_blocks(blocks: list, quant: QuantConfig) -> QuantSummary:
     """Replace every linear of the fused blocks by a QuantizedLinear, in place."""
     group = block_group_size(blocks, quant)
-    summary = QuantSummary(quant.bits, group, 0, 0, 0)
+    summary = QuantSummary(quant.bits, group, 0, 0, 0, quant.act_bits)
     for fused in blocks:
         for parent, name, module in fused.linear_slots():
             q = quantize_linear(module, fused.policy.conv1d, quant, group, fused.backend)

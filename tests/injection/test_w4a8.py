@@ -105,7 +105,10 @@ def test_native_decode_layer_steps_aside_and_explain_says_so():
     ref = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
     model = hf_dsinfer.init_inference(ref, quant=A8)
     text = hf_dsinfer.explain(model)
-    assert "8-bit activations" in text
+    assert "weights with 8-bit activations (W4A8" in text  # the quantization summary
+    assert "the native decode layer multiplies bf16 activations" in text  # why it stepped aside
+    assert "8-bit activations, every row count:" in text  # the kernel, not the W4A16 crossovers
+    assert "1-8 rows native" not in text
     with torch.no_grad():
         out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)

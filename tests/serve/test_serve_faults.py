@@ -201,6 +201,8 @@ def test_cli_dsinfer_options():
     assert dsinfer_options(_args("--dsinfer", '{"quant": {"bits": 8}}')) == {"quant": {"bits": 8}}
     assert dsinfer_options(_args("--dsinfer", '{"kernels": "ref"}', "--quant", "int4")) == {
         "kernels": "ref", "quant": {"bits": 4}}
+    assert dsinfer_options(_args("--quant", "int4-a8")) == {
+        "quant": {"bits": 4, "act_bits": 8}}
     with pytest.raises(SystemExit, match="not JSON"):
         dsinfer_options(_args("--dsinfer", "{quant: 8"))
     with pytest.raises(SystemExit, match="qaunt"):
