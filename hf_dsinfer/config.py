@@ -62,7 +62,8 @@ class QuantConfig:
             AVX-512 VNNI run at about twice the rate of bf16 products: for batched decoding and
             continuous batching, where the products, not the weight reads, are the bound. Other
             numbers than HF's (docs/performance.md has the perplexity it costs); the native
-            batch-1 decode layer does not take it (explain says so).
+            batch-1 decode layer does not take it (explain says so), so batch-1 decoding is
+            slower than with act_bits=16.
     """
 
     bits: int
