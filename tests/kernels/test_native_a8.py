@@ -16,19 +16,17 @@ import torch
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import quant as Q
 from tests.kernels.conftest import count_calls
+from tests.kernels.test_native_panel import _gaussian
+from tests.kernels.test_native_panel import _weight as panel_weight
 
 pytestmark = [pytest.mark.skipif(not _native.builds(),
                reason=f"native CPU kernels unavailable: {_native.why_unavailable()}"),
               pytest.mark.usefixtures("native_tier")]
 
 
-def _gaussian(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _weight(n, k, group, s_dt=torch.bfloat16, portable=False, seed=0):
-    w = (_gaussian(n, k, seed=seed) * 0.05).to(s_dt)
-    return Q.quantize_int4(w, group, portable=portable)._replace(act_bits=8)
+    """The panel tests' 4-bit weight, marked for 8-bit activations."""
+    return panel_weight(n, k, group, s_dt, portable, seed)._replace(act_bits=8)
 
 
 def _native_a8(x2, qw):

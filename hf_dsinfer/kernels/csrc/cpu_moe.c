@@ -194,34 +194,6 @@ static inline __m512 gated_silu16(__m512 g, __m512 u) {
     return _mm512_mul_ps(s, bf16_round_q(u));
 }
 
-/* r[i] (16 dwords each) -> r[j] holding dword j of every input row: a 16 x 16 transpose */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4q + p] now holds dwords 4c + p' of rows 4q..4q+3 per 128-bit lane c; gather lanes */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-}
-
 /* The epilogue of one pair of panels, C tiles stored in c: tile q (panel p + q) of A0 at c[q], of
    A1 at c[2 + q]. EPI_GATED (MoE phase 1) units: 16 per panel, one row of gate/up each; EPI_ROWS
    (MoE phase 2, the dense linear) units: one per panel, its rows[q] rows of y. */

@@ -468,33 +468,6 @@ int hfd_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
 #define A8_NV 2
 #define A8_P 96  /* most weight rows per panel (a multiple of 16 * A8_NV) */
 
-/* the 16 x 16 transpose of dwords: out[j] lane i = in[i] lane j */
-static inline void transpose16_epi32(__m512i v[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* v[4a + b], 128-bit lane l: rows 4a.., column 4l + b */
-        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) { /* then a 4 x 4 transpose of 128-bit lanes per b */
-        t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-        v[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        v[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
-
 /* x [M, K] (x_dt) -> bytes q + 128 [M, K] in the octet order above, unit and gsum [M, G] */
 static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int64_t group,
                              uint8_t *xq, float *unit, float *gsum, int nt) {
