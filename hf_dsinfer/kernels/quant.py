@@ -316,7 +316,6 @@ def linear_int4_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | N
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 def quantize_activations_int8(x2: torch.Tensor, group_size: int):
     """Rows of x [M, in] as 8-bit codes per group of `group_size` columns (the weight's groups):
     (codes [M, G, group] fp32 integers in [-127, 127], unit [M, G], gsum [M, G]), all fp32:
@@ -334,8 +333,8 @@ def linear_int4_a8_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor 
     """W4A8: x quantized per row and group to 8 bits (quantize_activations_int8), times the 4-bit
     codes centred (code - 8) in exact integer sums per group (fp32 holds them exactly: |sum| <
     2^19), each group's sum scaled by scale * unit, min + 8 * scale times the group sums of x;
-    rounded to x's dtype, then the bias. csrc/cpu_qgemm.c's hfd_int4_gemm_a8 computes the same up to the order of the
-    fp32 sums over groups."""
+    rounded to x's dtype, then the bias. csrc/cpu_qgemm.c's hfd_int4_gemm_a8 computes the same
+    up to the order of the fp32 sums over groups."""
     g = qweight.group_size
     x2 = x.reshape(-1, x.shape[-1])
     codes, unit, gsum = quantize_activations_int8(x2, g)
@@ -350,6 +349,7 @@ def linear_int4_a8_ref(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor 
     return y.reshape(*x.shape[:-1], n)
 
 
+@functools.lru_cache(maxsize=1)
 def _kernels():
     """Import Triton and define the kernels on first use (the module imports without Triton)."""
     import triton

@@ -197,3 +197,14 @@ def test_many_rows_leave_triton_for_the_reference_unless_named(triton_interpret,
     fast(_gaussian(Q.TRITON_QUANT_MAX_ROWS, 64, seed=1).to(torch.bfloat16), qw, backend="auto")
     fast(_gaussian(many, 64, seed=1).to(torch.bfloat16), qw, backend="triton")
     assert calls == {triton_fn: 2, ref: 1}
+
+
+def test_a8_reference_reads_x_each_call_and_triton_kernels_are_built_once():
+    """The W4A8 reference quantizes the x it is given, every call (a tensor changed in place
+    gives new codes: no cache keyed by the tensor object), and the Triton kernels are defined
+    once per process (quant._kernels is cached)."""
+    x = torch.randn(2, 64)
+    first = Q.quantize_activations_int8(x, 32)[0].clone()
+    x.mul_(-1)
+    assert torch.equal(Q.quantize_activations_int8(x, 32)[0], -first)
+    assert hasattr(Q._kernels, "cache_info")

@@ -501,7 +501,23 @@ static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int6
     }
 }
 
+/* A vector of panel codes (vpdpbusd's order) as signed bytes code - 8: the low nibbles (even
+   columns) in lo, the high ones (odd columns) in hi */
+static inline __attribute__((always_inline)) void a8_codes(__m512i w, __m512i *lo, __m512i *hi) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    *lo = _mm512_sub_epi8(_mm512_and_si512(w, nib), eight);
+    *hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nib), eight);
+}
+
 #if HFD_AVX2_DOTS
+/* a8_codes for half a vector (8 weight rows) */
+static inline __attribute__((always_inline)) void a8_codes_avx2(__m256i w, __m256i *lo,
+                                                                __m256i *hi) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    *lo = _mm256_sub_epi8(_mm256_and_si256(w, nib), eight);
+    *hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), eight);
+}
+
 /* vpdpbusd on ymm for the operands here (x bytes 1..255 times codes -8..7): with AVX-VNNI the
    instruction itself, else vpmaddubsw (whose int16 pair sums, at most 2 * 255 * 8, cannot
    saturate here) and vpmaddwd by 1: the same int32 lane sums. */
@@ -525,7 +541,6 @@ static inline __attribute__((always_inline)) void a8_block_avx2(
         int64_t group, const int MR, const uint8_t *buf, int64_t NVp, int64_t v,
         const float *sT, const float *mT, const int32_t *cT, int64_t rows, float *y, int64_t N,
         int64_t n0) {
-    const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
     __m256 f[A8_MR2][2];
     for (int i = 0; i < MR; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
     const int64_t octs = group / 8;
@@ -537,11 +552,9 @@ static inline __attribute__((always_inline)) void a8_block_avx2(
         }
         for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
             __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h));
-                lo[h] = _mm256_sub_epi8(_mm256_and_si256(w, nib), eight);
-                hi[h] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), eight);
-            }
+            for (int h = 0; h < 2; h++)
+                a8_codes_avx2(_mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h)),
+                              &lo[h], &hi[h]);
             for (int i = 0; i < MR; i++) {
                 int32_t e, d;
                 memcpy(&e, xq + i * K + 8 * o, 4);
@@ -574,8 +587,6 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
                      uint8_t *tmp, float *sT, float *mT, int32_t *cT) {
     const int64_t B = K / 2, NVp = rows / 16, G = K / group, whole = B / 64 * 64;
     const int64_t octs = group / 8;
-    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t v = 0; v < NVp; v++) {
         const uint8_t *row[16];
         for (int q = 0; q < 4; q++)
@@ -616,34 +627,28 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
         for (int64_t b = whole; b < B; b += 4) /* the last octets one dword at a time */
             for (int i = 0; i < 16; i++)
                 memcpy(buf + ((b / 4) * NVp + v) * 64 + 4 * i, row[i] + b, 4);
-#if HFD_AVX2_DOTS
         for (int64_t g = 0; g < G; g++) { /* -128 * sum(code - 8), by the kernel's instruction */
+#if HFD_AVX2_DOTS
             for (int h = 0; h < 2; h++) {
-                const __m256i nb = _mm256_set1_epi8(0x0F), e8 = _mm256_set1_epi8(8);
                 const __m256i one = _mm256_set1_epi8(1);
-                __m256i c = _mm256_setzero_si256();
+                __m256i c = _mm256_setzero_si256(), lo, hi;
                 for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h));
-                    c = a8_dot_avx2(c, one, _mm256_sub_epi8(_mm256_and_si256(w, nb), e8));
-                    c = a8_dot_avx2(c, one, _mm256_sub_epi8(
-                        _mm256_and_si256(_mm256_srli_epi16(w, 4), nb), e8));
+                    a8_codes_avx2(_mm256_loadu_si256((const __m256i *)(buf + (o * NVp + v) * 64 + 32 * h)),
+                                  &lo, &hi);
+                    c = a8_dot_avx2(a8_dot_avx2(c, one, lo), one, hi);
                 }
                 _mm256_storeu_si256((__m256i *)(cT + g * rows + 16 * v + 8 * h),
                                     _mm256_mullo_epi32(c, _mm256_set1_epi32(-128)));
             }
-        }
-        (void)ones;
-        continue;
-#endif
-        for (int64_t g = 0; g < G; g++) { /* -128 * sum(code - 8), by the kernel's instruction */
-            __m512i c = _mm512_setzero_si512();
+#else
+            const __m512i one = _mm512_set1_epi8(1);
+            __m512i c = _mm512_setzero_si512(), lo, hi;
             for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
-                const __m512i w = _mm512_loadu_si512(buf + (o * NVp + v) * 64);
-                c = _mm512_dpbusd_epi32(c, ones, _mm512_sub_epi8(_mm512_and_si512(w, nib), eight));
-                c = _mm512_dpbusd_epi32(
-                    c, ones, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nib), eight));
+                a8_codes(_mm512_loadu_si512(buf + (o * NVp + v) * 64), &lo, &hi);
+                c = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, one, lo), one, hi);
             }
             _mm512_storeu_si512(cT + g * rows + 16 * v, _mm512_mullo_epi32(c, _mm512_set1_epi32(-128)));
+#endif
         }
     }
     for (int64_t r = 0; r < rows; r++) { /* each row's as fp32 (vectors), then transposed */
@@ -663,7 +668,6 @@ static inline __attribute__((always_inline)) void a8_block(
         int64_t group, const int MR, const int NV, const uint8_t *buf, int64_t NVp, int64_t v0,
         const float *sT, const float *mT, const int32_t *cT, int64_t rows, float *y, int64_t N,
         int64_t n0) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     __m512 f[A8_MR][A8_NV];
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < NV; v++) f[i][v] = _mm512_setzero_ps();
@@ -676,11 +680,8 @@ static inline __attribute__((always_inline)) void a8_block(
         }
         for (int64_t o = g * octs; o < (g + 1) * octs; o++) {
             __m512i lo[A8_NV], hi[A8_NV];
-            for (int v = 0; v < NV; v++) {
-                const __m512i w = _mm512_loadu_si512(buf + (o * NVp + v0 + v) * 64);
-                lo[v] = _mm512_sub_epi8(_mm512_and_si512(w, nib), eight);
-                hi[v] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nib), eight);
-            }
+            for (int v = 0; v < NV; v++)
+                a8_codes(_mm512_loadu_si512(buf + (o * NVp + v0 + v) * 64), &lo[v], &hi[v]);
             for (int i = 0; i < MR; i++) {
                 int32_t e, d;
                 memcpy(&e, xq + i * K + 8 * o, 4);
