@@ -246,8 +246,13 @@ def _int4_a8_cpu_kernel() -> str:
     from hf_dsinfer.kernels import _native
 
     if _native.lib("a8") is not None:
-        return (f"8-bit activations, every row count: kernels/csrc/cpu_qgemm.c "
-                f"(hfd_int4_gemm_a8, {_native.tier()} tier)")
+        from hf_dsinfer.kernels import crossovers
+
+        few = crossovers.rows().a8_rows_max_rows
+        return (f"8-bit activations, every row count the same numbers: 1-{few} rows "
+                f"kernels/csrc/cpu_decode.c (hfd_int4_a8_rows), more kernels/csrc/cpu_qgemm.c "
+                f"(hfd_int4_gemm_a8), {_native.tier()} tier; out features not a multiple of 16: "
+                "the torch reference")
     return ("8-bit activations, every row count: the torch reference "
             f"(kernels/quant.py: linear_int4_a8_ref; {_native.why_unavailable('a8')})")
 

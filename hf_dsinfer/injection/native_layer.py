@@ -18,6 +18,8 @@ from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT4,
+    LIN_INT4_A8,
+    LIN_INT4_A8_TILED,
     LIN_INT4_TILED,
     LIN_INT8,
     LIN_INT8_TILED,
@@ -78,11 +80,16 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
                        None if qw.in_scale is None else qw.in_scale.data_ptr(),
                        at(qw.rowsum, 1), None)
         else:
-            if qw.act_bits != 16:
-                raise NativeUnsupported(
-                    "4-bit weights with 8-bit activations (quant act_bits=8): the native decode "
-                    "layer multiplies bf16 activations; the fused block's linears run W4A8")
-            if _native.lib("int4") is None:
+            a8 = qw.act_bits == 8
+            if a8:  # the numbers of the torch path's kernel (quant.linear_int4_a8_cpu)
+                if _native.lib("a8") is None:
+                    raise NativeUnsupported(f"W4A8 weights: {_native.why_unavailable('a8')}")
+                total = qw.scales.shape[0]  # the torch path's kernel takes it whole
+                if total % 16 or (module.bias is not None and module.bias.dtype != torch.bfloat16):
+                    raise NativeUnsupported(
+                        f"a W4A8 projection of {total} out features (the kernel takes multiples "
+                        "of 16, and a bf16 bias)")
+            elif _native.lib("int4") is None:
                 raise NativeUnsupported(f"int4 weights: {_native.why_unavailable('int4')}")
             if (k % qw.group_size or qw.group_size not in INT4_GROUP_SIZES
                     or k // qw.group_size > MAX_INT4_GROUPS):
@@ -90,7 +97,10 @@ def _linear(module: nn.Module, n: int, k: int, row0: int | None = None) -> tuple
             if qw.mins.dtype != qw.scales.dtype:
                 raise NativeUnsupported("int4 mins and scales of different dtypes")
             names = ["packed", "scales", "mins"]
-            kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
+            if a8:
+                kind = LIN_INT4_A8_TILED if qw.tiled else LIN_INT4_A8
+            else:
+                kind = LIN_INT4_TILED if qw.tiled else LIN_INT4
             groups = k // qw.group_size
             lin = _Lin(kind, n, k, qw.group_size, _dtype_code(qw.scales, "int4 scales"), 0,
                        at(qw.packed, k // 2), at(qw.scales, groups), at(qw.mins, groups), None,

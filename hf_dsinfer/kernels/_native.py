@@ -260,6 +260,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int4_gemm_bf16.restype = i32
     lib.hfd_int4_gemm_a8.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
     lib.hfd_int4_gemm_a8.restype = i32
+    lib.hfd_int4_a8_rows.argtypes = [p, i32, i64, p, p, p, i32, i64, i64, i64, i32, p, i32]
+    lib.hfd_int4_a8_rows.restype = i32
     lib.hfd_int8_gemm_bf16.argtypes = [p, i64, p, p, i32, i64, i64, i32, p, i32]
     lib.hfd_int8_gemm_bf16.restype = i32
     lib.hfd_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]

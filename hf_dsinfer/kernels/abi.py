@@ -12,10 +12,12 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 5  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 6  # hfd_api.h: HFD_ABI_VERSION
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
+# 4-bit codes times 8-bit activations (quant act_bits=8), in hfd_int4_gemm_a8's numbers (ABI 6)
+LIN_INT4_A8, LIN_INT4_A8_TILED = 5, 6
 # The linears of one layer, by name (hfd_api.h: L_Q .. L_DOWN). OPT's ReLU MLP puts fc1 in
 # "gate", leaves "up" empty and fc2 in "down".
 SLOTS = ("q", "k", "v", "o", "gate", "up", "down")

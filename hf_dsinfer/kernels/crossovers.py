@@ -51,6 +51,10 @@ class Crossovers:
     # native bf16 panel kernel (csrc/cpu_qgemm.c, hfd_gemm_bf16) for bf16_gemv_max_rows + 1 ..
     # this many bf16 rows of a linear (kernels/linear.py); None: not measured there
     bf16_gemm_max_rows: int | None = None
+    # W4A8 (quant act_bits=8): the batch-1 kernel (csrc/cpu_decode.c, hfd_int4_a8_rows) for
+    # 1..this many rows, then the panel kernel (csrc/cpu_qgemm.c, hfd_int4_gemm_a8); both give
+    # the same bits, so this moves only time (kernels/quant.py: linear_int4_a8_cpu)
+    a8_rows_max_rows: int = 1
 
     def int4_codes_max_rows(self, dtype) -> int:
         """The most rows of x in `dtype` that a kernel reading the 4-bit codes as stored takes
@@ -168,9 +172,13 @@ XEON = Crossovers(int8_gemv_max_rows=16, int8_pack_max_rows=32, int4_native_max_
 # Its own bounds would be int8 GEMV 8, int8 pack 12, int4 native 6, bf16 panel 32; at 8-16 rows
 # the kernels it would trade are within 10% of each other there, inside that VM's spread between
 # runs, so this row serves Zen 4 too (docs/performance.md, 2026-11-27).
+# W4A8 rows against panel (Zen 4 again, 2026-11-27, 2 threads, 4 copies of a 5632 x 2048 weight
+# cycled, medians of 7 interleaved; ms at 1 / 2 / 3 / 4 rows): groups of 32 0.34 / 0.44 / 0.56 /
+# 0.67 against 0.55 / 0.57 / 0.61 / 0.65, groups of 128 0.24 / 0.36 / 0.46 / 0.56 against 0.41 /
+# 0.45 / 0.48 / 0.50: a8_rows_max_rows 3 (the avx512 tier runs the same code).
 ZEN5_AVX512 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=24, int4_native_max_rows=8,
                          int4_pack_max_rows=32, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
-                         int8_gemm_max_rows=512, bf16_gemm_max_rows=16)
+                         int8_gemm_max_rows=512, bf16_gemm_max_rows=16, a8_rows_max_rows=3)
 # avx512 (no BF16): the first run's bounds; the panel kernel (bf16 dot products emulated there)
 # not measured
 ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
@@ -178,7 +186,8 @@ ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
                                  bf16_gemv_max_rows=4,
                                  int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
                                  int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited
-                                 bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows)  # inherited
+                                 bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows,  # inherited
+                                 a8_rows_max_rows=ZEN5_AVX512.a8_rows_max_rows)  # the same code
 
 # avx2, 2026-11-25, the same Zen 5 quiet (load 0.5-1.4), 2 threads, torch AND oneDNN capped to
 # AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: before, the lower tiers' F.linear ran oneDNN's AVX-512 GEMMs),
@@ -194,9 +203,13 @@ ZEN5_AVX512_NO_BF16 = Crossovers(int8_gemv_max_rows=24, int8_pack_max_rows=16,
 # 103 / 157 / 261. The bf16 GEMV (ad-hoc, the same caps, medians of 41) 0.51 / 0.59 / 0.61 /
 # 0.74 ms at 1-4 rows against F.linear's 0.46 / 0.86 / 1.37 / 1.72: it keeps 1-4 rows (0.91x
 # at one row, where the model's own one-row linears run in the native decode layer anyway).
+# W4A8 rows against panel at avx2 (Zen 4 capped, as the avx512 row above; ms at 1 / 8 / 12 / 16
+# / 24 rows): groups of 32 0.49 / 1.68 / 2.34 / 3.02 / 4.36 against 2.62 / 3.12 / 3.42 / 3.74 /
+# 4.37, groups of 128 0.52 / 1.87 / 2.64 / 3.39 / 4.93 against 2.18 / 2.63 / 2.91 / 3.17 / 3.71:
+# a8_rows_max_rows 12.
 ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=128, int8_pack_max_rows=512, int4_native_max_rows=64,
                        int4_pack_max_rows=512, bf16_gemv_max_rows=4, int4_gemm_max_rows=512,
-                       int8_gemm_max_rows=512, bf16_gemm_max_rows=512)
+                       int8_gemm_max_rows=512, bf16_gemm_max_rows=512, a8_rows_max_rows=12)
 
 # avx2_vnni (the avx2 loops with AVX-VNNI's vpdpbusd / vpdpwssd, csrc/hfd_avx2.h), 2026-11-25,
 # the same Zen 5, method and caps (ONEDNN_MAX_CPU_ISA=AVX2_VNNI), quiet (load ~1), medians of 5
@@ -210,10 +223,13 @@ ZEN5_AVX2 = Crossovers(int8_gemv_max_rows=128, int8_pack_max_rows=512, int4_nati
 ZEN5_AVX2_VNNI = Crossovers(int8_gemv_max_rows=512, int8_pack_max_rows=512,
                             int4_native_max_rows=128, int4_pack_max_rows=512,
                             bf16_gemv_max_rows=4, int4_gemm_max_rows=512, int8_gemm_max_rows=512,
-                            bf16_gemm_max_rows=512)
+                            bf16_gemm_max_rows=512,
+                            a8_rows_max_rows=ZEN5_AVX2.a8_rows_max_rows)  # inherited
 
 TABLE: dict[str, Crossovers] = {
-    "amx": XEON,  # measured on the Xeon (bf16_gemv_max_rows None: not measured there)
+    # measured on the Xeon (bf16_gemv_max_rows None: not measured there; a8_rows_max_rows: the
+    # default 1, not measured there)
+    "amx": XEON,
     "avx512_bf16": ZEN5_AVX512,
     "avx512": ZEN5_AVX512_NO_BF16,
     "avx2_vnni": ZEN5_AVX2_VNNI,
@@ -223,7 +239,8 @@ TABLE: dict[str, Crossovers] = {
                           bf16_gemv_max_rows=ZEN5_AVX512.bf16_gemv_max_rows,  # inherited
                           int4_gemm_max_rows=ZEN5_AVX512.int4_gemm_max_rows,  # inherited
                           int8_gemm_max_rows=ZEN5_AVX512.int8_gemm_max_rows,  # inherited
-                          bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows),  # inherited
+                          bf16_gemm_max_rows=ZEN5_AVX512.bf16_gemm_max_rows,  # inherited
+                          a8_rows_max_rows=ZEN5_AVX2.a8_rows_max_rows),  # inherited
 }
 assert set(TABLE) == set(_native.TIERS)
 

@@ -43,6 +43,8 @@ from hf_dsinfer.kernels import _native, crossovers
 from hf_dsinfer.kernels.abi import (
     LIN_BF16,
     LIN_INT4,
+    LIN_INT4_A8,
+    LIN_INT4_A8_TILED,
     LIN_INT4_TILED,
     LIN_INT8,
     LIN_INT8_TILED,
@@ -285,10 +287,10 @@ class DecodeLayer:
 
 # the weight kinds of the batched layer without AMX, by hfd_lin kind
 _KIND_NAMES = {LIN_BF16: "bf16", LIN_INT8: "int8", LIN_INT8_TILED: "int8", LIN_INT4: "int4",
-               LIN_INT4_TILED: "int4"}
+               LIN_INT4_TILED: "int4", LIN_INT4_A8: "W4A8", LIN_INT4_A8_TILED: "W4A8"}
 # the native library use (_native.MIN_TIER) the torch path's linears of each kind take for a few
 # rows (for more, the panel kernels: "panel", read by _kind_max_rows)
-_KIND_USES = {"bf16": "bf16_gemv", "int8": "gemv", "int4": "int4"}
+_KIND_USES = {"bf16": "bf16_gemv", "int8": "gemv", "int4": "int4", "W4A8": "a8"}
 
 
 def _bounds():
@@ -311,6 +313,8 @@ def _kind_max_rows(kind: str) -> int:
     """The most rows for which the torch path's linears of this kind run the kernels of the
     batched layer (csrc/cpu_decode.c: lin_batch) at the running tier."""
     rows = crossovers.rows()
+    if kind == "W4A8":  # the same numbers at every row count (quant.linear_int4_a8_cpu)
+        return AMX_MAX_ROWS
     if kind == "bf16":
         return max(rows.bf16_gemm_max_rows or 0, rows.bf16_gemv_max_rows or 0)
     few = rows.int8_gemv_max_rows if kind == "int8" else rows.int4_native_max_rows
@@ -339,7 +343,10 @@ def _rows_why(lib: ctypes.CDLL, struct: _Layer, amx: bool) -> str | None:
     for lin in struct.lin:
         if lin.n == 0:  # OPT's absent up projection
             continue
-        if lin.kind == LIN_INT8_TILED:
+        if lin.kind in (LIN_INT4_A8, LIN_INT4_A8_TILED):  # not AMX: hfd_int4_gemm_a8
+            if (why := _panel_shape_why(lin)) is not None:
+                return why
+        elif lin.kind == LIN_INT8_TILED:
             if not lib.hfd_amx_int8_available():
                 return "int8 projections and no AMX-INT8 on this CPU"
             if lin.n % 16:
@@ -373,7 +380,7 @@ def _panel_shape_why(lin) -> str | None:
     else:
         g = lin.group
         ok = (n % 16 == 0 and g > 0 and g % 32 == 0 and k % g == 0
-              and (lin.kind != LIN_INT4_TILED or (k // 2) % 64 == 0))
+              and (lin.kind not in (LIN_INT4_TILED, LIN_INT4_A8_TILED) or (k // 2) % 64 == 0))
         need = "out features a multiple of 16, groups of 32, in features of 128 tiled"
     return None if ok else (f"a {n} x {k} projection the batched layer's kernel does not take "
                             f"({need})")

@@ -756,9 +756,11 @@ def _native_int4_amx(x2: torch.Tensor, qweight: Int4Weight) -> torch.Tensor | No
 def linear_int4_a8_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor | None = None):
     """linear_int4_a8_ref's numbers by csrc/cpu_qgemm.c's hfd_int4_gemm_a8 where it runs (the
     "a8" use of _native.MIN_TIER; x fp32 / bf16 / fp16; out features a multiple of 16), that
-    reference otherwise. Every row count takes the same kernel, so a row's result does not
-    depend on the rows beside it (a request's tokens under continuous batching do not depend on
-    its neighbours)."""
+    reference otherwise; up to the tier's a8_rows_max_rows rows (kernels/crossovers.py) by
+    csrc/cpu_decode.c's hfd_int4_a8_rows, the batch-1 kernel, which gives the panel kernel's
+    bits. So every row count gets the same numbers, and a row's result does not depend on the
+    rows beside it (a request's tokens under continuous batching do not depend on its
+    neighbours)."""
     lib, dtypes = _native.lib("a8"), _native.DTYPE_CODES
     scales, mins, n = qweight.scales, qweight.mins, qweight.scales.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -768,9 +770,14 @@ def linear_int4_a8_cpu(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor 
             and scales.is_contiguous() and mins.is_contiguous()
             and qweight.packed.is_contiguous()):
         m, k = x2.shape
-        y = _fp32_product(lib, "hfd_int4_gemm_a8", m, n, x2.data_ptr(), dtypes[x2.dtype], m,
-                          qweight.packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-                          dtypes[scales.dtype], qweight.group_size, n, k, int(qweight.tiled))
+        args = (m, n, x2.data_ptr(), dtypes[x2.dtype], m, qweight.packed.data_ptr(),
+                scales.data_ptr(), mins.data_ptr(), dtypes[scales.dtype], qweight.group_size, n,
+                k, int(qweight.tiled))
+        if m <= crossovers.rows().a8_rows_max_rows and n % 16 == 0:  # where the panel
+            # kernel would take it: the same bits at every row count
+            y = _fp32_product(lib, "hfd_int4_a8_rows", *args)
+        if y is None:
+            y = _fp32_product(lib, "hfd_int4_gemm_a8", *args)
     if y is None:
         return linear_int4_a8_ref(x, qweight, bias)
     y = y.to(x.dtype)

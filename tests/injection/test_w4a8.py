@@ -97,21 +97,44 @@ def test_a8_is_close_to_bf16_activations_not_equal():
     assert ((x - y).norm() / y.norm()) < 0.05
 
 
-def test_native_decode_layer_steps_aside_and_explain_says_so():
-    from tests.kernels.test_native_decode import _BASE  # head_dim 32: the layer would build
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_native_decode_layer_runs_w4a8_and_explain_says_so(grad_mode, monkeypatch):
+    """The native batch-1 decode layer takes W4A8 projections (csrc/cpu_decode.c: a8_dots, the
+    panel kernel's bits): counted; its greedy tokens are the torch path's (whose linears run
+    linear_int4_a8_cpu; the layers' norms and attention round in another order, as for every
+    native layer: tests/kernels/test_native_decode.py), and explain names it."""
+    from tests.kernels.test_native_decode import _BASE  # head_dim 32: the layer builds
+    from switches import switch
     from transformers import LlamaConfig
 
+    from hf_dsinfer.kernels import _native
+    from hf_dsinfer.kernels.abi import LIN_INT4_A8, LIN_INT4_A8_TILED
+
+    if _native.lib("a8") is None or _native.lib() is None:
+        pytest.skip(f"no native W4A8 kernels here: {_native.why_unavailable('a8')}")
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
     model = hf_dsinfer.init_inference(ref, quant=A8)
     text = hf_dsinfer.explain(model)
     assert "weights with 8-bit activations (W4A8" in text  # the quantization summary
-    assert "the native decode layer multiplies bf16 activations" in text  # why it stepped aside
-    assert "8-bit activations, every row count:" in text  # the kernel, not the W4A16 crossovers
-    assert "1-8 rows native" not in text
-    with torch.no_grad():
-        out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 8)
+    assert "batch-1 decode steps (bf16, CPU): native layer" in text
+    assert "1-8 rows native" not in text  # not the W4A16 crossovers
+    assert "(hfd_int4_a8_rows)" in text and "(hfd_int4_gemm_a8)" in text
+    layers = model.model.layers
+    for layer in layers:
+        kinds = {lin.kind for lin in layer.forward.decode_layer().struct.lin}
+        assert kinds <= {LIN_INT4_A8, LIN_INT4_A8_TILED}, kinds
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mode = getattr(torch, grad_mode)
+    with mode():
+        native = model.generate(ids, max_new_tokens=8, do_sample=False)
+    calls = sum(layer.forward._decode.calls for layer in layers)
+    assert calls == 7 * len(layers)  # every one-token step, every layer
+    with monkeypatch.context() as m, mode():
+        switch(m, native=False)
+        torch_path = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert sum(layer.forward._decode.calls for layer in layers) == calls
+    assert torch.equal(native, torch_path)
 
 
 def test_from_pretrained_takes_act_bits(llama_dir):

@@ -1,5 +1,9 @@
 """4-bit weights times 8-bit activations (W4A8: quant={"bits": 4, "act_bits": 8}).
 
+The batch-1 kernel (csrc/cpu_decode.c: hfd_int4_a8_rows, which the native decode layer's a8_dots
+also runs) must give the panel kernel's bits for every row, shape, layout, x dtype and tier, so
+that linear_int4_a8_cpu may pick either by row count.
+
 The torch reference (quant.linear_int4_a8_ref) defines the numbers: x quantized per row and
 weight group to round-half-even(x * 127 / absmax), exact integer sums against the centred codes,
 fp32 scaling. The native kernel (csrc/cpu_qgemm.c: hfd_int4_gemm_a8) must give them up to the
@@ -39,6 +43,16 @@ def _native_a8(x2, qw):
                            int(qw.tiled))
 
 
+def _native_rows(x2, qw, lib=None):
+    dt = _native.DTYPE_CODES
+    m, k = x2.shape
+    n = qw.scales.shape[0]
+    return Q._fp32_product(lib or _native.lib("a8"), "hfd_int4_a8_rows", m, n, x2.data_ptr(),
+                           dt[x2.dtype], m, qw.packed.data_ptr(), qw.scales.data_ptr(),
+                           qw.mins.data_ptr(), dt[qw.scales.dtype], qw.group_size, n, k,
+                           int(qw.tiled))
+
+
 def _ref_fp32(x2, qw):
     return Q.linear_int4_a8_ref(x2.float(), qw)
 
@@ -61,6 +75,46 @@ def test_native_matches_the_reference(n, k, group, portable, x_dt):
         assert y is not None and y.dtype == torch.float32
         # the same integer sums; only the order of the fp32 sums over groups differs
         torch.testing.assert_close(y, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+# the batch-1 kernel's shapes: SHAPES and odd row counts (blocks of 16 / 8 rows and their
+# tails), a 576-column row (SmolLM2: one 512-column run and half a chunk), groups 32-256 over
+# whole runs and rests, row-major and tiled codes
+ROW_SHAPES = SHAPES + [(20, 576, 64, True), (36, 576, 32, False), (48, 2560, 256, False),
+                       (64, 640, 128, True), (8, 1536, 64, False)]
+
+
+@pytest.mark.parametrize("x_dt", (torch.bfloat16, torch.float32, torch.float16))
+@pytest.mark.parametrize("n,k,group,portable", ROW_SHAPES)
+def test_batch_one_kernel_gives_the_panel_kernels_bits(n, k, group, portable, x_dt):
+    qw = _weight(n, k, group, portable=portable, seed=n + k)
+    x = _gaussian(5, k, seed=k).to(x_dt)
+    x[1, :group] = 0  # an all-zero group: unit 0
+    x[2] *= torch.logspace(-4, 2, k)  # groups of very different scales
+    rows = _native_rows(x, qw)
+    assert rows is not None
+    if n % 16 == 0:  # where the panel kernel runs
+        assert torch.equal(rows, _native_a8(x, qw))
+    ref = _ref_fp32(x, qw)
+    torch.testing.assert_close(rows, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    for i in (0, 4):  # one row alone: the same bits
+        assert torch.equal(_native_rows(x[i:i + 1].contiguous(), qw)[0], rows[i])
+
+
+@pytest.mark.parametrize("s_dt", (torch.float32, torch.float16))
+def test_batch_one_kernel_scale_dtypes(s_dt):
+    qw = _weight(48, 1152, 64, s_dt=s_dt)
+    x = _gaussian(3, 1152).bfloat16()
+    assert torch.equal(_native_rows(x, qw), _native_a8(x, qw))
+
+
+def test_out_features_the_panel_kernel_refuses_take_the_reference_at_every_row_count():
+    """The batch-1 kernel would take 40 rows, but the panel kernel does not: one row takes the
+    reference too, so that a row's numbers do not depend on the row count."""
+    qw = _weight(40, 256, 32)
+    x = _gaussian(1, 256).bfloat16()
+    assert _native_rows(x, qw) is not None and _native_a8(x, qw) is None
+    assert torch.equal(Q.linear_int4_a8_cpu(x, qw), Q.linear_int4_a8_ref(x, qw))
 
 
 @pytest.mark.parametrize("s_dt", (torch.float32, torch.float16))
@@ -108,6 +162,8 @@ def test_every_tier_gives_the_same_bits():
     first = next(iter(outs.values()))
     for tier, y in outs.items():
         assert torch.equal(y, first), tier
+    for tier in outs:  # the batch-1 kernel too, at every tier (the avx2 loops are its own)
+        assert torch.equal(_native_rows(x, qw, _native._load(tier)), first), tier
 
 
 def test_quantized_activations():
@@ -139,13 +195,25 @@ def test_error_against_bf16_activations_is_bounded():
 
 @pytest.mark.parametrize("rows", (1, 4, 64))
 def test_linear_int4_runs_the_kernel_for_a8_weights(monkeypatch, rows):
+    from hf_dsinfer.kernels import crossovers
+
     calls = count_calls(monkeypatch, Q, "linear_int4_a8_cpu")
     fallbacks = count_calls(monkeypatch, Q, "linear_int4_a8_ref")
+    kernels = []
+    original = Q._fp32_product
+
+    def counted(lib, name, *args):
+        kernels.append(name)
+        return original(lib, name, *args)
+
+    monkeypatch.setattr(Q, "_fp32_product", counted)
     qw = _weight(48, 512, 64)
     bias = _gaussian(48).bfloat16()
     x = _gaussian(rows, 512).bfloat16()
     y = Q.linear_int4(x, qw, bias)
     assert calls and not fallbacks and y.dtype == torch.bfloat16  # the native kernel ran
+    few = rows <= crossovers.rows().a8_rows_max_rows  # the tier's bound picks the kernel
+    assert kernels == ["hfd_int4_a8_rows" if few else "hfd_int4_gemm_a8"]
     ref = Q.linear_int4_a8_ref(x, qw, bias)
     torch.testing.assert_close(y.float(), ref.float(), atol=1e-2, rtol=1e-2)
     # unmarked weights keep bf16 activations

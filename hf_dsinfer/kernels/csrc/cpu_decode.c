@@ -68,6 +68,7 @@ typedef struct {
     float *gsum;     /* int4: [k / group] sums of x per group */
     float *gunit;    /* int4: [k / group] value of one fixed-point step of x per group */
     uint8_t *planes; /* X_BYTES(kp): int8 and int4 x as fixed point (see prepare_input) */
+    int32_t *qsum;   /* W4A8: [k / group] sums of x's 8-bit codes per group */
     int64_t kp;
     double unit;
 } lin_input;
@@ -81,6 +82,72 @@ static inline int is_int4(const hfd_lin *L) {
     return L->kind == LIN_INT4 || L->kind == LIN_INT4_TILED;
 }
 
+static inline int is_a8(const hfd_lin *L) {
+    return L->kind == LIN_INT4_A8 || L->kind == LIN_INT4_A8_TILED;
+}
+
+#if HFD_AVX2_DOTS
+/* 8 values of x (dtype dt) from element i as fp32 */
+static inline __attribute__((always_inline)) __m256 a8_x8(const void *x, int64_t i, int dt) {
+    if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)x + i);
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
+}
+
+/* cpu_qgemm.c's a8_quantize_rows for one row, on this tier's own vectors (SIMDe's 512-bit
+   emulation of it took ~10 us for 2048 columns, per input of every linear): the same
+   operations per lane, the group sum reduced in the order of _mm512_reduce_add_ps (lanes i and
+   i + 8, then i + 4, i + 2, i + 1), so the same bits (tests/kernels/test_native_a8.py); and
+   qsum[g], the group's sum of q. */
+static void a8_quantize_avx2(const void *x, int x_dt, int64_t K, int64_t group, uint8_t *xq,
+                             float *unit, float *gsum, int32_t *qsum) {
+    const int64_t G = K / group;
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t c0 = g * group;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
+        for (int64_t c = 0; c < group; c += 16) {
+            const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
+            s0 = _mm256_add_ps(s0, v0);
+            s1 = _mm256_add_ps(s1, v1);
+            m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
+            m1 = _mm256_max_ps(m1, _mm256_and_ps(v1, sign));
+        }
+        const __m256 s8 = _mm256_add_ps(s1, s0), m8 = _mm256_max_ps(m1, m0);
+        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float amax = _mm_cvtss_f32(m4);
+        gsum[g] = _mm_cvtss_f32(s4);
+        unit[g] = amax / 127.f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i qs = _mm256_setzero_si256();
+        for (int64_t c = 0; c < group; c += 8) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(a8_x8(x, c0 + c, x_dt), inv));
+            q = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
+            qs = _mm256_add_epi32(qs, q);
+            /* evens then odds, each byte q + 128 */
+            const __m256i b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(q, order), low);
+            const uint32_t e = (uint32_t)_mm256_extract_epi32(b, 0) ^ 0x80808080u;
+            const uint32_t o = (uint32_t)_mm256_extract_epi32(b, 4) ^ 0x80808080u;
+            memcpy(xq + c0 + c, &e, 4);
+            memcpy(xq + c0 + c + 4, &o, 4);
+        }
+        __m128i q4 = _mm_add_epi32(_mm256_extracti128_si256(qs, 1), _mm256_castsi256_si128(qs));
+        q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4E));
+        q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0xB1));
+        qsum[g] = _mm_cvtsi128_si32(q4);
+    }
+}
+#endif
+
 /* x (K values of dtype x_dt: bf16 in the decode layer) as the linear L reads it: kp floats of
    scratch in xf; for int4, in->gsum and in->gunit hold kp floats each. */
 static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_input *in,
@@ -89,6 +156,41 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
     if (L->kind == LIN_INT8 || L->kind == LIN_INT8_TILED) {
         in->kp = (L->k + 63) / 64 * 64;
         in->unit = int8_input(x, x_dt, L->in_scale, L->k, in->kp, xf, in->planes);
+    } else if (is_a8(L)) {
+        /* W4A8 (a8_dots): x quantized by hfd_int4_gemm_a8's own code (the same bits), its
+           bytes q + 128 in that kernel's octet order (per 8 columns the 4 even ones, then the 4
+           odd ones) turned into two planes of signed q, as the int4 planes below: the even
+           columns' then the odd columns' (kp / 2 bytes each, 0 past K), whole 512-column runs
+           of tiles in the codes' super-chunk order; in->qsum[g]: the group's sum of q. */
+        const int64_t K = L->k, group = L->group, G = K / group;
+        in->kp = (K + 127) / 128 * 128;
+        uint8_t *xq = (uint8_t *)xf; /* K bytes in the kp floats of scratch */
+#if HFD_AVX2_DOTS
+        a8_quantize_avx2(x, x_dt, K, group, xq, in->gunit, in->gsum, in->qsum);
+#else
+        hfd_a8_quantize_row(x, x_dt, K, group, xq, in->gunit, in->gsum);
+        for (int64_t g = 0; g < G; g++) {
+            int32_t t = 0;
+            for (int64_t c = g * group; c < (g + 1) * group; c++) t += xq[c];
+            in->qsum[g] = t - 128 * (int32_t)group;
+        }
+#endif
+        const int64_t words = in->kp / 8, octets = K / 8; /* dwords of a plane; octets of x */
+        const int64_t ordered = L->kind == LIN_INT4_A8_TILED ? K / 512 * 64 : 0;
+        uint8_t *E = in->planes, *O = E + in->kp / 2;
+        for (int64_t d = 0; d < words; d++) {
+            uint32_t e = 0, o = 0;
+            if (d < octets) {
+                memcpy(&e, xq + 8 * d, 4);
+                memcpy(&o, xq + 8 * d + 4, 4);
+                e ^= 0x80808080u; /* q + 128 -> q */
+                o ^= 0x80808080u;
+            }
+            /* a run's natural dword 4j + i goes to 16i + j (hfd_simd.h: int4_order) */
+            const int64_t at = d < ordered ? (d & ~(int64_t)63) + 16 * (d & 3) + ((d & 63) >> 2) : d;
+            memcpy(E + 4 * at, &e, 4);
+            memcpy(O + 4 * at, &o, 4);
+        }
     } else if (is_int4(L)) {
         /* x per group g as 24-bit fixed point v = round(x / gunit[g]), |v| < 2^23 (gunit[g] =
            absmax / (2^23 - 1): the int8 kernel's precision), split v = 65536 hi + 256 mid + lo
@@ -308,6 +410,273 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #endif
 }
 
+/* ---- 4-bit rows times 8-bit x (W4A8) ----
+ *
+ * The batch-1 form of cpu_qgemm.c's hfd_int4_gemm_a8, in that kernel's numbers to the bit (so
+ * a request's tokens do not depend on whether its row was decoded alone or packed with others):
+ * per row n and group g the exact integer I = sum q * (code - 8), then, g by g from 0,
+ * f = fma(float(I), scale * unit, f); f = fma(min + 8 scale, gsum, f). Here the codes (0..15)
+ * meet x's signed codes in vpdpbusd as stored (no panel transposed per call) and
+ * I = sum q * code - 8 * qsum, exactly. A64-byte load of a row holds 128 columns, dword lane j
+ * the 8 columns 8j .. 8j + 7 (whole 512-column runs of tiles: 512s + 32j + 8i .. for load i,
+ * so the run's 4 loads sum lane j over one 32-column piece). A block of A8_BLOCK rows reduces
+ * each row's lanes to the 16 pieces of a 512-column span, transposes them so that a lane is a
+ * row, adds pieces into groups and runs the fp32 steps for A8_BLOCK rows per instruction, the
+ * lane order of the panel kernel's. One vpdpbusd per 64 columns and row, against the bf16
+ * activations' three (the byte planes of x's 24-bit fixed point). */
+#if HFD_AVX2_DOTS
+#define A8_BLOCK 8 /* rows per block: a ymm lane each */
+
+/* r[i] (8 dwords each) -> r[j] holding dword j of every input row: an 8 x 8 transpose */
+static inline void transpose8_epi32(__m256i r[8]) {
+    __m256i u[8];
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* r[i + c], 128-bit lane l: dword 4l + c of rows i.. */
+        r[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+        r[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+        r[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+        r[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        u[c] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x20);
+        u[c + 4] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = u[i];
+}
+
+/* 8 values of dtype dt from element i of p as fp32, `left` of them in the row there (lanes
+   past those 0): a row's scales or mins without a masked load's copy where 8 are there */
+static inline __attribute__((always_inline)) __m256 a8_load8(const void *p, int64_t i,
+                                                             int64_t left, int dt) {
+    if (left >= 8) {
+        if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)p + i);
+        if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    }
+    float t[8] = {0};
+    for (int64_t c = 0; c < left && c < 8; c++) t[c] = load_f32(p, i + c, dt);
+    return _mm256_loadu_ps(t);
+}
+
+/* the int32 lane sums of 32 code bytes v (64 columns) times x's even / odd codes */
+static inline __attribute__((always_inline)) __m256i a8_dot32(__m256i v, __m256i xe, __m256i xo) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i e = _mm256_and_si256(v, nib), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#if HFD_AVX_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), e, xe), o, xo);
+#else /* pairs of 15 * 127: no saturation; their sums in int16 at most 4 * 3810 */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(e, xe), _mm256_maddubs_epi16(o, xo)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+#else
+#define A8_BLOCK 16 /* rows per block: a zmm lane each */
+
+/* the int32 lane sums of 64 code bytes v (128 columns) times x's even / odd codes, added to acc */
+static inline __attribute__((always_inline)) __m512i a8_dot64(__m512i acc, __m512i v, __m512i xe,
+                                                              __m512i xo) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(v, nib), xe);
+    return _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), xo);
+}
+
+/* 4 chunks' lane sums (lane j of p[i]: columns 128i + 8j ..) -> lane k: the 32-column piece k */
+static inline __attribute__((always_inline)) __m512i a8_pieces(const __m512i p[4]) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    /* 128-bit lane l: piece l of chunks 0..3 */
+    const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), q);
+}
+#endif
+
+/* out[r] = W[n0 + r] . x in W4A8 (fp32, bias not added) for r < rows (<= A8_BLOCK); gp: the
+   group's 32-column pieces, a constant at each call (a8_dots) so that the group loops unroll
+   and the pieces stay in registers. */
+static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, const lin_input *in,
+                                                            int64_t n0, int rows, float *out,
+                                                            const int64_t gp) {
+    const int64_t K = L->k, group = L->group, G = K / group, half = in->kp / 2;
+    const int tiled = L->kind == LIN_INT4_A8_TILED;
+    const int64_t step = tiled ? TILE_ROWS : 1; /* bytes of a row's stream per code byte */
+    const int64_t chunks = (K + 127) / 128;
+    const uint8_t *wr[A8_BLOCK];
+    int64_t row[A8_BLOCK];
+    for (int r = 0; r < A8_BLOCK; r++) {
+        row[r] = n0 + (r < rows ? r : 0);
+        wr[r] = tile_row(L->w, row[r], K / 2, tiled);
+    }
+    const char *end = (const char *)L->w + L->n * (K / 2);
+    const uint8_t *xe = in->planes, *xo = xe + half;
+#if HFD_AVX2_DOTS
+    __m256 f = _mm256_setzero_ps();
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#else
+    __m512 f = _mm512_setzero_ps();
+#endif
+    for (int64_t s = 0; 4 * s < chunks; s++) {
+        const int64_t c0 = 4 * s, nc = chunks - c0 < 4 ? chunks - c0 : 4;
+        const int whole = tiled && 512 * (s + 1) <= K;
+        for (int r = 0; r < A8_BLOCK; r += TILE_ROWS) /* the span's lines, TILE_PREFETCH ahead */
+            for (int64_t c = c0; c < c0 + nc; c++) {
+                if (tiled)
+                    prefetch_tiles(wr[r] + c * 64 * step, end);
+                else
+                    for (int i = 0; i < TILE_ROWS; i++)
+                        if ((const char *)wr[r + i] + c * 64 + PREFETCH < end)
+                            _mm_prefetch((const char *)wr[r + i] + c * 64 + PREFETCH, _MM_HINT_T0);
+            }
+#if HFD_AVX2_DOTS
+        __m256i V[2][8]; /* V[h][r]: row r's pieces 8h .. 8h + 7 */
+        for (int r = 0; r < A8_BLOCK; r++) {
+            if (whole) {
+                for (int h = 0; h < 2; h++) {
+#if HFD_AVX_VNNI
+                    __m256i acc = _mm256_setzero_si256();
+#else
+                    __m256i acc = _mm256_setzero_si256(); /* int16 pair sums, at most 8 * 3810 */
+#endif
+                    for (int64_t c = c0; c < c0 + 4; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + c * 64 * step + 32 * h));
+                        const __m256i e = _mm256_loadu_si256((const __m256i *)(xe + c * 64 + 32 * h));
+                        const __m256i o = _mm256_loadu_si256((const __m256i *)(xo + c * 64 + 32 * h));
+                        const __m256i nib = _mm256_set1_epi8(0x0F);
+                        const __m256i ce = _mm256_and_si256(v, nib);
+                        const __m256i co = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#if HFD_AVX_VNNI
+                        acc = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, ce, e), co, o);
+#else
+                        acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(ce, e),
+                                                                     _mm256_maddubs_epi16(co, o)));
+#endif
+                    }
+#if HFD_AVX_VNNI
+                    V[h][r] = acc;
+#else
+                    V[h][r] = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+                }
+            } else {
+                __m256i A[4];
+                for (int64_t i = 0; i < 4; i++) {
+                    __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                    const int64_t c = c0 + i, bytes = i < nc ? (K - 128 * c) / 2 : 0;
+                    for (int h = 0; h < 2 && 32 * h < bytes; h++) {
+                        const uint8_t *w = wr[r] + c * 64 * step + 32 * h;
+                        const __m256i v = bytes - 32 * h >= 32
+                            ? _mm256_loadu_si256((const __m256i *)w)
+                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w));
+                        p[h] = a8_dot32(v, _mm256_loadu_si256((const __m256i *)(xe + c * 64 + 32 * h)),
+                                        _mm256_loadu_si256((const __m256i *)(xo + c * 64 + 32 * h)));
+                    }
+                    A[i] = _mm256_hadd_epi32(p[0], p[1]);
+                }
+                /* [pieces 0 2 4 6 | 1 3 5 7] of chunks 0, 1 (and 2, 3) -> in order */
+                V[0][r] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(A[0], A[1]), order);
+                V[1][r] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(A[2], A[3]), order);
+            }
+        }
+        transpose8_epi32(V[0]); /* V[h][j]: piece 8h + j of every row */
+        transpose8_epi32(V[1]);
+        const int64_t pieces = (K - 512 * s) / 32 < 16 ? (K - 512 * s) / 32 : 16;
+        const int64_t ng = pieces / gp, g0 = 512 * s / group;
+        __m256i S[2][8], M[2][8]; /* the span's scales and mins, transposed as V */
+        for (int r = 0; r < A8_BLOCK; r++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = row[r] * G + g0 + 8 * h, left = G - g0 - 8 * h;
+                S[h][r] = _mm256_castps_si256(a8_load8(L->scales, at, left, (int)L->s_dt));
+                M[h][r] = _mm256_castps_si256(a8_load8(L->mins, at, left, (int)L->s_dt));
+            }
+        for (int h = 0; h < 1 + (ng > 8); h++) {
+            transpose8_epi32(S[h]);
+            transpose8_epi32(M[h]);
+        }
+        for (int64_t t = 0; t < 16 / gp; t++) {
+            if (t >= ng) break;
+            const int64_t g = g0 + t;
+            __m256i I = V[(t * gp) / 8][(t * gp) % 8];
+            for (int64_t u = t * gp + 1; u < (t + 1) * gp; u++) I = _mm256_add_epi32(I, V[u / 8][u % 8]);
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32(8 * in->qsum[g]));
+            const __m256 sc = _mm256_castsi256_ps(S[t / 8][t % 8]);
+            const __m256 mn = _mm256_add_ps(_mm256_castsi256_ps(M[t / 8][t % 8]),
+                                            _mm256_mul_ps(_mm256_set1_ps(8.f), sc));
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(sc, _mm256_set1_ps(in->gunit[g])), f);
+            f = _mm256_fmadd_ps(mn, _mm256_set1_ps(in->gsum[g]), f);
+        }
+#else
+        __m512i V[A8_BLOCK]; /* row r's pieces, then (transposed) piece j of every row */
+        if (whole) {
+            __m512i x[8];
+            for (int i = 0; i < 4; i++) {
+                x[2 * i] = _mm512_loadu_si512(xe + (c0 + i) * 64);
+                x[2 * i + 1] = _mm512_loadu_si512(xo + (c0 + i) * 64);
+            }
+            for (int r = 0; r < A8_BLOCK; r++) {
+                __m512i acc = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++)
+                    acc = a8_dot64(acc, _mm512_loadu_si512(wr[r] + (c0 + i) * 64 * step), x[2 * i],
+                                   x[2 * i + 1]);
+                V[r] = acc;
+            }
+        } else {
+            for (int r = 0; r < A8_BLOCK; r++) {
+                __m512i p[4];
+                for (int64_t i = 0; i < 4; i++) {
+                    p[i] = _mm512_setzero_si512();
+                    if (i >= nc) continue;
+                    const int64_t c = c0 + i, bytes = (K - 128 * c) / 2;
+                    const __mmask64 mk = bytes >= 64 ? ~0ULL : (1ULL << bytes) - 1;
+                    p[i] = a8_dot64(p[i], _mm512_maskz_loadu_epi8(mk, wr[r] + c * 64 * step),
+                                    _mm512_loadu_si512(xe + c * 64), _mm512_loadu_si512(xo + c * 64));
+                }
+                V[r] = a8_pieces(p);
+            }
+        }
+        transpose16_epi32(V);
+        const int64_t pieces = (K - 512 * s) / 32 < 16 ? (K - 512 * s) / 32 : 16;
+        const int64_t ng = pieces / gp, g0 = 512 * s / group;
+        __m512i S[A8_BLOCK], M[A8_BLOCK]; /* the span's scales and mins, transposed as V */
+        for (int r = 0; r < A8_BLOCK; r++) {
+            S[r] = _mm512_castps_si512(load16(L->scales, row[r] * G + g0, (int)L->s_dt, mask16(ng)));
+            M[r] = _mm512_castps_si512(load16(L->mins, row[r] * G + g0, (int)L->s_dt, mask16(ng)));
+        }
+        transpose16_epi32(S);
+        transpose16_epi32(M);
+        for (int64_t t = 0; t < 16 / gp; t++) {
+            if (t >= ng) break;
+            const int64_t g = g0 + t;
+            __m512i I = V[t * gp];
+            for (int64_t u = t * gp + 1; u < (t + 1) * gp; u++) I = _mm512_add_epi32(I, V[u]);
+            I = _mm512_sub_epi32(I, _mm512_set1_epi32(8 * in->qsum[g]));
+            const __m512 sc = _mm512_castsi512_ps(S[t]);
+            const __m512 mn = _mm512_add_ps(_mm512_castsi512_ps(M[t]),
+                                            _mm512_mul_ps(_mm512_set1_ps(8.f), sc));
+            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sc, _mm512_set1_ps(in->gunit[g])), f);
+            f = _mm512_fmadd_ps(mn, _mm512_set1_ps(in->gsum[g]), f);
+        }
+#endif
+    }
+    float o[A8_BLOCK];
+#if HFD_AVX2_DOTS
+    _mm256_storeu_ps(o, f);
+#else
+    _mm512_storeu_ps(o, f);
+#endif
+    for (int r = 0; r < rows; r++) out[r] = o[r];
+}
+
+static void a8_dots(const hfd_lin *L, const lin_input *in, int64_t n0, int rows, float *out) {
+    switch (L->group) { /* 32 .. 256 (hfd_int4_a8_rows, kernels/decode.py check) */
+        case 32: a8_dots_g(L, in, n0, rows, out, 1); break;
+        case 64: a8_dots_g(L, in, n0, rows, out, 2); break;
+        case 128: a8_dots_g(L, in, n0, rows, out, 4); break;
+        default: a8_dots_g(L, in, n0, rows, out, 8); break;
+    }
+}
+
 /* out[r] = W[n0 + r] . x (fp32, bias not added) for r < rows (<= ROWS). */
 static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int rows, float *out) {
     const int64_t K = L->k;
@@ -371,20 +740,30 @@ static void lin_block(const hfd_lin *L, const lin_input *in, int64_t n0, int row
 /* Rows of the linears lin[0..count) (all reading the same x), split in ROWS blocks over the
    threads of the enclosing parallel region: y[j][n] = (W_j x + bias_j)[n] in fp32. */
 static void lin_rows(const hfd_lin *const *lin, const lin_input *in, int count, float *const *y) {
-    int64_t blocks = 0, first[8];
+    int64_t blocks = 0, first[8], size[8];
     for (int j = 0; j < count; j++) {
         first[j] = blocks;
-        blocks += (lin[j]->n + ROWS - 1) / ROWS;
+        size[j] = is_a8(lin[j]) ? A8_BLOCK : ROWS;
+        blocks += (lin[j]->n + size[j] - 1) / size[j];
     }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         int j = 0;
         while (j + 1 < count && b >= first[j + 1]) j++;
         const hfd_lin *L = lin[j];
-        int64_t n0 = (b - first[j]) * ROWS;
-        int rows = (int)(L->n - n0 < ROWS ? L->n - n0 : ROWS);
-        float out[ROWS];
-        lin_block(L, &in[j], n0, rows, out);
+        int64_t n0 = (b - first[j]) * size[j];
+        int rows = (int)(L->n - n0 < size[j] ? L->n - n0 : size[j]);
+        float out[A8_BLOCK > ROWS ? A8_BLOCK : ROWS];
+        if (is_a8(L)) {
+            a8_dots(L, &in[j], n0, rows, out);
+            if (L->bias) { /* as the torch path adds it: to the product rounded to bf16 */
+                uint16_t ob[A8_BLOCK];
+                round_row(out, ob, rows);
+                for (int r = 0; r < rows; r++) out[r] = load_f32(ob, r, DT_BF16);
+            }
+        } else {
+            lin_block(L, &in[j], n0, rows, out);
+        }
         for (int r = 0; r < rows; r++)
             y[j][n0 + r] = out[r] + (L->bias ? load_f32(L->bias, n0 + r, (int)L->b_dt) : 0.f);
     }
@@ -569,18 +948,20 @@ typedef struct {
     uint8_t *planes;
     float *gsum;
     float *gunit;
+    int32_t *qsum;
     int64_t kp;
 } scratch;
 
 static int scratch_init(scratch *s, int64_t K) {
     s->kp = (K + 127) / 128 * 128;
-    size_t bytes = (size_t)s->kp * (4 + 3 * 4 + 3 * 4) + 3 * (size_t)X_BYTES(s->kp);
+    size_t bytes = (size_t)s->kp * (4 + 3 * 4 + 3 * 4 + 3 * 4) + 3 * (size_t)X_BYTES(s->kp);
     s->mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!s->mem) return -2;
     s->xf = (float *)s->mem;
     s->planes = (uint8_t *)(s->xf + s->kp);
     s->gsum = (float *)(s->planes + 3 * X_BYTES(s->kp));
     s->gunit = s->gsum + 3 * s->kp;
+    s->qsum = (int32_t *)(s->gunit + 3 * s->kp);
     return 0;
 }
 
@@ -590,9 +971,10 @@ static void inputs_for(const hfd_lin *const *lin, int count, const uint16_t *x, 
         in[j].planes = s->planes + j * X_BYTES(s->kp);
         in[j].gsum = s->gsum + j * s->kp;
         in[j].gunit = s->gunit + j * s->kp;
-        int shared = -1; /* int4 inputs depend on x, the group and the layout only: q|k|v and
-                            gate|up share */
-        for (int i = 0; i < j && is_int4(lin[j]); i++)
+        in[j].qsum = s->qsum + j * s->kp;
+        int shared = -1; /* int4 and W4A8 inputs depend on x, the group and the layout only:
+                            q|k|v and gate|up share */
+        for (int i = 0; i < j && (is_int4(lin[j]) || is_a8(lin[j])); i++)
             if (lin[i]->kind == lin[j]->kind && lin[i]->group == lin[j]->group) shared = i;
         if (shared >= 0)
             in[j] = in[shared];
@@ -1170,6 +1552,58 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
     return 0;
 }
 
+/* y [M, N] (fp32) = hfd_int4_gemm_a8's product to the bit (the same arguments), by the batch-1
+   W4A8 dots (a8_dots) for each row of x: the codes read as stored, no panel put in vpdpbusd's
+   order per call, so faster for a few rows (kernels/quant.py: linear_int4_a8_cpu's bound).
+   -3 where it does not take the shape: groups other than 32, 64, 128 or 256, or tiles of other
+   than whole 128-column chunks; -2 out of memory. */
+int hfd_int4_a8_rows(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
+                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                     float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0 || group < 32 || group > 256 || group & (group - 1) || K % group
+        || (tiled && (N % TILE_ROWS || K % 128)))
+        return -3;
+    const hfd_lin L = {tiled ? LIN_INT4_A8_TILED : LIN_INT4_A8, N, K, group, s_dt, 0, w, scales,
+                       mins, NULL, NULL, NULL};
+    const int nt = nthreads > 0 ? nthreads : 1;
+    const int64_t kp = (K + 127) / 128 * 128, G = K / group, xs = x_dt == DT_F32 ? 4 : 2;
+    /* per row of x: kp plane bytes, G floats of units and of sums and G int32 code sums; per
+       thread kp floats of scratch */
+    const int64_t per_row = kp + (3 * 4 * G + 63) / 64 * 64;
+    uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(M * per_row + nt * kp * 4));
+    lin_input *in = (lin_input *)malloc((size_t)M * sizeof(lin_input));
+    if (!mem || !in) {
+        free(mem); free(in);
+        return -2;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *xf = (float *)(mem + M * per_row) + (int64_t)omp_get_thread_num() * kp;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            uint8_t *base = mem + m * per_row;
+            in[m].planes = base;
+            in[m].gunit = (float *)(base + kp);
+            in[m].gsum = in[m].gunit + G;
+            in[m].qsum = (int32_t *)(in[m].gsum + G);
+            prepare_input_dt(&L, (const char *)x + m * K * xs, x_dt, &in[m], xf);
+        }
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += A8_BLOCK) {
+            const int rows = (int)(N - n0 < A8_BLOCK ? N - n0 : A8_BLOCK);
+            for (int64_t m = 0; m < M; m++) {
+                float out[A8_BLOCK];
+                a8_dots(&L, &in[m], n0, rows, out);
+                for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
+            }
+        }
+    }
+    free(mem);
+    free(in);
+    return 0;
+}
+
 /* ---- batched decode: one token of each of `rows` sequences ----
  *
  * The same layer for rows > 1 (batched greedy / sampled decode, beams, continuous batching's
@@ -1250,6 +1684,17 @@ static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint
    -3 for what it does not take (kernels/decode.py: rows_why checks first), -2 out of memory. */
 static int lin_batch(const hfd_lin *L, const uint16_t *x, int64_t rows, uint16_t *y, int nt,
                      const int64_t *bounds) {
+    if (is_a8(L)) { /* every row count, AMX or not: the torch path's kernel (linear_int4_a8_cpu) */
+        if (L->bias && L->b_dt != DT_BF16) return -3;
+        float *f = (float *)malloc((size_t)(rows * L->n) * sizeof(float));
+        if (!f) return -2;
+        int rc = hfd_int4_gemm_a8(x, DT_BF16, rows, (const uint8_t *)L->w, L->scales, L->mins,
+                                  (int)L->s_dt, L->group, L->n, L->k,
+                                  L->kind == LIN_INT4_A8_TILED, f, nt);
+        if (!rc) round_then_bias(f, L, rows, y, nt);
+        free(f);
+        return rc;
+    }
     if (hfd_amx_available()) return lin_amx_rows(L, x, rows, y, nt, bounds);
     if (L->bias && L->b_dt != DT_BF16) return -3;
     if (L->kind == LIN_BF16) {

@@ -501,6 +501,11 @@ static void a8_quantize_rows(const void *x, int x_dt, int64_t M, int64_t K, int6
     }
 }
 
+void hfd_a8_quantize_row(const void *x, int x_dt, int64_t K, int64_t group, uint8_t *xq,
+                         float *unit, float *gsum) {
+    a8_quantize_rows(x, x_dt, 1, K, group, xq, unit, gsum, 1);
+}
+
 /* A vector of panel codes (vpdpbusd's order) as signed bytes code - 8: the low nibbles (even
    columns) in lo, the high ones (odd columns) in hi */
 static inline __attribute__((always_inline)) void a8_codes(__m512i w, __m512i *lo, __m512i *hi) {

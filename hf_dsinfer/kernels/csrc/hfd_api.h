@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 5
+#define HFD_ABI_VERSION 6
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -25,8 +25,11 @@ int64_t hfd_abi(int64_t *info, int64_t n);
 
 /* ---- cpu_decode.c: one decoder layer for one token ---- */
 
-/* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row) */
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4 };
+/* kinds of linear; the _TILED ones store their weight as row tiles (hfd_simd.h: tile_row).
+   LIN_INT4_A8*: 4-bit codes (as LIN_INT4*) times 8-bit activations, in hfd_int4_gemm_a8's
+   numbers (ABI 6). */
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_TILED = 3, LIN_INT4_TILED = 4,
+       LIN_INT4_A8 = 5, LIN_INT4_A8_TILED = 6 };
 
 /* A linear layer y = x W^T + bias as the model stores it (mirrored by a ctypes Structure in
    hf_dsinfer/kernels/decode.py). */
@@ -119,6 +122,9 @@ int hfd_rms_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t
 int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                     float *y, int nthreads);
+int hfd_int4_a8_rows(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
+                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                     float *y, int nthreads);
 
 /* ---- cpu_qgemm.c: int4 / int8 / bf16 weights times bf16 rows, a panel in cache at a time ---- */
 
@@ -130,6 +136,10 @@ int hfd_int4_gemm_a8(const void *x, int x_dt, int64_t M, const uint8_t *packed,
                      int64_t K, int tiled, float *y, int nthreads);
 int hfd_int8_gemm_bf16(const uint16_t *x, int64_t M, const int8_t *q, const void *scales,
                        int s_dt, int64_t N, int64_t K, int tiled, float *y, int nthreads);
+/* internal (cpu_decode.c's batch-1 W4A8 dots): one row of x [K] quantized as hfd_int4_gemm_a8
+   quantizes each row: bytes q + 128 [K] in its octet order, unit and gsum [K / group] */
+void hfd_a8_quantize_row(const void *x, int x_dt, int64_t K, int64_t group, uint8_t *xq,
+                         float *unit, float *gsum);
 /* internal (cpu_moe.c's hfd_int4_amx): rows n0 .. n0 + rows of a 4-bit weight as bf16 */
 void hfd_int4_panel_bf16(const uint8_t *packed, const void *scales, const void *mins, int s_dt,
                          int64_t group, int64_t K, int tiled, int64_t n0, int64_t rows,
