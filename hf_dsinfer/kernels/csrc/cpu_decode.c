@@ -510,7 +510,17 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
         wr[r] = tile_row(L->w, row[r], K / 2, tiled);
     }
     const char *end = (const char *)L->w + L->n * (K / 2);
+    const char *next = n0 + A8_BLOCK < L->n ? (const char *)L->w + (n0 + A8_BLOCK) * (K / 2) : NULL;
+    const int64_t spans = (chunks + 3) / 4, span_lines = (A8_BLOCK * K / 2 / 64 + spans - 1) / spans;
+    const int row_lines = (int)((span_lines + A8_BLOCK - 1) / A8_BLOCK); /* per row's loads */
     const uint8_t *xe = in->planes, *xo = xe + half;
+    /* the threads take consecutive blocks: the next block's scales and mins (contiguous rows)
+       are fetched now, as int4_setup does */
+    const int sz = L->s_dt == DT_F32 ? 4 : 2;
+    for (int64_t c = 0; n0 + A8_BLOCK < L->n && c < A8_BLOCK * G * sz; c += 64) {
+        _mm_prefetch((const char *)L->scales + (n0 + A8_BLOCK) * G * sz + c, _MM_HINT_T0);
+        _mm_prefetch((const char *)L->mins + (n0 + A8_BLOCK) * G * sz + c, _MM_HINT_T0);
+    }
 #if HFD_AVX2_DOTS
     __m256 f = _mm256_setzero_ps();
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -520,18 +530,14 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
     for (int64_t s = 0; 4 * s < chunks; s++) {
         const int64_t c0 = 4 * s, nc = chunks - c0 < 4 ? chunks - c0 : 4;
         const int whole = tiled && 512 * (s + 1) <= K;
-        for (int r = 0; r < A8_BLOCK; r += TILE_ROWS) /* the span's lines, TILE_PREFETCH ahead */
-            for (int64_t c = c0; c < c0 + nc; c++) {
-                if (tiled)
-                    prefetch_tiles(wr[r] + c * 64 * step, end);
-                else
-                    for (int i = 0; i < TILE_ROWS; i++)
-                        if ((const char *)wr[r + i] + c * 64 + PREFETCH < end)
-                            _mm_prefetch((const char *)wr[r + i] + c * 64 + PREFETCH, _MM_HINT_T0);
-            }
+        /* The block's rows are contiguous (tiles or not): the next block's codes are fetched
+           a span's share at a time. The streams of its rows are short (a tile, 4 rows, is one
+           4 KiB page of a 2048-column weight), too short for the hardware prefetchers: without
+           this a 5632 x 2048 weight read from DRAM at 16.8 GB/s, 27.4 for the W4A16 rows. */
 #if HFD_AVX2_DOTS
         __m256i V[2][8]; /* V[h][r]: row r's pieces 8h .. 8h + 7 */
         for (int r = 0; r < A8_BLOCK; r++) {
+            prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
             if (whole) {
                 for (int h = 0; h < 2; h++) {
 #if HFD_AVX_VNNI
@@ -615,6 +621,7 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
                 x[2 * i + 1] = _mm512_loadu_si512(xo + (c0 + i) * 64);
             }
             for (int r = 0; r < A8_BLOCK; r++) {
+                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
                 __m512i acc = _mm512_setzero_si512();
                 for (int i = 0; i < 4; i++)
                     acc = a8_dot64(acc, _mm512_loadu_si512(wr[r] + (c0 + i) * 64 * step), x[2 * i],
@@ -623,6 +630,7 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
             }
         } else {
             for (int r = 0; r < A8_BLOCK; r++) {
+                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
                 __m512i p[4];
                 for (int64_t i = 0; i < 4; i++) {
                     p[i] = _mm512_setzero_si512();
