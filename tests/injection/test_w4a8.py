@@ -100,11 +100,11 @@ def test_a8_is_close_to_bf16_activations_not_equal():
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_native_decode_layer_runs_w4a8_and_explain_says_so(grad_mode, monkeypatch):
     """The native batch-1 decode layer takes W4A8 projections (csrc/cpu_decode.c: a8_dots, the
-    panel kernel's bits): counted; its greedy tokens are the torch path's (whose linears run
-    linear_int4_a8_cpu; the layers' norms and attention round in another order, as for every
-    native layer: tests/kernels/test_native_decode.py), and explain names it."""
-    from tests.kernels.test_native_decode import _BASE  # head_dim 32: the layer builds
-    from switches import switch
+    panel kernel's bits): counted under both grad modes; its logits are the torch path's (whose
+    linears run linear_int4_a8_cpu) within the bound every native layer meets (its norms and
+    attention round in another order: tests/kernels/test_native_decode.py), and explain names
+    it."""
+    from tests.kernels.test_native_decode import _BASE, _close, _step_logits  # head_dim 32
     from transformers import LlamaConfig
 
     from hf_dsinfer.kernels import _native
@@ -125,16 +125,36 @@ def test_native_decode_layer_runs_w4a8_and_explain_says_so(grad_mode, monkeypatc
         kinds = {lin.kind for lin in layer.forward.decode_layer().struct.lin}
         assert kinds <= {LIN_INT4_A8, LIN_INT4_A8_TILED}, kinds
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    mode = getattr(torch, grad_mode)
-    with mode():
-        native = model.generate(ids, max_new_tokens=8, do_sample=False)
+    with getattr(torch, grad_mode)():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 14)
     calls = sum(layer.forward._decode.calls for layer in layers)
     assert calls == 7 * len(layers)  # every one-token step, every layer
-    with monkeypatch.context() as m, mode():
-        switch(m, native=False)
-        torch_path = model.generate(ids, max_new_tokens=8, do_sample=False)
+    mask = torch.ones_like(ids)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
     assert sum(layer.forward._decode.calls for layer in layers) == calls
-    assert torch.equal(native, torch_path)
+    native = _step_logits(model, ids, mask, True, monkeypatch)
+    assert sum(layer.forward._decode.calls for layer in layers) == calls + 4 * len(layers)
+    _close(native, torch_path)
+
+
+def test_batched_native_layer_runs_w4a8(monkeypatch):
+    """Three sequences, two left-padded: the batched native layer's W4A8 projections run the
+    torch path's kernel for those rows (hfd_int4_gemm_a8, AMX or not), counted, logits within the
+    native layers' bound of the torch path's."""
+    from tests.kernels.test_native_decode import _BASE, _batched_against_torch_path, _need_batched
+    from transformers import LlamaConfig
+
+    from hf_dsinfer.kernels import _native
+
+    if _native.lib("a8") is None or _native.lib() is None:
+        pytest.skip(f"no native W4A8 kernels here: {_native.why_unavailable('a8')}")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(LlamaConfig(**_BASE), dtype=torch.bfloat16).eval()
+    model = hf_dsinfer.init_inference(ref, quant=A8)
+    _need_batched(model)
+    assert "native W4A8 projections" in hf_dsinfer.explain(model) or _native.amx_available()
+    _batched_against_torch_path(model, monkeypatch)
 
 
 def test_from_pretrained_takes_act_bits(llama_dir):

@@ -169,10 +169,14 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
         a8_quantize_avx2(x, x_dt, K, group, xq, in->gunit, in->gsum, in->qsum);
 #else
         hfd_a8_quantize_row(x, x_dt, K, group, xq, in->gunit, in->gsum);
-        for (int64_t g = 0; g < G; g++) {
-            int32_t t = 0;
-            for (int64_t c = g * group; c < (g + 1) * group; c++) t += xq[c];
-            in->qsum[g] = t - 128 * (int32_t)group;
+        for (int64_t g = 0; g < G; g++) { /* sums of the bytes q + 128, 32 at a time */
+            __m256i t = _mm256_setzero_si256();
+            for (int64_t c = g * group; c < (g + 1) * group; c += 32)
+                t = _mm256_add_epi64(t, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(xq + c)),
+                                                        _mm256_setzero_si256()));
+            int64_t l[4];
+            _mm256_storeu_si256((__m256i *)l, t);
+            in->qsum[g] = (int32_t)(l[0] + l[1] + l[2] + l[3] - 128 * group);
         }
 #endif
         const int64_t words = in->kp / 8, octets = K / 8; /* dwords of a plane; octets of x */
@@ -427,26 +431,6 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #if HFD_AVX2_DOTS
 #define A8_BLOCK 8 /* rows per block: a ymm lane each */
 
-/* r[i] (8 dwords each) -> r[j] holding dword j of every input row: an 8 x 8 transpose */
-static inline void transpose8_epi32(__m256i r[8]) {
-    __m256i u[8];
-    for (int i = 0; i < 8; i += 2) {
-        u[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        u[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) { /* r[i + c], 128-bit lane l: dword 4l + c of rows i.. */
-        r[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
-        r[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
-        r[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
-        r[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        u[c] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x20);
-        u[c + 4] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x31);
-    }
-    for (int i = 0; i < 8; i++) r[i] = u[i];
-}
-
 /* 8 values of dtype dt from element i of p as fp32, `left` of them in the row there (lanes
    past those 0): a row's scales or mins without a masked load's copy where 8 are there */
 static inline __attribute__((always_inline)) __m256 a8_load8(const void *p, int64_t i,
@@ -540,11 +524,8 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
             prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
             if (whole) {
                 for (int h = 0; h < 2; h++) {
-#if HFD_AVX_VNNI
+                    /* without AVX-VNNI: int16 pair sums, at most 4 chunks x 2 x 3810 */
                     __m256i acc = _mm256_setzero_si256();
-#else
-                    __m256i acc = _mm256_setzero_si256(); /* int16 pair sums, at most 8 * 3810 */
-#endif
                     for (int64_t c = c0; c < c0 + 4; c++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + c * 64 * step + 32 * h));
                         const __m256i e = _mm256_loadu_si256((const __m256i *)(xe + c * 64 + 32 * h));
@@ -1505,27 +1486,19 @@ int hfd_decode_layers(const hfd_layer *const *L, int64_t count, const uint16_t *
     return rc;
 }
 
-/* y [M, N] (fp32, no bias) = x [M, K] (x_dt: DT_F32 / DT_BF16 / DT_F16) times a 4-bit weight
-   W = q * scale + min, stored as the decode layer reads it (tiled: row tiles with the
-   super-chunk order, else row-major packed codes; scales and mins [N, K / group] of s_dt):
-   the int4 linear of 2-32 rows (kernels/quant.py's linear_int4_cpu), in the batch-1 kernel's
-   numerics row by row. The threads split the weight into ROWS-row blocks; a block's codes are
-   read from memory for the first row of x and from cache for the others, so the weight is
-   streamed once whatever M is. Returns 0, -2 out of memory, -3 shapes it does not take. */
-int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
-                    const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
-                    float *y, int nthreads) {
-    if (M <= 0 || N <= 0 || K <= 0 || group <= 0 || group & (group - 1) || group < 32
-        || group > 256 || K % group || K / group > MAX_GROUPS
-        || (tiled && (N % ROWS || K % 128)))
-        return -3;
-    const hfd_lin L = {tiled ? LIN_INT4_TILED : LIN_INT4, N, K, group, s_dt, 0, w, scales, mins,
-                       NULL, NULL, NULL};
+/* y [M, N] (fp32, no bias) = x [M, K] (dtype x_dt) times the 4-bit weight described by L (an
+   int4 or a W4A8 kind), by the batch-1 kernel row by row of x. The threads split the weight into
+   blocks (ROWS rows, A8_BLOCK for W4A8); a block's codes are read from memory for the first row
+   of x and from cache for the others, so the weight is streamed once whatever M is. */
+static int rows_linear(const hfd_lin *L, const void *x, int x_dt, int64_t M, float *y, int nthreads) {
+    const int a8 = is_a8(L);
+    const int64_t N = L->n, K = L->k, G = K / L->group, block = a8 ? A8_BLOCK : ROWS;
     const int nt = nthreads > 0 ? nthreads : 1;
     const int64_t kp = (K + 127) / 128 * 128, xs = x_dt == DT_F32 ? 4 : 2;
-    /* per row of x: 3 kp plane bytes, kp floats of group sums and of units; per thread kp
-       floats of scratch */
-    const int64_t per_row = 3 * kp + 8 * kp;
+    /* per row of x: int4, 3 kp plane bytes and kp floats of group sums and of units; W4A8, kp
+       plane bytes and G floats of units, of sums and G int32 code sums; per thread kp floats of
+       scratch */
+    const int64_t per_row = a8 ? kp + (3 * 4 * G + 63) / 64 * 64 : 3 * kp + 8 * kp;
     uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(M * per_row + nt * kp * 4));
     lin_input *in = (lin_input *)malloc((size_t)M * sizeof(lin_input));
     if (!mem || !in) {
@@ -1539,25 +1512,55 @@ int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const 
         for (int64_t m = 0; m < M; m++) {
             uint8_t *base = mem + m * per_row;
             in[m].planes = base;
-            in[m].gsum = (float *)(base + 3 * kp);
-            in[m].gunit = in[m].gsum + kp;
-            prepare_input_dt(&L, (const char *)x + m * K * xs, x_dt, &in[m], xf);
+            if (a8) {
+                in[m].gunit = (float *)(base + kp);
+                in[m].gsum = in[m].gunit + G;
+                in[m].qsum = (int32_t *)(in[m].gsum + G);
+            } else {
+                in[m].gsum = (float *)(base + 3 * kp);
+                in[m].gunit = in[m].gsum + kp;
+            }
+            prepare_input_dt(L, (const char *)x + m * K * xs, x_dt, &in[m], xf);
         }
 #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-            const int rows = (int)(N - n0 < ROWS ? N - n0 : ROWS);
-            int4_block b;
-            int4_setup(&L, n0, rows, &b);
-            for (int64_t m = 0; m < M; m++) {
-                float out[ROWS];
-                int4_dots(&L, &b, &in[m], n0, rows, out);
-                for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
+        for (int64_t n0 = 0; n0 < N; n0 += block) {
+            const int rows = (int)(N - n0 < block ? N - n0 : block);
+            float out[A8_BLOCK > ROWS ? A8_BLOCK : ROWS];
+            if (a8) {
+                for (int64_t m = 0; m < M; m++) {
+                    a8_dots(L, &in[m], n0, rows, out);
+                    for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
+                }
+            } else {
+                int4_block b;
+                int4_setup(L, n0, rows, &b);
+                for (int64_t m = 0; m < M; m++) {
+                    int4_dots(L, &b, &in[m], n0, rows, out);
+                    for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
+                }
             }
         }
     }
     free(mem);
     free(in);
     return 0;
+}
+
+/* y [M, N] (fp32, no bias) = x [M, K] (x_dt: DT_F32 / DT_BF16 / DT_F16) times a 4-bit weight
+   W = q * scale + min, stored as the decode layer reads it (tiled: row tiles with the
+   super-chunk order, else row-major packed codes; scales and mins [N, K / group] of s_dt):
+   the int4 linear of 2-32 rows (kernels/quant.py's linear_int4_cpu), in the batch-1 kernel's
+   numerics row by row. Returns 0, -2 out of memory, -3 shapes it does not take. */
+int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
+                    const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
+                    float *y, int nthreads) {
+    if (M <= 0 || N <= 0 || K <= 0 || group <= 0 || group & (group - 1) || group < 32
+        || group > 256 || K % group || K / group > MAX_GROUPS
+        || (tiled && (N % ROWS || K % 128)))
+        return -3;
+    const hfd_lin L = {tiled ? LIN_INT4_TILED : LIN_INT4, N, K, group, s_dt, 0, w, scales, mins,
+                       NULL, NULL, NULL};
+    return rows_linear(&L, x, x_dt, M, y, nthreads);
 }
 
 /* y [M, N] (fp32) = hfd_int4_gemm_a8's product to the bit (the same arguments), by the batch-1
@@ -1574,42 +1577,7 @@ int hfd_int4_a8_rows(const void *x, int x_dt, int64_t M, const uint8_t *w, const
         return -3;
     const hfd_lin L = {tiled ? LIN_INT4_A8_TILED : LIN_INT4_A8, N, K, group, s_dt, 0, w, scales,
                        mins, NULL, NULL, NULL};
-    const int nt = nthreads > 0 ? nthreads : 1;
-    const int64_t kp = (K + 127) / 128 * 128, G = K / group, xs = x_dt == DT_F32 ? 4 : 2;
-    /* per row of x: kp plane bytes, G floats of units and of sums and G int32 code sums; per
-       thread kp floats of scratch */
-    const int64_t per_row = kp + (3 * 4 * G + 63) / 64 * 64;
-    uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)(M * per_row + nt * kp * 4));
-    lin_input *in = (lin_input *)malloc((size_t)M * sizeof(lin_input));
-    if (!mem || !in) {
-        free(mem); free(in);
-        return -2;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-        float *xf = (float *)(mem + M * per_row) + (int64_t)omp_get_thread_num() * kp;
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            uint8_t *base = mem + m * per_row;
-            in[m].planes = base;
-            in[m].gunit = (float *)(base + kp);
-            in[m].gsum = in[m].gunit + G;
-            in[m].qsum = (int32_t *)(in[m].gsum + G);
-            prepare_input_dt(&L, (const char *)x + m * K * xs, x_dt, &in[m], xf);
-        }
-#pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += A8_BLOCK) {
-            const int rows = (int)(N - n0 < A8_BLOCK ? N - n0 : A8_BLOCK);
-            for (int64_t m = 0; m < M; m++) {
-                float out[A8_BLOCK];
-                a8_dots(&L, &in[m], n0, rows, out);
-                for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r];
-            }
-        }
-    }
-    free(mem);
-    free(in);
-    return 0;
+    return rows_linear(&L, x, x_dt, M, y, nthreads);
 }
 
 /* ---- batched decode: one token of each of `rows` sequences ----

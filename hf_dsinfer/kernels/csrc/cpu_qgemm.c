@@ -601,25 +601,13 @@ static void a8_panel(const uint8_t *packed, const void *scales, const void *mins
             /* four 8 x 8 transposes in ymm: rows 8r.. by dwords 8d.. -> octets 8d.., half r */
             for (int r = 0; r < 2; r++)
                 for (int d = 0; d < 2; d++) {
-                    __m256i t[8], u[8];
+                    __m256i t[8];
                     for (int i = 0; i < 8; i++)
                         t[i] = _mm256_loadu_si256((const __m256i *)(row[8 * r + i] + b + 32 * d));
-                    for (int i = 0; i < 8; i += 2) {
-                        u[i] = _mm256_unpacklo_epi32(t[i], t[i + 1]);
-                        u[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 1]);
-                    }
-                    for (int i = 0; i < 8; i += 4) { /* t[i + c], 128-bit lane l: column 4l + c */
-                        t[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
-                        t[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
-                        t[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
-                        t[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
-                    }
-                    for (int c = 0; c < 4; c++) {
-                        uint8_t *o = buf + ((b / 4 + 8 * d + c) * NVp + v) * 64 + 32 * r;
-                        _mm256_storeu_si256((__m256i *)o, _mm256_permute2x128_si256(t[c], t[c + 4], 0x20));
-                        _mm256_storeu_si256((__m256i *)(o + 4 * NVp * 64),
-                                            _mm256_permute2x128_si256(t[c], t[c + 4], 0x31));
-                    }
+                    transpose8_epi32(t);
+                    for (int j = 0; j < 8; j++)
+                        _mm256_storeu_si256((__m256i *)(buf + ((b / 4 + 8 * d + j) * NVp + v) * 64 + 32 * r),
+                                            t[j]);
                 }
 #else
             __m512i t[16];

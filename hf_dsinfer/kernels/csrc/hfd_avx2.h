@@ -393,6 +393,26 @@ static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
 }
 
+/* r[i] (8 dwords each) -> r[j] holding dword j of every input row: an 8 x 8 transpose */
+static inline void transpose8_epi32(__m256i r[8]) {
+    __m256i u[8];
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* r[i + c], 128-bit lane l: dword 4l + c of rows i.. */
+        r[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+        r[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+        r[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+        r[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        u[c] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x20);
+        u[c + 4] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = u[i];
+}
+
 /* 8 lanes stored as bf16 at p: bf16_bits (hfd_simd.h) lane for lane, round to nearest even,
    a NaN kept as (bits >> 16) | 0x40 */
 static inline void hfd_store8_bf16(uint16_t *p, __m256 v) {
