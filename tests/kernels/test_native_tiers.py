@@ -198,6 +198,19 @@ def test_int4_linear(monkeypatch, tier, rows, n, k, group):
 
 @NO_LOWER
 @ALL_TIERS
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+@pytest.mark.parametrize("portable", (False, True), ids=("tiles", "row_major"))
+def test_int4_linear_inputs(monkeypatch, tier, dtype, portable):
+    """x in fp32 and fp16 as well, and the codes row-major: the avx2 tier prepares x's planes
+    in code of its own (cpu_decode.c: int4_input_avx2), and the planes' order differs between
+    tiles and rows; 640 columns leave a 128-column rest past the tiles' whole runs."""
+    qw = Q.quantize_int4(_gaussian(128, 640, seed=6), 64, portable=portable)
+    x = _gaussian(3, 640, seed=7, dtype=dtype)
+    _same(monkeypatch, tier, lambda: Q.linear_int4(x, qw, backend="cpu"))
+
+
+@NO_LOWER
+@ALL_TIERS
 def test_dequantize_rows(monkeypatch, tier):
     q4 = Q.quantize_int4(_gaussian(128, 512, seed=5), 64)
     q8 = Q.quantize_int8(_gaussian(64, 256, seed=6))

@@ -146,6 +146,79 @@ static void a8_quantize_avx2(const void *x, int x_dt, int64_t K, int64_t group, 
         qsum[g] = _mm_cvtsi128_si32(q4);
     }
 }
+
+/* prepare_input_dt's int4 planes on this tier's own vectors (SIMDe's emulation of the 512-bit
+   code, its two-source permutes and narrowing conversions lane by lane, took ~12 us for 2048
+   columns, per input of every int4 linear): the same group sums (gcc's order for
+   _mm512_reduce_add_ps, as a8_quantize_avx2), the same fixed point per lane, and the same
+   bytes where the 512-bit code puts them, so the same bits (tests/kernels/test_native_tiers.py).
+   Bytes 0, 1 and 2 of v are the low, middle and (v >> 16, truncated to 8 bits) high planes;
+   per 32 columns, each plane's 16 even and 16 odd bytes come from two packs: with every
+   register's dwords in the order evens, odds (vpermd), vpackusdw of two registers holds their
+   evens in its low 128 bits and their odds in its high ones, and vpackuswb of two such holds the
+   16 even bytes in order in its low 128 bits, the 16 odd ones in its high. */
+static void int4_input_avx2(const void *x, int x_dt, int64_t K, int64_t group, int64_t kp,
+                            int64_t ordered, int32_t *v32, float *gsum, float *gunit,
+                            uint8_t *plane) {
+    const int64_t G = K / group, half = kp / 2;
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lim = _mm256_set1_epi32(8388607), nlim = _mm256_set1_epi32(-8388607);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t c0 = g * group;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
+        for (int64_t c = 0; c < group; c += 16) {
+            const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
+            s0 = _mm256_add_ps(s0, v0);
+            s1 = _mm256_add_ps(s1, v1);
+            m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
+            m1 = _mm256_max_ps(m1, _mm256_and_ps(v1, sign));
+        }
+        const __m256 s8 = _mm256_add_ps(s1, s0), m8 = _mm256_max_ps(m1, m0);
+        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float amax = _mm_cvtss_f32(m4);
+        gsum[g] = _mm_cvtss_f32(s4);
+        gunit[g] = amax > 0.f ? amax / 8388607.f : 0.f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 8388607.f / amax : 0.f);
+        for (int64_t c = 0; c < group; c += 8) {
+            const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(a8_x8(x, c0 + c, x_dt), inv));
+            /* fp32 rounding may reach 2^23 */
+            _mm256_storeu_si256((__m256i *)(v32 + c0 + c),
+                                _mm256_max_epi32(_mm256_min_epi32(i, lim), nlim));
+        }
+    }
+    for (int i = 0; i < 16; i++) gsum[G + i] = gunit[G + i] = 0.f; /* as the 512-bit code */
+    memset(v32 + K, 0, (size_t)(kp - K) * sizeof(int32_t));
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), byte = _mm256_set1_epi32(255);
+    for (int64_t k = 0; k < kp; k += 32) {
+        __m256i v[4];
+        for (int r = 0; r < 4; r++)
+            v[r] = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(v32 + k + 8 * r)), order);
+        for (int t = 0; t < 3; t++) {
+            __m256i b[4];
+            for (int r = 0; r < 4; r++) b[r] = _mm256_and_si256(_mm256_srli_epi32(v[r], 8 * t), byte);
+            const __m256i eo = _mm256_packus_epi16(_mm256_packus_epi32(b[0], b[1]),
+                                                   _mm256_packus_epi32(b[2], b[3]));
+            const __m128i bytes[2] = {_mm256_castsi256_si128(eo), _mm256_extracti128_si256(eo, 1)};
+            for (int p = 0; p < 2; p++) { /* columns k + 2j + p, j < 16 */
+                uint8_t *o = plane + (2 * t + p) * half;
+                if (k < ordered) {
+                    const int64_t run = k / 2 & ~(int64_t)(INT4_SUPER - 1);
+                    const int64_t j = (k / 2 & (INT4_SUPER - 1)) >> 4;
+                    uint32_t w[4];
+                    _mm_storeu_si128((__m128i *)w, bytes[p]);
+                    for (int i = 0; i < 4; i++) memcpy(o + run + 64 * i + 4 * j, &w[i], 4);
+                } else {
+                    _mm_storeu_si128((__m128i *)(o + k / 2), bytes[p]);
+                }
+            }
+        }
+    }
+}
 #endif
 
 /* x (K values of dtype x_dt: bf16 in the decode layer) as the linear L reads it: kp floats of
@@ -203,9 +276,17 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
            K rounded up to 128; columns past K are 0 in every plane). Byte b of a row's codes
            holds columns 2b (low nibble) and 2b + 1, so byte b of the planes meets it in
            lin_block. */
-        const int64_t K = L->k, group = L->group, G = K / group;
+        const int64_t K = L->k, group = L->group;
         in->kp = (K + 127) / 128 * 128;
         int32_t *v32 = (int32_t *)xf; /* K int32 in the kp floats of scratch */
+        /* tiles: the codes' whole 512-column runs are in the super-chunk order (hfd_simd.h:
+           int4_order), and so are the planes: the 16 row bytes k / 2 .. k / 2 + 15 of a run
+           (one j) go to 4 runs of 4 bytes, 64 apart */
+        const int64_t ordered = L->kind == LIN_INT4_TILED ? K / 512 * 512 : 0;
+#if HFD_AVX2_DOTS
+        int4_input_avx2(x, x_dt, K, group, in->kp, ordered, v32, in->gsum, in->gunit, in->planes);
+#else
+        const int64_t G = K / group;
         const __m512i lim = _mm512_set1_epi32(8388607), nlim = _mm512_set1_epi32(-8388607);
         for (int64_t g = 0; g < G; g++) {
             __m512 sum = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
@@ -228,10 +309,6 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
         _mm512_storeu_ps(in->gsum + G, _mm512_setzero_ps());
         _mm512_storeu_ps(in->gunit + G, _mm512_setzero_ps());
         const int64_t half = in->kp / 2;
-        /* tiles: the codes' whole 512-column runs are in the super-chunk order (hfd_simd.h:
-           int4_order), and so are the planes: the 16 row bytes k / 2 .. k / 2 + 15 of a run
-           (one j) go to 4 runs of 4 bytes, 64 apart */
-        const int64_t ordered = L->kind == LIN_INT4_TILED ? K / 512 * 512 : 0;
         uint8_t *plane = in->planes;
         const __m512i byte = _mm512_set1_epi32(255);
         const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -259,6 +336,7 @@ static void prepare_input_dt(const hfd_lin *L, const void *x, int x_dt, lin_inpu
                 }
             }
         }
+#endif
     }
 }
 
