@@ -34,6 +34,7 @@ described; callers then use the torch path. The calls come from each fused block
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Any
 
 import torch
@@ -71,8 +72,14 @@ class DecodeLayer:
             t = owner[name]
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise NativeUnsupported(f"{name} not a contiguous CPU tensor")
-        self._watch = [(owner, name, owner[name], owner[name].data_ptr())
-                       for owner, name in watched]
+        # what current() compares, as parallel tuples it maps over in C. It runs for every
+        # layer and token, just after the step streamed the weights through the caches, so its
+        # ~23 tensors per layer are mostly cache misses: ~20 us per layer (SmolLM2: 0.6 ms of
+        # a 9 ms step), against ~3 us when warm
+        self._owners = tuple(owner for owner, _ in watched)
+        self._names = tuple(name for _, name in watched)
+        self._tensors = tuple(owner[name] for owner, name in watched)
+        self._ptrs = [t.data_ptr() for t in self._tensors]
         self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
         self.hidden = struct.hidden
         self.rope = bool(struct.rope)  # attn_in rotates q and k (needs cos, sin)
@@ -127,7 +134,8 @@ class DecodeLayer:
 
     def current(self) -> bool:
         """The weights are still the tensors (and storage) this description points into."""
-        return all(d.get(name) is t and t.data_ptr() == p for d, name, t, p in self._watch)
+        return (all(map(operator.is_, map(dict.get, self._owners, self._names), self._tensors))
+                and list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs)
 
     def _cos_sin(self, cos: torch.Tensor | None, sin: torch.Tensor | None, who: str):
         """The pointers of cos / sin (rows of rotary_dim values): required with RoPE, ignored

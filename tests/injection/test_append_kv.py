@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig, StaticCache
 
-from hf_dsinfer.injection.fused import KV_SPARE_MIN, append_kv
+from hf_dsinfer.injection import fused
+from hf_dsinfer.injection.fused import KV_SPARE_MIN, append_kv, commit_kv, kv_rooms
 
 CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      num_hidden_layers=2, vocab_size=32)
@@ -97,3 +98,59 @@ def test_steps_may_switch_between_inference_mode_and_no_grad():
             append_kv(ours, k, v, 0)
             hf.update(k, v, 0)
         _same(ours, hf)
+
+
+def _chain_step(cache: DynamicCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What a LayerChain step does to the cache: kv_rooms, token n written into every layer's
+    room (the C side does it there), commit_kv."""
+    rooms, n = kv_rooms(cache, len(cache.layers), 2, 16)
+    for kb, vb in rooms:
+        kb[:, :, n] = k[:, :, 0]
+        vb[:, :, n] = v[:, :, 0]
+    commit_kv(cache, rooms, n)
+
+
+def test_chained_steps_after_every_cache_operation(monkeypatch):
+    """kv_rooms takes the layers commit_kv left (the same tensor objects) without its full
+    checks; a crop, a reorder, append_kv's own update or a switch out of inference_mode rebinds
+    or invalidates them, and the next step starts from what the layers hold then."""
+    ours, hf = DynamicCache(config=CONFIG), DynamicCache(config=CONFIG)
+    for cache in (ours, hf):
+        cache.update(*_kv(1, 4, 0), 0)
+        cache.update(*_kv(1, 4, 0), 1)
+    seed = 1
+
+    def step(how=_chain_step):
+        nonlocal seed
+        k, v = _kv(1, 1, seed)
+        seed += 1
+        for layer in range(2):
+            if how is append_kv:
+                append_kv(ours, k, v, layer)
+            hf.update(k, v, layer)
+        if how is _chain_step:
+            _chain_step(ours, k, v)
+        _same(ours, hf)
+
+    checked = []
+    full_checks = fused._plain_layer
+    monkeypatch.setattr(fused, "_plain_layer", lambda layer: checked.append(layer) or
+                        full_checks(layer))
+    with torch.inference_mode():
+        for _ in range(KV_SPARE_MIN + 3):  # past the first room: a new one
+            step()
+        layer = ours.layers[0]
+        assert layer.keys is layer.__dict__["_hfd_committed"][0]
+        # fully checked at the first step and when the room grew; otherwise as committed
+        assert len(checked) == 4
+        for op in (lambda c: c.crop(-3), lambda c: c.reorder_cache(torch.tensor([0]))):
+            op(ours)
+            op(hf)
+            step()
+            step()
+        step(append_kv)
+        step()
+    with torch.no_grad():  # the inference-mode rooms cannot be written here: new ones
+        step()
+        assert not ours.layers[0].__dict__["_hfd_room"][0].is_inference()
+        step()
