@@ -190,16 +190,17 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def build(level: str, cc: str | None = None) -> Path:
+def build(level: str, cc: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     """Compile the sources for `level` (a tier) once with `cc` (default: compiler()); the path
     of the library. A cross compiler builds the tier for its own target (generic, the one tier
     without x86 flags, for aarch64: tests/kernels/test_native_arm64.py); each compiler's library
-    is cached apart."""
+    is cached apart. defines: preprocessor names set for the build, for the tests (csrc/hfd_simd.h:
+    HFD_EMULATE_AVX_VNNI); each set is cached apart too."""
     source = b"".join(path.read_bytes() for path in (*HEADERS, *SOURCES))
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    flags = [*tier_flags(level), "-I", _simde_include()]
+    flags = [*tier_flags(level), *(f"-D{name}" for name in defines), "-I", _simde_include()]
     key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     target = _cache_root() / "native" / f"{level}-{key}" / "libhfd_cpu.so"
     if target.exists():

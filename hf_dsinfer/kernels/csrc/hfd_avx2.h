@@ -40,7 +40,7 @@
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define HFD_AVX2_DOTS 1
 #include <immintrin.h>
-#if defined(__AVXVNNI__)
+#if HFD_VNNI_INSNS /* hfd_simd.h */
 #define HFD_AVX_VNNI 1
 #else
 #define HFD_AVX_VNNI 0

@@ -31,6 +31,36 @@
 #include <stdint.h>
 #include <string.h>
 
+/* AVX-VNNI's two ymm instructions (the avx2_vnni tier). HFD_EMULATE_AVX_VNNI, for the tests
+   only (tests/kernels/test_native_vnni_emulated.py), builds the avx2 tier with the avx2_vnni
+   tier's loops and exact AVX2 emulations of the two instructions, so those loops run on a CPU
+   without AVX-VNNI: the same int32 lane sums (u8 x s8 and s16 x s16 products are exact in
+   vpmaddwd's int32 pair sums; the lane sums wrap as the instructions' do). */
+#if defined(__AVXVNNI__)
+#define HFD_VNNI_INSNS 1
+#elif defined(HFD_EMULATE_AVX_VNNI) && defined(__AVX2__) && !defined(__AVX512F__)
+#define HFD_VNNI_INSNS 1
+#include <immintrin.h>
+/* acc + per dword the 4 products of a's unsigned bytes and b's signed bytes */
+static inline __m256i hfd_emulated_dpbusd(__m256i acc, __m256i a, __m256i b) {
+    const __m256i low = _mm256_set1_epi16(0x00FF);
+    const __m256i ae = _mm256_and_si256(a, low), ao = _mm256_srli_epi16(a, 8);
+    const __m256i be = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), bo = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ae, be),
+                                                  _mm256_madd_epi16(ao, bo)));
+}
+/* acc + per dword the 2 products of signed words */
+static inline __m256i hfd_emulated_dpwssd(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+#undef _mm256_dpbusd_avx_epi32
+#undef _mm256_dpwssd_avx_epi32
+#define _mm256_dpbusd_avx_epi32 hfd_emulated_dpbusd
+#define _mm256_dpwssd_avx_epi32 hfd_emulated_dpwssd
+#else
+#define HFD_VNNI_INSNS 0
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define HFD_AMX 1
 #include <immintrin.h>
@@ -233,7 +263,7 @@ HFD_FMA_LANES(hfd_fnmadd_ps, -)
    side is split into nibbles so vpmaddubsw's int16 pair sums (at most 2 * 15 * 128) never
    saturate; the integer sums are the instruction's to the bit. */
 static inline simde__m512i hfd_dpbusd_epi32(simde__m512i acc, simde__m512i a, simde__m512i b) {
-#if defined(__AVXVNNI__) /* the 256-bit instruction on each half (the avx2_vnni tier) */
+#if HFD_VNNI_INSNS /* the 256-bit instruction on each half (the avx2_vnni tier) */
     __m256i c[2], x[2], w[2];
     memcpy(c, &acc, 64);
     memcpy(x, &a, 64);
