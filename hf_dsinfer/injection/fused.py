@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -880,8 +881,8 @@ def kv_rooms(cache: Any, count: int, kv_heads: int, head_dim: int):
         # (the full checks were ~9 us per layer and token)
         committed = layer.__dict__.get("_hfd_committed")
         if (committed is not None and type(layer) is DynamicLayer
-                and layer.keys is committed[0] and layer.values is committed[1]):
-            room, m = layer._hfd_room, committed[0].shape[2]
+                and layer.keys is committed[0]() and layer.values is committed[1]()):
+            room, m = layer._hfd_room, layer.keys.shape[2]
             if ((n is None or m == n) and room[0].shape[2] > m
                     and room[0].shape[1] == kv_heads and room[0].shape[3] == head_dim
                     and (inference or not room[0].is_inference())):
@@ -907,7 +908,9 @@ def commit_kv(cache: Any, rooms: list, n: int) -> None:
     [:, :, :n + 1] of their buffers, as append_kv leaves them."""
     for layer, (kb, vb) in zip(cache.layers, rooms):
         layer.keys, layer.values = kb.narrow(2, 0, n + 1), vb.narrow(2, 0, n + 1)
-        layer._hfd_committed = (layer.keys, layer.values)
+        # weak: once the layer holds other tensors (a crop, append_kv's own room), these views
+        # must not keep the old room's memory alive
+        layer._hfd_committed = (weakref.ref(layer.keys), weakref.ref(layer.values))
 
 
 def _views(t: torch.Tensor, buffer: torch.Tensor) -> bool:

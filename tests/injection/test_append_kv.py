@@ -4,6 +4,9 @@ HF way, is the reference: same keys and values after every operation generate() 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from transformers import DynamicCache, LlamaConfig, StaticCache
 
@@ -140,7 +143,7 @@ def test_chained_steps_after_every_cache_operation(monkeypatch):
         for _ in range(KV_SPARE_MIN + 3):  # past the first room: a new one
             step()
         layer = ours.layers[0]
-        assert layer.keys is layer.__dict__["_hfd_committed"][0]
+        assert layer.keys is layer.__dict__["_hfd_committed"][0]()
         # fully checked at the first step and when the room grew; otherwise as committed
         assert len(checked) == 4
         for op in (lambda c: c.crop(-3), lambda c: c.reorder_cache(torch.tensor([0]))):
@@ -154,3 +157,10 @@ def test_chained_steps_after_every_cache_operation(monkeypatch):
         step()
         assert not ours.layers[0].__dict__["_hfd_room"][0].is_inference()
         step()
+    # the committed views do not keep a room alive once the layer holds other tensors
+    room = weakref.ref(ours.layers[0].__dict__["_hfd_room"][0])
+    for cache in (ours, hf):  # a copy of the keys: append_kv makes a room of its own for it
+        cache.reorder_cache(torch.tensor([0]))
+    step(append_kv)
+    gc.collect()
+    assert room() is None
