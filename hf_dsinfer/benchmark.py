@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+import os
 import resource
 import statistics
 import time
@@ -374,8 +375,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def separate_inductor_cache(environ=os.environ) -> str | None:
+    """Under ATEN_CPU_CAPABILITY (the AVX2 imitation in docs/cpu_kernels.md), give torch
+    inductor a cache directory of that capability's own, unless one is named (bench and the
+    test suite both call this). torch 2.13's FX graph cache does not key on the variable: kernels
+    compiled uncapped made a capped run's compiled functions return NaN, and a graph compiled
+    capped, loaded by an uncapped run, corrupted the heap (`free(): invalid pointer`; both on a
+    Zen 4, 2026-11-27). Returns the directory set, or None."""
+    capability = environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(),
+                                                      f"aten-cpu-{capability.lower()}")
+    return environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def main(args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args()
+    separate_inductor_cache()
     if args.configs[0] != "hf":
         args.configs = ["hf", *[c for c in args.configs if c != "hf"]]
     if args.isa:

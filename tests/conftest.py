@@ -9,16 +9,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # imported, and transformers may import it while the test modules are collected, so it is set
 # here, before anything else. (On a GPU machine, run with TRITON_INTERPRET=0.)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
 # A run with torch capped to a lower ISA (ATEN_CPU_CAPABILITY=avx2, docs/cpu_kernels.md) gets
 # an inductor cache of its own: torch 2.13 reused kernels compiled uncapped on the same machine,
-# and on a Zen 4 every compiled function then returned NaN (checked 2026-11-27).
-if os.environ.get("ATEN_CPU_CAPABILITY"):
-    import tempfile
+# and on a Zen 4 every compiled function then returned NaN (checked 2026-11-27); the other way
+# round, an uncapped run loading a graph compiled capped corrupted the heap.
+from hf_dsinfer.benchmark import separate_inductor_cache  # noqa: E402
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-        tempfile.gettempdir(), f"hf_dsinfer_inductor_{os.environ['ATEN_CPU_CAPABILITY']}"))
-
-import torch
+separate_inductor_cache()
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -83,3 +83,21 @@ def test_bench_refuses_a_tier_the_cpu_lacks(monkeypatch):
     with pytest.raises(SystemExit, match="--isa amx: this CPU .* lacks that tier; it runs "
                                          "generic, avx2. Fix"):
         benchmark.main(args)
+
+
+def test_inductor_cache_apart_per_aten_capability(monkeypatch):
+    """A graph compiled under ATEN_CPU_CAPABILITY=avx2 and loaded from torch's cache by a
+    process without it corrupted the heap: bench keeps each capability's cache apart, and
+    leaves a named cache directory, or none asked for, alone."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from hf_dsinfer.benchmark import separate_inductor_cache
+
+    env = {"ATEN_CPU_CAPABILITY": "AVX2"}
+    assert separate_inductor_cache(env) == env["TORCHINDUCTOR_CACHE_DIR"]
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(default_cache_dir())
+    assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("aten-cpu-avx2")
+    named = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/somewhere"}
+    assert separate_inductor_cache(named) is None and named["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+    plain: dict = {}
+    assert separate_inductor_cache(plain) is None and plain == {}
