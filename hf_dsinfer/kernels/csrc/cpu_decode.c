@@ -509,13 +509,26 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #if HFD_AVX2_DOTS
 #define A8_BLOCK 8 /* rows per block: a ymm lane each */
 
+/* 8 values of dtype dt (bf16, fp32, fp16) at element i of p as fp32 (exact) */
+static inline __attribute__((always_inline)) __m256 a8_full8(const void *p, int64_t i, int dt) {
+    if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)p + i);
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+
 /* 8 values of dtype dt from element i of p as fp32, `left` of them in the row there (lanes
-   past those 0): a row's scales or mins without a masked load's copy where 8 are there */
+   past those 0); p holds `total` elements. A row's scales or mins: where 8 lie inside p they
+   are loaded whole and the lanes past `left` zeroed, so no vector is read back from scalar
+   stores (that store-forwarding stall, on every span's fp16 scales, was ~20% of a8_dots on
+   SmolLM2's shapes, 2026-11-27) */
 static inline __attribute__((always_inline)) __m256 a8_load8(const void *p, int64_t i,
-                                                             int64_t left, int dt) {
-    if (left >= 8) {
-        if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)p + i);
-        if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+                                                             int64_t left, int dt, int64_t total) {
+    if (left >= 8) return a8_full8(p, i, dt);
+    if (left <= 0) return _mm256_setzero_ps();
+    if (i + 8 <= total) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lane));
+        return _mm256_and_ps(a8_full8(p, i, dt), keep);
     }
     float t[8] = {0};
     for (int64_t c = 0; c < left && c < 8; c++) t[c] = load_f32(p, i + c, dt);
@@ -652,8 +665,8 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
         for (int r = 0; r < A8_BLOCK; r++)
             for (int h = 0; h < 2; h++) {
                 const int64_t at = row[r] * G + g0 + 8 * h, left = G - g0 - 8 * h;
-                S[h][r] = _mm256_castps_si256(a8_load8(L->scales, at, left, (int)L->s_dt));
-                M[h][r] = _mm256_castps_si256(a8_load8(L->mins, at, left, (int)L->s_dt));
+                S[h][r] = _mm256_castps_si256(a8_load8(L->scales, at, left, (int)L->s_dt, L->n * G));
+                M[h][r] = _mm256_castps_si256(a8_load8(L->mins, at, left, (int)L->s_dt, L->n * G));
             }
         for (int h = 0; h < 1 + (ng > 8); h++) {
             transpose8_epi32(S[h]);

@@ -434,16 +434,11 @@ static inline void hfd_to_f32(float *dst, const void *src, int64_t i, int64_t n,
         }
         return;
     }
-    for (int64_t c = 0; c < n; c += 8) {
-        const __m256 v = hfd_load8(src, i + c, dt, n - c);
-        if (n - c >= 8) {
-            _mm256_storeu_ps(dst + c, v);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, v);
-            memcpy(dst + c, t, (size_t)(n - c) * sizeof(float));
-        }
-    }
+    /* fp32, fp16: whole vectors, then the rest one value at a time (a tail through a buffer
+       read back as a vector stalled on store forwarding) */
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(dst + c, hfd_load8(src, i + c, dt, 8));
+    for (; c < n; c++) dst[c] = load_f32(src, i + c, dt);
 }
 
 /* sum_g a[i + g] * b[g] for g < n (a of dtype dt, b fp32), in int4_dots' order: 16 lanes each
