@@ -22,11 +22,10 @@ import ctypes
 import pytest
 import torch
 from switches import switch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-import hf_dsinfer
 from hf_dsinfer.kernels import _native, abi
 from hf_dsinfer.kernels import quant as Q
+from tests.kernels.test_native_tiers import _decode_logits, _gaussian
 
 pytestmark = pytest.mark.skipif(
     not _native.builds() or "avx2" not in _native.runnable_tiers(),
@@ -65,10 +64,6 @@ def _same(monkeypatch, emulated, fn):
                                    f"{(g.float() - w.float()).abs().max().item()}")
 
 
-def _gaussian(*shape, seed=0, dtype=torch.bfloat16):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
 @pytest.mark.parametrize("rows,n,k", [(1, 256, 320), (3, 64, 1024)])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_int8_linear(monkeypatch, emulated, rows, n, k, dtype):
@@ -95,24 +90,6 @@ def test_w4a8_linear(monkeypatch, emulated, rows, portable):
     qw = Q.quantize_int4(_gaussian(48, 1152, seed=5), 32, portable=portable)._replace(act_bits=8)
     x = _gaussian(rows, 1152, seed=6)
     _same(monkeypatch, emulated, lambda: Q.linear_int4_a8_cpu(x, qw))
-
-
-def _decode_logits(quant):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model = hf_dsinfer.init_inference(model, dtype=torch.bfloat16, quant=quant)
-    cache, out = DynamicCache(config=model.config), []
-    with torch.inference_mode():
-        model(torch.tensor([[4, 9, 16, 25]]), past_key_values=cache, use_cache=True)
-        for tok in (7, 11, 13):
-            out.append(model(torch.tensor([[tok]]), past_key_values=cache,
-                             use_cache=True).logits[0, -1])
-    calls = sum(layer.forward._decode.calls for layer in model.model.layers)
-    assert calls > 0, "the native decode layer did not run"
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("quant", [{"bits": 8}, {"bits": 4, "group_size": 32},

@@ -94,6 +94,31 @@ static inline __attribute__((always_inline)) __m256 a8_x8(const void *x, int64_t
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
 }
 
+/* The sum and the largest |x| of x's group of `group` columns from c0, as the 512-bit code
+   computes them: 16 lanes (two halves of 8) summing every 16th value, reduced in gcc's order for
+   _mm512_reduce_add_ps / _mm512_reduce_max_ps (lanes i and i + 8, then i + 4, i + 2, i + 1). */
+static inline __attribute__((always_inline)) float group_sum_absmax_avx2(
+        const void *x, int x_dt, int64_t c0, int64_t group, float *amax) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
+    for (int64_t c = 0; c < group; c += 16) {
+        const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
+        s0 = _mm256_add_ps(s0, v0);
+        s1 = _mm256_add_ps(s1, v1);
+        m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
+        m1 = _mm256_max_ps(m1, _mm256_and_ps(v1, sign));
+    }
+    const __m256 s8 = _mm256_add_ps(s1, s0), m8 = _mm256_max_ps(m1, m0);
+    __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    *amax = _mm_cvtss_f32(m4);
+    return _mm_cvtss_f32(s4);
+}
+
 /* cpu_qgemm.c's a8_quantize_rows for one row, on this tier's own vectors (SIMDe's 512-bit
    emulation of it took ~10 us for 2048 columns, per input of every linear): the same
    operations per lane, the group sum reduced in the order of _mm512_reduce_add_ps (lanes i and
@@ -102,30 +127,14 @@ static inline __attribute__((always_inline)) __m256 a8_x8(const void *x, int64_t
 static void a8_quantize_avx2(const void *x, int x_dt, int64_t K, int64_t group, uint8_t *xq,
                              float *unit, float *gsum, int32_t *qsum) {
     const int64_t G = K / group;
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     for (int64_t g = 0; g < G; g++) {
         const int64_t c0 = g * group;
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
-        for (int64_t c = 0; c < group; c += 16) {
-            const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
-            s0 = _mm256_add_ps(s0, v0);
-            s1 = _mm256_add_ps(s1, v1);
-            m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
-            m1 = _mm256_max_ps(m1, _mm256_and_ps(v1, sign));
-        }
-        const __m256 s8 = _mm256_add_ps(s1, s0), m8 = _mm256_max_ps(m1, m0);
-        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        const float amax = _mm_cvtss_f32(m4);
-        gsum[g] = _mm_cvtss_f32(s4);
+        float amax;
+        gsum[g] = group_sum_absmax_avx2(x, x_dt, c0, group, &amax);
         unit[g] = amax / 127.f;
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         __m256i qs = _mm256_setzero_si256();
@@ -161,27 +170,11 @@ static void int4_input_avx2(const void *x, int x_dt, int64_t K, int64_t group, i
                             int64_t ordered, int32_t *v32, float *gsum, float *gunit,
                             uint8_t *plane) {
     const int64_t G = K / group, half = kp / 2;
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i lim = _mm256_set1_epi32(8388607), nlim = _mm256_set1_epi32(-8388607);
     for (int64_t g = 0; g < G; g++) {
         const int64_t c0 = g * group;
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
-        for (int64_t c = 0; c < group; c += 16) {
-            const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
-            s0 = _mm256_add_ps(s0, v0);
-            s1 = _mm256_add_ps(s1, v1);
-            m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
-            m1 = _mm256_max_ps(m1, _mm256_and_ps(v1, sign));
-        }
-        const __m256 s8 = _mm256_add_ps(s1, s0), m8 = _mm256_max_ps(m1, m0);
-        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        const float amax = _mm_cvtss_f32(m4);
-        gsum[g] = _mm_cvtss_f32(s4);
+        float amax;
+        gsum[g] = group_sum_absmax_avx2(x, x_dt, c0, group, &amax);
         gunit[g] = amax > 0.f ? amax / 8388607.f : 0.f;
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 8388607.f / amax : 0.f);
         for (int64_t c = 0; c < group; c += 8) {
@@ -509,13 +502,6 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #if HFD_AVX2_DOTS
 #define A8_BLOCK 8 /* rows per block: a ymm lane each */
 
-/* 8 values of dtype dt (bf16, fp32, fp16) at element i of p as fp32 (exact) */
-static inline __attribute__((always_inline)) __m256 a8_full8(const void *p, int64_t i, int dt) {
-    if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)p + i);
-    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-}
-
 /* 8 values of dtype dt from element i of p as fp32, `left` of them in the row there (lanes
    past those 0); p holds `total` elements. A row's scales or mins: where 8 lie inside p they
    are loaded whole and the lanes past `left` zeroed, so no vector is read back from scalar
@@ -523,12 +509,12 @@ static inline __attribute__((always_inline)) __m256 a8_full8(const void *p, int6
    SmolLM2's shapes, 2026-11-27) */
 static inline __attribute__((always_inline)) __m256 a8_load8(const void *p, int64_t i,
                                                              int64_t left, int dt, int64_t total) {
-    if (left >= 8) return a8_full8(p, i, dt);
+    if (left >= 8) return a8_x8(p, i, dt);
     if (left <= 0) return _mm256_setzero_ps();
     if (i + 8 <= total) {
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lane));
-        return _mm256_and_ps(a8_full8(p, i, dt), keep);
+        return _mm256_and_ps(a8_x8(p, i, dt), keep);
     }
     float t[8] = {0};
     for (int64_t c = 0; c < left && c < 8; c++) t[c] = load_f32(p, i + c, dt);
