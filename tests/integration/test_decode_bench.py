@@ -101,3 +101,28 @@ def test_inductor_cache_apart_per_aten_capability(monkeypatch):
     assert separate_inductor_cache(named) is None and named["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
     plain: dict = {}
     assert separate_inductor_cache(plain) is None and plain == {}
+
+
+@pytest.mark.parametrize("config", ["hf", "int8"])
+def test_runs_generate_every_token_past_eos_without_min_length_processors(config, monkeypatch):
+    """N tokens are timed even where the model emits its EOS token early, and HF's loop runs no
+    min-length processors (each scans the vocabulary per step), as the peer's loop runs none."""
+    from transformers.generation import logits_process
+
+    base = benchmark.base_model("tiny", torch.bfloat16)
+    ids = benchmark.prompt_ids("tiny", base.config.vocab_size, 1, 8)
+    with torch.inference_mode():
+        first = int(base.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+    base.generation_config.eos_token_id = first  # the very first new token is EOS
+    model = base if config == "hf" else hf_dsinfer.init_inference(
+        base, parity_check=False, **benchmark.CONFIGS[config])
+    made = []
+    for name in ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"):
+        cls = getattr(logits_process, name)
+        monkeypatch.setattr(cls, "__call__", lambda self, i, s, _n=name: made.append(_n) or s)
+    out, seconds = benchmark._generate(model, config, ids, 5)
+    assert out.shape == (1, ids.shape[1] + 5) and int(out[0, ids.shape[1]]) == first
+    assert seconds > 0 and made == []
+    with torch.inference_mode():  # and HF's own stop at that EOS, without GEN_FIXED
+        stopped = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert stopped.shape == (1, ids.shape[1] + 1)
