@@ -471,7 +471,8 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #endif
 #if HFD_AVX2_DOTS
     for (int r = 0; r < rows; r++) /* the mins come in through the group sums of x */
-        out[r] = dot[r] + hfd_dot16_f32(L->mins, (n0 + r) * G, (int)L->s_dt, in->gsum, G);
+        out[r] = dot[r] + hfd_dot16_f32(L->mins, (n0 + r) * G, (int)L->s_dt, in->gsum, G,
+                                          L->n * G);
 #else
     for (int r = 0; r < rows; r++) { /* the mins come in through the group sums of x */
         __m512 m = _mm512_setzero_ps();

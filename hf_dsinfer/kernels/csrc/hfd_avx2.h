@@ -327,12 +327,6 @@ static inline __attribute__((always_inline)) void int4_dots_avx2(
             prefetch_tiles(wr[0] + c * 64 * step, end);
         else
             prefetch_next_block(next, end, TILE_ROWS * c, TILE_ROWS);
-        uint8_t tail[TILE_ROWS][64]; /* a partial last chunk: its bytes, then zeros */
-        if (bytes < 64)
-            for (int r = 0; r < TILE_ROWS; r++) {
-                memset(tail[r], 0, 64);
-                memcpy(tail[r], wr[r] + c * 64 * step, (size_t)bytes);
-            }
         const int64_t g0 = (c * 128) >> gshift;
         for (int h = 0; h < 2; h++) {
             const int64_t o = c * 64 + 32 * h, g = g0 + ((64 * h) >> gs);
@@ -344,8 +338,13 @@ static inline __attribute__((always_inline)) void int4_dots_avx2(
             const __m256i xoh = _mm256_loadu_si256((const __m256i *)(xo + 4 * half + o));
             const __m256 unit = _mm256_permutevar8x32_ps(_mm256_loadu_ps(gunit + g), gidx);
             for (int r = 0; r < TILE_ROWS; r++) {
-                const uint8_t *at = bytes < 64 ? tail[r] + 32 * h : wr[r] + c * 64 * step + 32 * h;
-                const __m256i v = _mm256_loadu_si256((const __m256i *)at);
+                /* a partial last chunk (K % 128: 16, 32 or 48 bytes): its bytes, then zeros,
+                   loaded from the row itself (a copy into a zeroed buffer read back as a vector
+                   stalled on store forwarding at every block of SmolLM2's K = 576 rows) */
+                const uint8_t *at = wr[r] + c * 64 * step + 32 * h;
+                const __m256i v = bytes - 32 * h >= 32 ? _mm256_loadu_si256((const __m256i *)at)
+                    : bytes - 32 * h == 16 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)at))
+                    : _mm256_setzero_si256();
                 const __m256i e = _mm256_and_si256(v, nibble);
                 const __m256i od = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
 #if HFD_AVX_VNNI
@@ -441,35 +440,35 @@ static inline void hfd_to_f32(float *dst, const void *src, int64_t i, int64_t n,
     for (; c < n; c++) dst[c] = load_f32(src, i + c, dt);
 }
 
-/* sum_g a[i + g] * b[g] for g < n (a of dtype dt, b fp32), in int4_dots' order: 16 lanes each
-   summing every 16th product by fma (lanes past n add fma(0, 0, .)), reduced as
-   _mm512_reduce_add_ps */
-static inline float hfd_dot16_f32(const void *a, int64_t i, int dt, const float *b, int64_t n) {
+/* sum_g a[i + g] * b[g] for g < n (a of dtype dt holding `total` elements, b fp32), in
+   int4_dots' order: 16 lanes each summing every 16th product by fma (lanes past n add
+   fma(0, 0, .)), reduced as _mm512_reduce_add_ps. The last n % 16: b by a masked load, a loaded
+   whole where 16 values from there lie inside it, its lanes past n zeroed (both +0, as the
+   zero-filled buffers this read before gave; those buffers, read back as vectors, stalled on
+   store forwarding for every row of the int4 mins: ~10% of the avx2 int4 dots on SmolLM2's 18
+   groups, 2026-11-27) */
+static inline float hfd_dot16_f32(const void *a, int64_t i, int dt, const float *b, int64_t n,
+                                  int64_t total) {
     __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-    if (dt == DT_BF16) { /* the same products and sums, the tail through one zeroed buffer
-                            instead of hfd_load8's per load (the int4 mins, per row) */
-        const uint16_t *ap = (const uint16_t *)a + i;
-        int64_t g = 0;
-        for (; g + 16 <= n; g += 16) {
-            m0 = _mm256_fmadd_ps(hfd_bf16x8(ap + g), _mm256_loadu_ps(b + g), m0);
-            m1 = _mm256_fmadd_ps(hfd_bf16x8(ap + g + 8), _mm256_loadu_ps(b + g + 8), m1);
-        }
-        if (g < n) {
-            uint16_t ta[16];
-            float tb[16];
-            memset(ta, 0, sizeof(ta));
-            memset(tb, 0, sizeof(tb));
-            memcpy(ta, ap + g, (size_t)(n - g) * 2);
-            memcpy(tb, b + g, (size_t)(n - g) * sizeof(float));
-            m0 = _mm256_fmadd_ps(hfd_bf16x8(ta), _mm256_loadu_ps(tb), m0);
-            m1 = _mm256_fmadd_ps(hfd_bf16x8(ta + 8), _mm256_loadu_ps(tb + 8), m1);
-        }
-        return hfd_reduce16_ps(m0, m1);
+    int64_t g = 0;
+    for (; g + 16 <= n; g += 16) {
+        m0 = _mm256_fmadd_ps(hfd_load8(a, i + g, dt, 8), _mm256_loadu_ps(b + g), m0);
+        m1 = _mm256_fmadd_ps(hfd_load8(a, i + g + 8, dt, 8), _mm256_loadu_ps(b + g + 8), m1);
     }
-    for (int64_t g = 0; g < n; g += 16) {
-        m0 = _mm256_fmadd_ps(hfd_load8(a, i + g, dt, n - g), hfd_load8(b, g, DT_F32, n - g), m0);
-        m1 = _mm256_fmadd_ps(hfd_load8(a, i + g + 8, dt, n - g - 8),
-                             hfd_load8(b, g + 8, DT_F32, n - g - 8), m1);
+    if (g < n) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g)), lane);
+        const __m256i k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g - 8)), lane);
+        __m256 a0, a1;
+        if (i + g + 16 <= total) {
+            a0 = _mm256_and_ps(hfd_load8(a, i + g, dt, 8), _mm256_castsi256_ps(k0));
+            a1 = _mm256_and_ps(hfd_load8(a, i + g + 8, dt, 8), _mm256_castsi256_ps(k1));
+        } else { /* the array's last values: read no further */
+            a0 = hfd_load8(a, i + g, dt, n - g);
+            a1 = hfd_load8(a, i + g + 8, dt, n - g - 8);
+        }
+        m0 = _mm256_fmadd_ps(a0, _mm256_maskload_ps(b + g, k0), m0);
+        m1 = _mm256_fmadd_ps(a1, _mm256_maskload_ps(b + g + 8, k1), m1);
     }
     return hfd_reduce16_ps(m0, m1);
 }
