@@ -60,7 +60,28 @@ def _cache(kind, model):
 @pytest.mark.parametrize("quant", [None, {"bits": 8}, {"bits": 4, "group_size": 32}])
 @pytest.mark.parametrize("padded", [False, True])
 def test_step_equals_hf_layer_loop(cache, quant, padded, monkeypatch):
-    _step_against_hf_loop(_model(quant), cache, padded, monkeypatch)
+    model = _model(quant)
+    _step_against_hf_loop(model, cache, padded, monkeypatch)
+    # HF's forward computed the final norm by its module: the step's kernel gave the same bits
+    assert get_report(model).step.final_norms == 5
+
+
+def test_final_norm_with_a_hook_runs_as_the_module():
+    """A hook on the final norm (or a norm of another class than the blocks') keeps the
+    module call, so the hook runs at every step."""
+    model = _model()
+    step = get_report(model).step
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    ids = torch.tensor([[17, 33, 41, 9]])
+    with torch.inference_mode():
+        hooked = _steps(model, ids, torch.ones_like(ids), DynamicCache(config=model.config))
+    assert step.calls == 5 and step.final_norms == 0 and len(seen) == 6  # prefill + 5 steps
+    handle.remove()
+    with torch.inference_mode():
+        plain = _steps(model, ids, torch.ones_like(ids), DynamicCache(config=model.config))
+    assert step.calls == 10 and step.final_norms == 5 and len(seen) == 6
+    assert torch.equal(hooked, plain)
 
 
 def _step_against_hf_loop(model, cache, padded, monkeypatch) -> None:
