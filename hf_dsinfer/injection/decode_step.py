@@ -207,8 +207,11 @@ class NativeDecodeStep:
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return "global module hooks"
         for layer in self.layers:
-            if (layer._forward_pre_hooks or hasattr(layer, "_hf_hook")
-                    or any(not _inert(h) for h in layer._forward_hooks.values())):
+            # accelerate's hook is an instance attribute (`"_hf_hook" in __dict__`: hasattr
+            # went through Module.__getattr__'s AttributeError for every layer and step)
+            if (layer._forward_pre_hooks or "_hf_hook" in layer.__dict__
+                    or (layer._forward_hooks
+                        and any(not _inert(h) for h in layer._forward_hooks.values()))):
                 return "hooks on a decoder layer"
         return None
 

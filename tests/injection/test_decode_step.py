@@ -262,6 +262,17 @@ def test_calls_it_cannot_prove_equal_go_to_hf(monkeypatch):
         model(tok, past_key_values=cache, use_cache=True)
         assert seen == [1] and step.last_reason == "hooks on a decoder layer"
         handle.remove()
+        from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+        class Count(ModelHook):
+            def pre_forward(self, module, *args, **kwargs):
+                seen.append(2)
+                return args, kwargs
+
+        add_hook_to_module(model.model.layers[0], Count())  # accelerate's (offload, devices)
+        model(tok, past_key_values=cache, use_cache=True)
+        assert seen == [1, 2] and step.last_reason == "hooks on a decoder layer"
+        remove_hook_from_module(model.model.layers[0])
         model(torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True)
         assert step.last_reason == "not one token of 1-256 sequences on the CPU"
         float_mask = torch.zeros(1, cache.get_seq_length() + 1)
