@@ -251,6 +251,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hfd_int4_linear.restype = i32
     lib.hfd_rms_rows_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, i32, p, i32]
     lib.hfd_rms_rows_bf16.restype = i32
+    lib.hfd_exp_f32.argtypes = [p, i64, p]
+    lib.hfd_exp_f32.restype = i32
     lib.hfd_rope_rows_bf16.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, i32]
     lib.hfd_rope_rows_bf16.restype = i32
     lib.hfd_attend_rows.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64,

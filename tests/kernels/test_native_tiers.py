@@ -209,6 +209,48 @@ def test_int4_linear_inputs(monkeypatch, tier, dtype, portable):
     _same(monkeypatch, tier, lambda: Q.linear_int4(x, qw, backend="cpu"))
 
 
+def _exp_inputs() -> torch.Tensor:
+    """Every fp32 in [-2, 2] step 2^-12, a dense sweep of [-120, 100], the ranges where
+    e^x's exponent leaves the normal range (x < -87.3: subnormal results; x > 88.37:
+    n = 128 in the exponent split) one ulp apart, and the special values."""
+    edges = [torch.arange(-2, 2, 2.0 ** -12),
+             torch.linspace(-120, 100, 200_001),
+             torch.linspace(-104.5, -86.5, 100_001),
+             torch.linspace(88.3, 88.73, 50_001),
+             torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.7228,
+                           88.72284, -103.9721, -103.97209, -87.33655, 1e-30, -1e-30])]
+    x = torch.cat([t.float() for t in edges])
+    return torch.cat([x, torch.nextafter(x, torch.full_like(x, float("inf")))])
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    assert _native.lib().hfd_exp_f32(x.data_ptr(), x.numel(), y.data_ptr()) == 0
+    return y
+
+
+@NO_LOWER
+@ALL_TIERS
+def test_exp(monkeypatch, tier):
+    """exp_ps, the exponential of the kernels' softmax, SiLU, GELU and tanh, bit for bit: the
+    avx2 tier's own 256-bit code and SIMDe's emulation at the generic tier give the AVX-512
+    instructions' results, subnormal and largest values included."""
+    x = _exp_inputs()
+    _same(monkeypatch, tier, lambda: _exp(x))
+
+
+def test_exp_is_within_an_ulp_or_two_of_expf():
+    x = _exp_inputs()
+    x = x[torch.isfinite(x) & (x > -87.3) & (x < 88.7)]
+    got, ref = _exp(x).double(), torch.exp(x.double())
+    ulp = (torch.nextafter(ref.float(), torch.full_like(x, float("inf"))).double()
+           - ref.float().double())
+    assert float(((got - ref).abs() / ulp).max()) < 2.0
+    y = _exp(torch.tensor([float("inf"), 89.0, -float("inf"), -110.0, float("nan")]))
+    assert y[:2].isinf().all() and float(y[2]) == 0.0 and float(y[3]) == 0.0
+    assert float(y[4]) == float(_exp(torch.tensor([88.7228]))[0])  # a NaN: the clamp's top
+
+
 @NO_LOWER
 @ALL_TIERS
 def test_dequantize_rows(monkeypatch, tier):

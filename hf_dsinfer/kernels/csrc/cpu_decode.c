@@ -2026,3 +2026,13 @@ int hfd_rms_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t
     for (int64_t r = 0; r < rows; r++) rms_norm_bf16(x + r * n, w, n, eps, style, out + r * n);
     return 0;
 }
+
+/* y[i] = e^x[i] for i < n (fp32) by exp_ps, the exponential of the kernels' softmax, SiLU,
+   GELU and tanh: what the tiers' tests compare (each tier's exp_ps, to the bit). */
+int hfd_exp_f32(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = mask16(n - i);
+        _mm512_mask_storeu_ps(y + i, mk, exp_ps(_mm512_maskz_loadu_ps(mk, x + i)));
+    }
+    return 0;
+}

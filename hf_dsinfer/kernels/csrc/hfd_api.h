@@ -119,6 +119,7 @@ int hfd_rope_rows_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t d, in
                        int64_t cs_stride, int nthreads);
 int hfd_rms_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w, float eps,
                       int style, uint16_t *out, int nthreads);
+int hfd_exp_f32(const float *x, int64_t n, float *y);
 int hfd_int4_linear(const void *x, int x_dt, int64_t M, const uint8_t *w, const void *scales,
                     const void *mins, int s_dt, int64_t group, int64_t N, int64_t K, int tiled,
                     float *y, int nthreads);

@@ -555,9 +555,51 @@ static inline void store16_bf16(uint16_t *p, __mmask16 mk, __m512 v) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* exp_ps (below) on 8 lanes by AVX2 instructions: the same operations in the same order, so the
+   same bits. SIMDe computed its scalef with a scalar exp2f per lane (with the roundscale, most
+   of the avx2 tier's SiLU and softmax: ~0.7 ms of SmolLM2's decode step, 2026-11-27), and gave
+   inf, not scalef's finite value, for n = 128. Here scalef(p, n), n an integer in [-150, 128]
+   (x clamped, n = round(x / ln 2)), is (p * 2^(n >> 1)) * 2^(n - (n >> 1)): both factors normal
+   powers of two, the first product exact and normal, the second the one rounding scalef does,
+   subnormal results included. */
+static inline __m256 hfd_exp8_ps(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-103.9721f);
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), bias = _mm256_set1_epi32(127);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+}
+#endif
+
 /* e^x to about 1 ulp of fp32 (Cody-Waite reduction by ln 2, degree-6 polynomial on
-   [-ln2/2, ln2/2]); overflows to inf past 88.72 and underflows to 0 below -87.3 like expf. */
+   [-ln2/2, ln2/2]); overflows to inf past 88.72 and underflows to 0 below -87.3 like expf.
+   A NaN gives e^88.7228 (the clamp's min returns its second operand), on every tier. */
 static inline __m512 exp_ps(__m512 x) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    __m256 h[2];
+    memcpy(h, &x, 64);
+    h[0] = hfd_exp8_ps(h[0]);
+    h[1] = hfd_exp8_ps(h[1]);
+    __m512 y;
+    memcpy(&y, h, 64);
+    return y;
+#else
     const __m512 hi = _mm512_set1_ps(88.7228f), lo = _mm512_set1_ps(-103.9721f);
     __m512 big = _mm512_set1_ps(INFINITY);
     __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
@@ -573,9 +615,18 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+#if defined(__AVX512F__)
     /* p * 2^n, with scalef handling the exponent range (subnormal results included) */
     __m512 y = _mm512_scalef_ps(p, n);
+#else /* the generic tier (SIMDe): hfd_exp8_ps's split, not SIMDe's scalef (see there) */
+    const __m512i ni = _mm512_cvtps_epi32(n), bias = _mm512_set1_epi32(127);
+    const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+    __m512 y = _mm512_mul_ps(
+        _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23))),
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+#endif
     return _mm512_mask_mov_ps(y, over, big);
+#endif
 }
 
 /* a[c] = bf16(bf16(silu(bf16(g[c]))) * bf16(u[c])) for c < cols, 16 lanes at a time. */
