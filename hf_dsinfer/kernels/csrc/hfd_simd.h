@@ -555,34 +555,48 @@ static inline void store16_bf16(uint16_t *p, __mmask16 mk, __m512 v) {
 #endif
 }
 
+/* exp_ps's steps after the clamp, written once for 256- and 512-bit vectors (W: _mm256 or
+   _mm512, V: its float vector type): r = x - n ln 2 (Cody-Waite, ln 2 in two parts), then
+   p = e^r by the degree-6 polynomial on [-ln2/2, ln2/2]. */
+#define HFD_EXP_POLY(W, V, x, n, p)                                                             \
+    do {                                                                                        \
+        V r_ = W##_fnmadd_ps(n, W##_set1_ps(0.693359375f), x);                                  \
+        r_ = W##_fnmadd_ps(n, W##_set1_ps(-2.12194440e-4f), r_);                                \
+        p = W##_set1_ps(1.9875691500e-4f);                                                      \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.3981999507e-3f));                                 \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(8.3334519073e-3f));                                 \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(4.1665795894e-2f));                                 \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.6666665459e-1f));                                 \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(5.0000001201e-1f));                                 \
+        p = W##_fmadd_ps(p, W##_mul_ps(r_, r_), W##_add_ps(r_, W##_set1_ps(1.0f)));             \
+    } while (0)
+
+/* y = scalef(p, n) = p * 2^n for n an integer in [-150, 128] (exp_ps's range), below AVX-512
+   (SIMDe computed scalef with a scalar exp2f per lane, and gave inf, not the instruction's
+   finite value, for n = 128): (p * 2^(n >> 1)) * 2^(n - (n >> 1)), both factors normal powers
+   of two, the first product exact and normal, the second the one rounding scalef does,
+   subnormal results included. VI: the int vector type, SI: si256 or si512. */
+#define HFD_EXP_SCALE(W, VI, SI, p, n, y)                                                       \
+    do {                                                                                        \
+        const VI ni_ = W##_cvtps_epi32(n), bias_ = W##_set1_epi32(127);                         \
+        const VI n1_ = W##_srai_epi32(ni_, 1), n2_ = W##_sub_epi32(ni_, n1_);                  \
+        y = W##_mul_ps(W##_mul_ps(p, W##_cast##SI##_ps(W##_slli_epi32(W##_add_epi32(n1_, bias_), 23))), \
+                       W##_cast##SI##_ps(W##_slli_epi32(W##_add_epi32(n2_, bias_), 23)));     \
+    } while (0)
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* exp_ps (below) on 8 lanes by AVX2 instructions: the same operations in the same order, so the
-   same bits. SIMDe computed its scalef with a scalar exp2f per lane (with the roundscale, most
-   of the avx2 tier's SiLU and softmax: ~0.7 ms of SmolLM2's decode step, 2026-11-27), and gave
-   inf, not scalef's finite value, for n = 128. Here scalef(p, n), n an integer in [-150, 128]
-   (x clamped, n = round(x / ln 2)), is (p * 2^(n >> 1)) * 2^(n - (n >> 1)): both factors normal
-   powers of two, the first product exact and normal, the second the one rounding scalef does,
-   subnormal results included. */
+   same bits. Under SIMDe its scalef (HFD_EXP_SCALE says how) and roundscale were ~4% of a
+   one-thread SmolLM2 W4A8 decode step at the avx2 tier (2026-11-27). */
 static inline __m256 hfd_exp8_ps(__m256 x) {
     const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-103.9721f);
     const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
     x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i ni = _mm256_cvtps_epi32(n), bias = _mm256_set1_epi32(127);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    __m256 p, y;
+    HFD_EXP_POLY(_mm256, __m256, x, n, p);
+    HFD_EXP_SCALE(_mm256, __m256i, si256, p, n, y);
     return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
 }
 #endif
@@ -606,24 +620,13 @@ static inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 p, y;
+    HFD_EXP_POLY(_mm512, __m512, x, n, p);
 #if defined(__AVX512F__)
     /* p * 2^n, with scalef handling the exponent range (subnormal results included) */
-    __m512 y = _mm512_scalef_ps(p, n);
-#else /* the generic tier (SIMDe): hfd_exp8_ps's split, not SIMDe's scalef (see there) */
-    const __m512i ni = _mm512_cvtps_epi32(n), bias = _mm512_set1_epi32(127);
-    const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
-    __m512 y = _mm512_mul_ps(
-        _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23))),
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+    y = _mm512_scalef_ps(p, n);
+#else /* the generic tier (SIMDe) */
+    HFD_EXP_SCALE(_mm512, __m512i, si512, p, n, y);
 #endif
     return _mm512_mask_mov_ps(y, over, big);
 #endif
