@@ -82,6 +82,19 @@ def test_final_norm_with_a_hook_runs_as_the_module():
         plain = _steps(model, ids, torch.ones_like(ids), DynamicCache(config=model.config))
     assert step.calls == 10 and step.final_norms == 5 and len(seen) == 6
     assert torch.equal(hooked, plain)
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append("accelerate")
+            return args, kwargs
+
+    add_hook_to_module(model.model.norm, Count())  # accelerate's, as device maps add it
+    with torch.inference_mode():
+        accelerated = _steps(model, ids, torch.ones_like(ids), DynamicCache(config=model.config))
+    remove_hook_from_module(model.model.norm)
+    assert step.calls == 15 and step.final_norms == 5 and seen.count("accelerate") == 6
+    assert torch.equal(accelerated, plain)
 
 
 def _step_against_hf_loop(model, cache, padded, monkeypatch) -> None:
