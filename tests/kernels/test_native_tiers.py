@@ -251,6 +251,22 @@ def test_exp_is_within_an_ulp_or_two_of_expf():
     assert float(y[4]) == float(_exp(torch.tensor([88.7228]))[0])  # a NaN: the clamp's top
 
 
+@ALL_TIERS
+@pytest.mark.parametrize("a8", (False, True), ids=("w4a16", "w4a8"))
+def test_int4_row_ignores_its_neighbours_values(monkeypatch, tier, a8):
+    """K = 576 (18 groups of 32, row-major codes): a row's last scales and mins are loaded with
+    the next row's and masked (csrc/hfd_avx2.h: hfd_load8_in), so non-finite values there
+    (inf * 0 = NaN) must not reach the row's result."""
+    w = _gaussian(16, 576, seed=9)
+    x = _gaussian(1, 576, seed=10)
+    bad = w.clone()
+    bad[1:] = float("inf")
+    run = Q.linear_int4_a8_cpu if a8 else (lambda x, q: Q.linear_int4(x, q, backend="cpu"))
+    got = [_at(monkeypatch, tier, lambda q=Q.quantize_int4(v, 32): run(x, q)[0, 0])
+           for v in (w, bad)]
+    assert torch.isfinite(got[0]) and torch.equal(got[0], got[1])
+
+
 @NO_LOWER
 @ALL_TIERS
 def test_dequantize_rows(monkeypatch, tier):

@@ -87,13 +87,6 @@ static inline int is_a8(const hfd_lin *L) {
 }
 
 #if HFD_AVX2_DOTS
-/* 8 values of x (dtype dt) from element i as fp32 */
-static inline __attribute__((always_inline)) __m256 a8_x8(const void *x, int64_t i, int dt) {
-    if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)x + i);
-    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
-}
-
 /* The sum and the largest |x| of x's group of `group` columns from c0, as the 512-bit code
    computes them: 16 lanes (two halves of 8) summing every 16th value, reduced in gcc's order for
    _mm512_reduce_add_ps / _mm512_reduce_max_ps (lanes i and i + 8, then i + 4, i + 2, i + 1). */
@@ -102,7 +95,7 @@ static inline __attribute__((always_inline)) float group_sum_absmax_avx2(
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
     for (int64_t c = 0; c < group; c += 16) {
-        const __m256 v0 = a8_x8(x, c0 + c, x_dt), v1 = a8_x8(x, c0 + c + 8, x_dt);
+        const __m256 v0 = hfd_load8(x, c0 + c, x_dt, 8), v1 = hfd_load8(x, c0 + c + 8, x_dt, 8);
         s0 = _mm256_add_ps(s0, v0);
         s1 = _mm256_add_ps(s1, v1);
         m0 = _mm256_max_ps(m0, _mm256_and_ps(v0, sign));
@@ -139,7 +132,7 @@ static void a8_quantize_avx2(const void *x, int x_dt, int64_t K, int64_t group, 
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         __m256i qs = _mm256_setzero_si256();
         for (int64_t c = 0; c < group; c += 8) {
-            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(a8_x8(x, c0 + c, x_dt), inv));
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(hfd_load8(x, c0 + c, x_dt, 8), inv));
             q = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
             qs = _mm256_add_epi32(qs, q);
             /* evens then odds, each byte q + 128 */
@@ -178,7 +171,7 @@ static void int4_input_avx2(const void *x, int x_dt, int64_t K, int64_t group, i
         gunit[g] = amax > 0.f ? amax / 8388607.f : 0.f;
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 8388607.f / amax : 0.f);
         for (int64_t c = 0; c < group; c += 8) {
-            const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(a8_x8(x, c0 + c, x_dt), inv));
+            const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(hfd_load8(x, c0 + c, x_dt, 8), inv));
             /* fp32 rounding may reach 2^23 */
             _mm256_storeu_si256((__m256i *)(v32 + c0 + c),
                                 _mm256_max_epi32(_mm256_min_epi32(i, lim), nlim));
@@ -503,25 +496,6 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
 #if HFD_AVX2_DOTS
 #define A8_BLOCK 8 /* rows per block: a ymm lane each */
 
-/* 8 values of dtype dt from element i of p as fp32, `left` of them in the row there (lanes
-   past those 0); p holds `total` elements. A row's scales or mins: where 8 lie inside p they
-   are loaded whole and the lanes past `left` zeroed, so no vector is read back from scalar
-   stores (that store-forwarding stall, on every span's fp16 scales, was ~20% of a8_dots on
-   SmolLM2's shapes, 2026-11-27) */
-static inline __attribute__((always_inline)) __m256 a8_load8(const void *p, int64_t i,
-                                                             int64_t left, int dt, int64_t total) {
-    if (left >= 8) return a8_x8(p, i, dt);
-    if (left <= 0) return _mm256_setzero_ps();
-    if (i + 8 <= total) {
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lane));
-        return _mm256_and_ps(a8_x8(p, i, dt), keep);
-    }
-    float t[8] = {0};
-    for (int64_t c = 0; c < left && c < 8; c++) t[c] = load_f32(p, i + c, dt);
-    return _mm256_loadu_ps(t);
-}
-
 /* the int32 lane sums of 32 code bytes v (64 columns) times x's even / odd codes */
 static inline __attribute__((always_inline)) __m256i a8_dot32(__m256i v, __m256i xe, __m256i xo) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -652,8 +626,8 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
         for (int r = 0; r < A8_BLOCK; r++)
             for (int h = 0; h < 2; h++) {
                 const int64_t at = row[r] * G + g0 + 8 * h, left = G - g0 - 8 * h;
-                S[h][r] = _mm256_castps_si256(a8_load8(L->scales, at, left, (int)L->s_dt, L->n * G));
-                M[h][r] = _mm256_castps_si256(a8_load8(L->mins, at, left, (int)L->s_dt, L->n * G));
+                S[h][r] = _mm256_castps_si256(hfd_load8_in(L->scales, at, (int)L->s_dt, left, L->n * G));
+                M[h][r] = _mm256_castps_si256(hfd_load8_in(L->mins, at, (int)L->s_dt, left, L->n * G));
             }
         for (int h = 0; h < 1 + (ng > 8); h++) {
             transpose8_epi32(S[h]);

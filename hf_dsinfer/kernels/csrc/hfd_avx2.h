@@ -377,8 +377,9 @@ static inline __m256 hfd_bf16x8(const uint16_t *p) {
 }
 
 /* 8 values of dtype dt from element i on as fp32 (exact conversions: load16's values); n < 8
-   reads n and gives 0 past them */
-static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
+   reads n and gives 0 past them (through a buffer: hfd_load8_in avoids it inside an array) */
+static inline __attribute__((always_inline)) __m256 hfd_load8(const void *p, int64_t i, int dt,
+                                                              int64_t n) {
     const int size = dt == DT_F32 ? 4 : 2;
     uint8_t buf[32];
     const uint8_t *at = (const uint8_t *)p + i * size;
@@ -390,6 +391,23 @@ static inline __m256 hfd_load8(const void *p, int64_t i, int dt, int64_t n) {
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)at);
     if (dt == DT_BF16) return hfd_bf16x8((const uint16_t *)at);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+}
+
+/* hfd_load8 of the n values (n <= 0 or >= 8 too) of an array of `total` elements from element i:
+   where 8 lie inside the array they are loaded whole and the lanes past n zeroed (+0, as the
+   buffer gives), so no vector is read back from scalar stores (that store-forwarding stall was
+   ~20% of a8_dots' time on SmolLM2's fp16 scales and ~10% of the int4 dots' on its mins,
+   2026-11-27); only at the array's end through hfd_load8's buffer. */
+static inline __attribute__((always_inline)) __m256 hfd_load8_in(const void *p, int64_t i, int dt,
+                                                                 int64_t n, int64_t total) {
+    if (n >= 8) return hfd_load8(p, i, dt, 8);
+    if (n <= 0) return _mm256_setzero_ps();
+    if (i + 8 <= total) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_and_ps(hfd_load8(p, i, dt, 8),
+                             _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane)));
+    }
+    return hfd_load8(p, i, dt, n);
 }
 
 /* r[i] (8 dwords each) -> r[j] holding dword j of every input row: an 8 x 8 transpose.
@@ -444,11 +462,8 @@ static inline void hfd_to_f32(float *dst, const void *src, int64_t i, int64_t n,
 
 /* sum_g a[i + g] * b[g] for g < n (a of dtype dt holding `total` elements, b fp32), in
    int4_dots' order: 16 lanes each summing every 16th product by fma (lanes past n add
-   fma(0, 0, .)), reduced as _mm512_reduce_add_ps. The last n % 16: b by a masked load, a loaded
-   whole where 16 values from there lie inside it, its lanes past n zeroed (both +0, as the
-   zero-filled buffers this read before gave; those buffers, read back as vectors, stalled on
-   store forwarding for every row of the int4 mins: ~10% of the avx2 int4 dots on SmolLM2's 18
-   groups, 2026-11-27) */
+   fma(0, 0, .)), reduced as _mm512_reduce_add_ps. The last n % 16: a by hfd_load8_in, b by a
+   masked load (both +0 past n). */
 static inline float hfd_dot16_f32(const void *a, int64_t i, int dt, const float *b, int64_t n,
                                   int64_t total) {
     __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
@@ -461,16 +476,10 @@ static inline float hfd_dot16_f32(const void *a, int64_t i, int dt, const float 
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g)), lane);
         const __m256i k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g - 8)), lane);
-        __m256 a0, a1;
-        if (i + g + 16 <= total) {
-            a0 = _mm256_and_ps(hfd_load8(a, i + g, dt, 8), _mm256_castsi256_ps(k0));
-            a1 = _mm256_and_ps(hfd_load8(a, i + g + 8, dt, 8), _mm256_castsi256_ps(k1));
-        } else { /* the array's last values: read no further */
-            a0 = hfd_load8(a, i + g, dt, n - g);
-            a1 = hfd_load8(a, i + g + 8, dt, n - g - 8);
-        }
-        m0 = _mm256_fmadd_ps(a0, _mm256_maskload_ps(b + g, k0), m0);
-        m1 = _mm256_fmadd_ps(a1, _mm256_maskload_ps(b + g + 8, k1), m1);
+        m0 = _mm256_fmadd_ps(hfd_load8_in(a, i + g, dt, n - g, total),
+                             _mm256_maskload_ps(b + g, k0), m0);
+        m1 = _mm256_fmadd_ps(hfd_load8_in(a, i + g + 8, dt, n - g - 8, total),
+                             _mm256_maskload_ps(b + g + 8, k1), m1);
     }
     return hfd_reduce16_ps(m0, m1);
 }
