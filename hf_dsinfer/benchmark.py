@@ -240,14 +240,16 @@ class LlamaCppPeer:
 
     config = "llama.cpp Q4_1"
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, tokens: int = 1024):
+        """tokens: the most positions a run holds (prompt plus new tokens): the context llama.cpp
+        allocates; a fixed 1024 made every longer prompt fail in `llama_decode`."""
         from llama_cpp import Llama
 
         from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
 
         self.path = default_model_dir() / DEFAULT_GGUF
-        self.llm = Llama(model_path=str(self.path), n_ctx=1024, n_batch=512, n_threads=threads,
-                         verbose=False)
+        self.llm = Llama(model_path=str(self.path), n_ctx=max(tokens, 512), n_batch=512,
+                         n_threads=threads, verbose=False)
 
     @staticmethod
     def available(name: str, batch: int) -> bool:
@@ -300,7 +302,7 @@ def _peer(args: argparse.Namespace, name: str, batch: int, group: list[Row]):
     """The optional llama.cpp row (SmolLM2, batch 1, when llama-cpp-python is installed)."""
     if args.no_peer or not LlamaCppPeer.available(name, batch):
         return None
-    peer = LlamaCppPeer(torch.get_num_threads())
+    peer = LlamaCppPeer(torch.get_num_threads(), args.prompt_len + args.new_tokens)
     size = peer.path.stat().st_size
     group.append(Row(name, batch, LlamaCppPeer.config, size, size))
     return peer

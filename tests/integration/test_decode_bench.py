@@ -126,3 +126,25 @@ def test_runs_generate_every_token_past_eos_without_min_length_processors(config
     with torch.inference_mode():  # and HF's own stop at that EOS, without GEN_FIXED
         stopped = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert stopped.shape == (1, ids.shape[1] + 1)
+
+
+def test_peer_context_holds_the_whole_run(monkeypatch):
+    """The llama.cpp peer allocates a context for the prompt plus the new tokens: with a fixed
+    1024, every longer run failed inside `llama_decode` with an error that named nothing."""
+    import sys
+    import types
+
+    made = []
+
+    class Llama:  # stands in for llama_cpp.Llama (not installed in the test environment)
+        def __init__(self, model_path, n_ctx, n_batch, n_threads, verbose):
+            made.append(n_ctx)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr(benchmark.LlamaCppPeer, "available", staticmethod(lambda name, batch: True))
+    args = benchmark.build_parser().parse_args(
+        ["--models", "smollm2", "--batch", "1", "--prompt-len", "1536", "--new-tokens", "32"])
+    group = []
+    peer = benchmark._peer(args, "smollm2", 1, group)
+    assert made == [1568] and peer is not None
+    assert group[0].config == benchmark.LlamaCppPeer.config
