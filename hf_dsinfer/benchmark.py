@@ -270,7 +270,15 @@ class LlamaCppPeer:
         return torch.tensor([tokens]), prefill, step
 
     def _argmax(self) -> int:
-        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        """The greedy next token after the last one evaluated, from llama.cpp's own logits.
+        `Llama.scores` is not filled without logits_all (llama-cpp-python 0.3 samples inside
+        llama.cpp), so reading it took the argmax of an uninitialized array: the peer's tokens
+        were meaningless (its speed was not, a step costs the same whatever the token)."""
+        import llama_cpp
+        import numpy as np
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
 
 
 def run(args: argparse.Namespace) -> list[Row]:

@@ -128,19 +128,42 @@ def test_runs_generate_every_token_past_eos_without_min_length_processors(config
     assert stopped.shape == (1, ids.shape[1] + 1)
 
 
-def test_peer_context_holds_the_whole_run(monkeypatch):
-    """The llama.cpp peer allocates a context for the prompt plus the new tokens: with a fixed
-    1024, every longer run failed inside `llama_decode` with an error that named nothing."""
+def test_peer_context_holds_the_whole_run_and_its_tokens_are_llama_cpp_argmax(monkeypatch):
+    """The llama.cpp peer allocates a context for the prompt plus the new tokens (with a fixed
+    1024, every longer run failed inside `llama_decode` with an error that named nothing), and
+    its greedy tokens are the argmax of the logits llama.cpp returns for the last token (not of
+    `Llama.scores`, which llama-cpp-python 0.3 leaves unfilled)."""
+    import ctypes
     import sys
     import types
 
-    made = []
+    vocab, made, evals = 7, [], []
 
     class Llama:  # stands in for llama_cpp.Llama (not installed in the test environment)
         def __init__(self, model_path, n_ctx, n_batch, n_threads, verbose):
             made.append(n_ctx)
+            self.ctx = object()
+            self.scores = [[0.0] * vocab]  # what the old code read: never the right answer
 
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+        def n_vocab(self):
+            return vocab
+
+        def reset(self):
+            evals.clear()
+
+        def eval(self, tokens):
+            evals.append(list(tokens))
+
+    def llama_get_logits_ith(ctx, i):  # the last token's logits: peak at (last id + 3) % vocab
+        assert i == -1
+        row = (ctypes.c_float * vocab)(*[0.0] * vocab)
+        row[(evals[-1][-1] + 3) % vocab] = 1.0
+        return ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), row
+
+    fake = types.SimpleNamespace(Llama=Llama, rows=[])
+    fake.llama_get_logits_ith = lambda ctx, i: fake.rows.append(llama_get_logits_ith(ctx, i)) \
+        or fake.rows[-1][0]
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     monkeypatch.setattr(benchmark.LlamaCppPeer, "available", staticmethod(lambda name, batch: True))
     args = benchmark.build_parser().parse_args(
         ["--models", "smollm2", "--batch", "1", "--prompt-len", "1536", "--new-tokens", "32"])
@@ -148,3 +171,6 @@ def test_peer_context_holds_the_whole_run(monkeypatch):
     peer = benchmark._peer(args, "smollm2", 1, group)
     assert made == [1568] and peer is not None
     assert group[0].config == benchmark.LlamaCppPeer.config
+    tokens, _, _ = peer.generate(torch.tensor([[5, 1]]), 4)
+    assert tokens.tolist() == [[4, 0, 3, 6]]  # 1 + 3, 4 + 3 - 7, ...
+    assert evals == [[5, 1], [4], [0], [3]]
