@@ -219,9 +219,14 @@ def _batched_linear_line(report: InjectionReport, model: nn.Module) -> str | Non
 
 def _cpu_lines() -> list[str]:
     """The ISA tier of the native kernels, and torch's private ops refused by their probes."""
-    from hf_dsinfer.kernels import _native, private_ops
+    from hf_dsinfer.kernels import _native, linear, private_ops
 
     lines = [f"CPU ISA: {_native.describe_tier()}"]
+    if linear.fp32_gemm_tier():
+        lines.append(f"bf16 products of {linear.FP32_GEMM_MIN_ROWS} rows and more that no native "
+                     "kernel takes (prefill): fp32 GEMMs on weight chunks converted to fp32, "
+                     f"since the {_native.tier()} tier has no bf16 dot products "
+                     "(kernels/linear.py: bf16_gemm_in_fp32)")
     refused = [v.reason for v in private_ops.verdicts().values() if not v.ok]
     if refused:
         lines.append(f"private torch ops refused (their reference paths run): {'; '.join(refused)}")

@@ -45,6 +45,7 @@ to oneDNN / AMX for large M.
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -249,11 +250,66 @@ def _native_gemm(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _native_bf16(lib, "hfd_gemm_bf16", x, weight, bias)
 
 
+# Tiers whose CPUs have no bf16 dot products (no AVX512-BF16, no AMX): there oneDNN converts
+# bf16 operands to fp32 inside its GEMM, and a bf16 F.linear of many rows is several times
+# slower than the same product as fp32 GEMMs on converted chunks of the weight. On a Zen 4 with
+# torch and oneDNN capped to each tier (2026-11-28, medians of 5, 2 threads; docs/performance.md),
+# 2048 x 2048 and 5632 x 2048 weights, bf16 F.linear against the fp32 chunks: avx2 0.81-0.93x at 8
+# rows, 1.30-1.46x at 16, 2.65x at 64, 3.35-3.40x at 512, 3.82-3.96x at 1024; avx512 (oneDNN
+# capped to AVX512_CORE_VNNI) 0.84x at 8, 1.41x at 16, 1.98x at 64, 2.57x at 512. x86 only: no
+# ARM CPU's bf16 GEMMs were measured (Arm's BF16 extension makes them native there).
+FP32_GEMM_TIERS = ("generic", "avx2", "avx2_vnni", "avx512")
+FP32_GEMM_MIN_ROWS = 16  # rows of x from which the fp32 GEMMs win there (see above)
+FP32_CHUNK_ROWS = 512  # weight rows converted to fp32 at a time (512 x 8192: 16 MB)
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+# calls that ran the fp32 GEMMs (tests prove the path ran with it)
+fp32_gemm_calls = 0
+
+
+def fp32_gemm_tier() -> bool:
+    """The running tier (the CPU's best, capped by settings isa) is one of FP32_GEMM_TIERS, on
+    an x86 CPU."""
+    return _X86 and _native.tier() in FP32_GEMM_TIERS
+
+
+def bf16_gemm_in_fp32(x: torch.Tensor, rows: int) -> bool:
+    """Whether a bf16 product of `rows` rows of x runs as fp32 GEMMs: on CPU, at a
+    fp32_gemm_tier, from FP32_GEMM_MIN_ROWS rows, outside torch.compile (which compiles its
+    own)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and rows >= FP32_GEMM_MIN_ROWS
+            and fp32_gemm_tier() and not torch.compiler.is_compiling())
+
+
+def linear_fp32_chunks(x2: torch.Tensor, n: int, weight_rows, bias: torch.Tensor | None):
+    """y [M, n] (bf16) = x2 [M, in] (bf16) times a weight of n rows, as fp32 GEMMs on
+    FP32_CHUNK_ROWS rows of it at a time: weight_rows(start, stop) gives those rows [rows, in]
+    in bf16 (a view, or rows dequantized in cache). bf16 -> fp32 is exact, the products
+    accumulate in fp32 and the bias (fp32, exact) is added before the one rounding to bf16:
+    bf16 F.linear's numerics (2-D x: addmm) up to the order of the fp32 sums."""
+    global fp32_gemm_calls
+    fp32_gemm_calls += 1
+    xf = x2.float()
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    for start in range(0, n, FP32_CHUNK_ROWS):
+        stop = min(start + FP32_CHUNK_ROWS, n)
+        b = None if bias is None else bias[start:stop].float()
+        y[:, start:stop] = F.linear(xf, weight_rows(start, stop).float(), b)
+    return y
+
+
+def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """F.linear(x, weight, bias) for bf16 x, weight and bias by linear_fp32_chunks."""
+    n, k = weight.shape
+    y = linear_fp32_chunks(x.reshape(-1, k), n, lambda start, stop: weight[start:stop], bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The native bf16 GEMV for up to bf16_gemv_max_rows bf16 rows where the tier's crossover
     has one, then its panel kernel up to bf16_gemm_max_rows; else torch.mv for a single bf16
-    row on a row-major weight; the native AMX kernel for 2 to CPU_AMX_MAX_ROWS bf16 rows;
-    F.linear (addmm / oneDNN) else."""
+    row on a row-major weight; the native AMX kernel for 2 to CPU_AMX_MAX_ROWS bf16 rows; fp32
+    GEMMs for more bf16 rows on a CPU without bf16 dot products (bf16_gemm_in_fp32); F.linear
+    (addmm / oneDNN) else."""
     k = weight.shape[1]
     rows = x.numel() // k if k else 0
     if x.device.type == "cpu" and rows >= 1:
@@ -267,6 +323,9 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         lib = _native_amx_lib(rows, x, weight, bias)
         if lib is not None:
             return _native_linear(lib, x, weight, bias)
+    if (bf16_gemm_in_fp32(x, rows) and weight.dtype == torch.bfloat16
+            and (bias is None or (bias.dtype == torch.bfloat16 and x.is_contiguous()))):
+        return _linear_fp32(x, weight, bias)
     if not _uses_cpu_mv(rows, x, weight) or rows == 0:
         return F.linear(x, weight, bias)
     vec = x.reshape(k)  # [in]

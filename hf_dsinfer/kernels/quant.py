@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch, _native, crossovers
-from hf_dsinfer.kernels.linear import dot_in_fp32
+from hf_dsinfer.kernels.linear import bf16_gemm_in_fp32, dot_in_fp32, linear_fp32_chunks
 from hf_dsinfer.kernels.private_ops import verified
 
 # How many rows of x each CPU path takes is data per ISA tier: kernels/crossovers.py
@@ -462,7 +462,11 @@ def linear_int4_triton(x: torch.Tensor, qweight: Int4Weight, bias: torch.Tensor 
 
 
 def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias) -> torch.Tensor:
-    """y = x2 @ W.T with W dequantized DEQUANT_CHUNK_ROWS output rows at a time (in cache)."""
+    """y = x2 @ W.T with W dequantized DEQUANT_CHUNK_ROWS output rows at a time (in cache); for
+    many bf16 rows on a CPU without bf16 dot products, the dequantized bf16 rows go through
+    fp32 GEMMs instead (kernels/linear.py: bf16_gemm_in_fp32), the same numerics."""
+    if bf16_gemm_in_fp32(x2, x2.shape[0]) and (bias is None or bias.dtype == torch.bfloat16):
+        return linear_fp32_chunks(x2, n, dequant_rows, bias)
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)  # [M, out]
     for start in range(0, n, DEQUANT_CHUNK_ROWS):
         stop = min(start + DEQUANT_CHUNK_ROWS, n)

@@ -208,3 +208,28 @@ def test_a8_reference_reads_x_each_call_and_triton_kernels_are_built_once():
     x.mul_(-1)
     assert torch.equal(Q.quantize_activations_int8(x, 32)[0], -first)
     assert hasattr(Q._kernels, "cache_info")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("tier,fp32", (("avx2", True), ("avx512_bf16", False)))
+def test_dequantized_rows_meet_many_bf16_rows_in_fp32_without_bf16_dots(monkeypatch, bits, tier,
+                                                                         fp32):
+    """The chunked dequantize + GEMM path of 40 bf16 rows (every kernel's bound pinned below)
+    runs fp32 GEMMs on the dequantized bf16 rows at a tier without bf16 dot products
+    (kernels/linear.py: bf16_gemm_in_fp32), F.linear in bf16 at one with them: the same
+    numbers either way, up to the order of the fp32 sums."""
+    from hf_dsinfer.kernels import linear as lin
+
+    monkeypatch.setattr(lin._native, "tier", lambda: tier)
+    monkeypatch.setattr(lin, "_X86", True)
+    monkeypatch.setattr(lin, "fp32_gemm_calls", 0)
+    monkeypatch.setattr(lin, "FP32_CHUNK_ROWS", 16)  # several chunks of the 37 rows
+    _chunked_past(monkeypatch, 40)
+    w = _gaussian(37, 128).to(torch.bfloat16)
+    qw = Q.quantize_int8(w) if bits == 8 else Q.quantize_int4(w, 32, False)
+    ref_fn = Q.linear_int8_ref if bits == 8 else Q.linear_int4_ref
+    fn = Q.linear_int8 if bits == 8 else Q.linear_int4
+    x, bias = _gaussian(40, 128, seed=1).bfloat16(), _gaussian(37, seed=2).bfloat16()
+    out = fn(x, qw, bias, backend="cpu")
+    assert lin.fp32_gemm_calls == int(fp32)
+    assert_close_tol(out, ref_fn(x, qw, bias), torch.bfloat16, DEQUANT_TOL)
