@@ -401,11 +401,16 @@ def separate_inductor_cache(environ=os.environ) -> str | None:
     test suite both call this). torch 2.13's FX graph cache does not key on the variable: kernels
     compiled uncapped made a capped run's compiled functions return NaN, and a graph compiled
     capped, loaded by an uncapped run, corrupted the heap (`free(): invalid pointer`; both on a
-    Zen 4, 2026-11-27). Returns the directory set, or None."""
-    capability = environ.get("ATEN_CPU_CAPABILITY")
-    if not capability or environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return None
+    Zen 4, 2026-11-27). Returns the directory set, or None.
+    Importing torch._dynamo (which `import hf_dsinfer` does) writes torch's default directory
+    into TORCHINDUCTOR_CACHE_DIR, so that value counts as not named: taking it for the user's
+    choice made this a no-op, and a capped suite shared the uncapped cache again (2026-11-28)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or environ.get("TORCHINDUCTOR_CACHE_DIR") not in (None, "",
+                                                                         default_cache_dir()):
+        return None
 
     environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(),
                                                       f"aten-cpu-{capability.lower()}")

@@ -101,6 +101,30 @@ def test_inductor_cache_apart_per_aten_capability(monkeypatch):
     assert separate_inductor_cache(named) is None and named["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
     plain: dict = {}
     assert separate_inductor_cache(plain) is None and plain == {}
+    # torch's own default, which importing torch._dynamo writes there, is not a named directory
+    torchs = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    assert separate_inductor_cache(torchs) == torchs["TORCHINDUCTOR_CACHE_DIR"]
+    assert torchs["TORCHINDUCTOR_CACHE_DIR"].endswith("aten-cpu-avx2")
+
+
+def test_capped_processes_compile_into_their_own_cache():
+    """In a process that imported hf_dsinfer (and so torch._dynamo) under ATEN_CPU_CAPABILITY,
+    the cache directory in force is the capability's own: the test suite's conftest and bench
+    call separate_inductor_cache after that import."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, hf_dsinfer\n"
+            "from hf_dsinfer.benchmark import separate_inductor_cache\n"
+            "separate_inductor_cache()\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(cache_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ATEN_CPU_CAPABILITY"] = "avx2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().endswith("aten-cpu-avx2")
 
 
 @pytest.mark.parametrize("config", ["hf", "int8"])
