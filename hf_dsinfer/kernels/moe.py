@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch, _native
 from hf_dsinfer.kernels.activations import _ACT_CODE, gated_act_ref, resolve_activation
-from hf_dsinfer.kernels.linear import dot_in_fp32
+from hf_dsinfer.kernels.linear import bf16_gemm_in_fp32, dot_in_fp32, linear_fp32_chunks
 from hf_dsinfer.kernels.private_ops import verified
 
 
@@ -99,7 +99,14 @@ def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act:
                 out: torch.Tensor | None = None, fuse: bool = False):
     """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence (in
     bf16 on a oneDNN CPU with `fuse`: act and * up fused into the GEMMs' epilogues); written
-    into `out` [n, H] (contiguous) when given."""
+    into `out` [n, H] (contiguous) when given. Many bf16 rows on a CPU without bf16 dot
+    products: both products as fp32 GEMMs (kernels/linear.py: bf16_gemm_in_fp32), rounded to
+    bf16 as F.linear rounds them."""
+    if bf16_gemm_in_fp32(x, x.shape[0]) and gate_up.dtype == down.dtype == torch.bfloat16:
+        h = linear_fp32_chunks(x, gate_up.shape[0], lambda i, j: gate_up[i:j], None)  # [n, 2I]
+        a = gated_act_ref(h, None, act)
+        y = linear_fp32_chunks(a, down.shape[0], lambda i, j: down[i:j], None)  # [n, H]
+        return y if out is None else out.copy_(y)
     if fuse and _onednn_gated(x, gate_up, act):
         a = _gated_onednn(x, gate_up)
     else:

@@ -181,6 +181,9 @@ def test_cpu_path_picks_grouped_gemm_or_per_expert_gemms_by_rows(tokens):
 def test_bf16_many_rows_fuse_activation_into_onednn_gemms(monkeypatch):
     """bf16 experts with many rows: silu(gate) * up in the oneDNN GEMM epilogues, once per
     active expert, close to HF's op sequence (one bf16 rounding fewer)."""
+    from hf_dsinfer.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: False)  # a tier with bf16 dot products
     hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
     picked, original = [], moe._onednn_gated
     monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(original(*a)) or picked[-1])
@@ -189,6 +192,24 @@ def test_bf16_many_rows_fuse_activation_into_onednn_gemms(monkeypatch):
     assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
                      table=REDUCTION_TOL)
     assert picked == [True] * 4  # the reference keeps HF's own ops
+
+
+def test_bf16_many_rows_per_expert_in_fp32_gemms_without_bf16_dots(monkeypatch):
+    """At a tier without bf16 dot products (kernels/linear.py: bf16_gemm_in_fp32), an expert's
+    many bf16 rows go through fp32 GEMMs (two per active expert), rounded as HF's F.linear
+    rounds them; not through oneDNN's bf16 GEMMs, fused or not."""
+    from hf_dsinfer.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: True)
+    monkeypatch.setattr(lin, "fp32_gemm_calls", 0)
+    monkeypatch.setattr(moe, "_native_moe_lib", lambda *a: None)  # (AMX would take any rows)
+    hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
+    picked = []
+    monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(a) or False)
+    out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+    assert lin.fp32_gemm_calls == 2 * 4 and picked == []
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
 
 
 def test_moe_align_sentinel_rows_sort_last():
