@@ -49,11 +49,23 @@ def build_block(hidden: int, inter: int, experts: int, top_k: int) -> MixtralSpa
     return block
 
 
-def fused_moe(block: MixtralSparseMoeBlock) -> FusedMoE:
+def fused_moe(block: MixtralSparseMoeBlock):
+    """FusedMoE over the block, as a provider. The HF providers switch the block's experts
+    implementation; FusedMoE hands a block whose implementation changed after injection back to
+    HF (FusedMoE.deferred_why), so before each call the provider restores the implementation it
+    was built with. Without that this row timed HF's last implementation, not FusedMoE."""
     owner = types.SimpleNamespace(enabled=True, policy=mixtral.POLICY)  # what a FusedBlock gives
     layout = mixtral.POLICY.moe
     spec = resolve_moe_spec(block, layout, block.experts.config, "silu", None)
-    return FusedMoE(block, layout, spec, "auto", owner)
+    fused = FusedMoE(block, layout, spec, "auto", owner)
+
+    def call(x):
+        block.experts.config._experts_implementation = fused.experts_implementation
+        assert fused.deferred_why is None
+        return fused(x)
+
+    call.fused = fused
+    return call
 
 
 def hf_providers(block: MixtralSparseMoeBlock, tokens: int) -> dict:
