@@ -304,6 +304,16 @@ def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.reshape(*x.shape[:-1], n)
 
 
+def native_bf16_takes(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> bool:
+    """linear_cpu would run this call on the tier's native bf16 GEMV or panel kernel."""
+    k = weight.shape[1]
+    rows = x.numel() // k if k else 0
+    return (x.device.type == "cpu" and rows >= 1
+            and (_native_gemv_lib(rows, x, weight, bias) is not None
+                 or _native_gemm_lib(rows, x, weight, bias) is not None))
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The native bf16 GEMV for up to bf16_gemv_max_rows bf16 rows where the tier's crossover
     has one, then its panel kernel up to bf16_gemm_max_rows; else torch.mv for a single bf16

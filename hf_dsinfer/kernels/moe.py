@@ -54,9 +54,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_dsinfer.kernels import _dispatch, _native
+from hf_dsinfer.kernels import _dispatch, _native, crossovers, linear
 from hf_dsinfer.kernels.activations import _ACT_CODE, gated_act_ref, resolve_activation
-from hf_dsinfer.kernels.linear import bf16_gemm_in_fp32, dot_in_fp32, linear_fp32_chunks
+from hf_dsinfer.kernels.linear import dot_in_fp32
 from hf_dsinfer.kernels.private_ops import verified
 
 
@@ -98,22 +98,18 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> MoeAlignment:
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str,
                 out: torch.Tensor | None = None, fuse: bool = False):
     """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence (in
-    bf16 on a oneDNN CPU with `fuse`: act and * up fused into the GEMMs' epilogues); written
-    into `out` [n, H] (contiguous) when given. Many bf16 rows on a CPU without bf16 dot
-    products: both products as fp32 GEMMs (kernels/linear.py: bf16_gemm_in_fp32), rounded to
-    bf16 as F.linear rounds them."""
-    if bf16_gemm_in_fp32(x, x.shape[0]) and gate_up.dtype == down.dtype == torch.bfloat16:
-        h = linear_fp32_chunks(x, gate_up.shape[0], lambda i, j: gate_up[i:j], None)  # [n, 2I]
-        a = gated_act_ref(h, None, act)
-        y = linear_fp32_chunks(a, down.shape[0], lambda i, j: down[i:j], None)  # [n, H]
-        return y if out is None else out.copy_(y)
-    if fuse and _onednn_gated(x, gate_up, act):
+    bf16 on a oneDNN CPU with `fuse`, at a tier with bf16 dot products, for more rows than its
+    native bf16 kernels take: act and * up fused into the GEMMs' epilogues); written into `out` [n, H] (contiguous) when given. The products run
+    as the dense linears do (kernels/linear.py: linear_cpu): the tier's native bf16 GEMV and
+    panel kernels for their rows, fp32 GEMMs for many bf16 rows on a CPU without bf16 dot
+    products, F.linear else; each rounded once, as F.linear rounds."""
+    if (fuse and not linear.fp32_gemm_tier() and not linear.native_bf16_takes(x, gate_up)
+            and _onednn_gated(x, gate_up, act)):
         a = _gated_onednn(x, gate_up)
     else:
-        a = gated_act_ref(F.linear(x, gate_up), None, act)  # [n, I]
-    if out is None:
-        return F.linear(a, down)  # [n, H]
-    return torch.matmul(a, down.t(), out=out)
+        a = gated_act_ref(linear.linear_cpu(x, gate_up), None, act)  # [n, I]
+    y = linear.linear_cpu(a, down)  # [n, H]
+    return y if out is None else out.copy_(y)
 
 
 def _gated_onednn(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -422,10 +418,28 @@ def _many_rows(bounds: list[int]) -> bool:
     return bounds[-1] == 0 or bounds[-1] >= _LOOP_MIN_ROWS_PER_EXPERT * _active_experts(bounds)
 
 
-def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj) -> bool:
+def _native_bf16_linears(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """bf16 experts at a tier whose native bf16 GEMV and panel kernels run (linear_cpu; every
+    tier but amx has a panel bound in kernels/crossovers.py). There one call pair per expert
+    reads each weight once at few rows, where F.grouped_mm (weights on the left) was several
+    times slower. 8 experts, hidden 1024, intermediate 3584 (benchmarks/moe.py's), the same rows
+    for each expert, on a 2-core Zen 4, 2026-11-28, ms at 1 / 4 / 16 / 64 rows per expert:
+    as an AVX2 CPU (torch and oneDNN capped too), one linear_cpu pair per expert 6.3 / 11.7 /
+    44.6 / 94.2, F.linear pairs 5.8 / 18.0 / 102.7 / 266.2, the grouped GEMMs 50.8 / 267.9 /
+    1128 / 6981; at its avx512_bf16 tier 6.8 / 10.7 / 16.1 / 43.1, 14.4 / 13.6 / 18.5 / 40.3 and
+    17.5 / 17.8 / 19.4 / 38.6."""
+    return (x_sorted.dtype == gate_up_proj.dtype == torch.bfloat16
+            and x_sorted.device.type == "cpu"
+            and crossovers.rows().bf16_gemm_max_rows is not None
+            and _native.lib("bf16_gemv") is not None)
+
+
+def _per_expert_gemms(bounds: list[int], gate_up_proj, down_proj, x_sorted) -> bool:
     """One GEMM pair per active expert (else two grouped GEMMs): without F.grouped_mm, with no
-    routed rows, or with many rows per active expert."""
-    return not _grouped_mm_fits(gate_up_proj, down_proj) or _many_rows(bounds)
+    routed rows, with many rows per active expert, or where the tier's native bf16 linears run
+    (_native_bf16_linears)."""
+    return (not _grouped_mm_fits(gate_up_proj, down_proj) or _many_rows(bounds)
+            or _native_bf16_linears(x_sorted, gate_up_proj))
 
 
 # Rows per active expert up to which the native bf16 kernel (csrc/cpu_moe.c) is the fastest CPU
@@ -496,7 +510,7 @@ def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="sil
     lib = _native_moe_lib(x_sorted, gate_up_proj, down_proj, act, bounds)
     if lib is not None:
         return _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, bounds[-1])
-    if _per_expert_gemms(bounds, gate_up_proj, down_proj):
+    if _per_expert_gemms(bounds, gate_up_proj, down_proj, x_sorted):
         return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act, fuse=True)
     y = _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act)
     if bounds[-1] < x_sorted.shape[0]:  # dropped rows: never computed, uninitialized
@@ -563,7 +577,7 @@ def grouped_expert_mlp_cpu(hidden, gate_up_proj, down_proj, weights, ids, act="s
     if lib is not None:  # [T*k, H], already weighted
         y = _native_moe_rows(lib, x, gate_up_proj, down_proj, align.expert_offsets, kept,
                              row_weights=w_sorted)
-    elif _per_expert_gemms(bounds, gate_up_proj, down_proj):
+    elif _per_expert_gemms(bounds, gate_up_proj, down_proj, x):
         return _loop_and_combine(hidden, x, gate_up_proj, down_proj, w_sorted, align, bounds,
                                  act)
     else:  # [T*k, H]; rows past bounds[-1] unset

@@ -13,7 +13,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-from hf_dsinfer.kernels import moe
+from hf_dsinfer.kernels import _native, moe
 from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, requires_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -184,6 +184,7 @@ def test_bf16_many_rows_fuse_activation_into_onednn_gemms(monkeypatch):
     from hf_dsinfer.kernels import linear as lin
 
     monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: False)  # a tier with bf16 dot products
+    monkeypatch.setattr(lin, "native_bf16_takes", lambda *a: False)  # rows past its kernels
     hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
     picked, original = [], moe._onednn_gated
     monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(original(*a)) or picked[-1])
@@ -203,11 +204,34 @@ def test_bf16_many_rows_per_expert_in_fp32_gemms_without_bf16_dots(monkeypatch):
     monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: True)
     monkeypatch.setattr(lin, "fp32_gemm_calls", 0)
     monkeypatch.setattr(moe, "_native_moe_lib", lambda *a: None)  # (AMX would take any rows)
+    # (nor the tier's native bf16 GEMV / panel kernels, which take up to 512 rows on avx2)
+    monkeypatch.setattr(lin, "_native_gemv_lib", lambda *a: None)
+    monkeypatch.setattr(lin, "_native_gemm_lib", lambda *a: None)
     hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
     picked = []
     monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(a) or False)
     out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
     assert lin.fp32_gemm_calls == 2 * 4 and picked == []
+    assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
+                     table=REDUCTION_TOL)
+
+
+def test_bf16_few_rows_per_expert_run_the_tiers_native_linears(monkeypatch):
+    """At a tier whose native bf16 GEMV / panel kernels run (all but amx), few bf16 rows per
+    expert go expert by expert through them (kernels/linear.py: linear_cpu), not through the
+    grouped GEMMs, which were several times slower there (moe._native_bf16_linears)."""
+    from hf_dsinfer.kernels import crossovers
+    from hf_dsinfer.kernels import linear as lin
+
+    if crossovers.rows().bf16_gemm_max_rows is None or _native.lib("bf16_gemv") is None:
+        pytest.skip(f"no native bf16 GEMV / panel at the {_native.tier()} tier here")
+    monkeypatch.setattr(moe, "_native_moe_lib", lambda *a: None)  # (AMX's kernel: any rows)
+    hidden, gate_up, down, weights, ids = _mlp_inputs(8, 32, 64, 4, 2, torch.bfloat16)
+    active = len(ids.unique())
+    with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as gmm, \
+            mock.patch.object(lin, "_native_bf16", wraps=lin._native_bf16) as native:
+        out = moe.grouped_expert_mlp(hidden, gate_up, down, weights, ids, backend="cpu")
+    assert gmm.call_count == 0 and native.call_count == 2 * active
     assert_close_tol(out, moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids),
                      table=REDUCTION_TOL)
 
