@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dsinfer.kernels.activations import gated_act_ref, resolve_activation
+from hf_dsinfer.kernels.linear import linear_cpu
 from hf_dsinfer.kernels.matmul_kn import matmul_kn
 from hf_dsinfer.kernels.moe import moe_align, traced_expert_rows
 
@@ -96,7 +97,9 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              transposed: bool, backend: str | None = None) -> torch.Tensor:
     if transposed:  # `x @ W + b`: the native kernel for decode's bf16 rows (kernels.matmul_kn)
         return matmul_kn(x, weight, bias, backend=backend)
-    y = F.linear(x, weight)
+    # the dense linears' CPU kernels (native bf16 GEMV / panel, fp32 GEMMs for many bf16 rows
+    # without bf16 dot products), F.linear else; the bias after the rounding, as before
+    y = linear_cpu(x, weight) if x.device.type == "cpu" else F.linear(x, weight)
     return y if bias is None else y + bias
 
 

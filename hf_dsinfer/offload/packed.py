@@ -20,10 +20,10 @@ that the fused blocks call its `matmul`, and HF forwards call it like any linear
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hf_dsinfer.injection.quantize import QuantizedLinear
+from hf_dsinfer.kernels.linear import linear_cpu
 from hf_dsinfer.kernels.quant import (
     DEQUANT_CHUNK_ROWS,
     Int4Weight,
@@ -89,8 +89,8 @@ class PackedInt4Linear(QuantizedLinear):
             raise RuntimeError("PackedInt4Linear: called while its offloaded codes are not "
                                "loaded (outside the offloaded layer's forward)")
         bias = self.bias if with_bias else None
-        if self.dense is not None:
-            return F.linear(x, self.dense, bias)
+        if self.dense is not None:  # many rows (prefill): the dense linears' CPU kernels
+            return linear_cpu(x, self.dense, bias)
         return linear_int4_cpu(x, self.weight_codes, bias)
 
     def extra_repr(self) -> str:
