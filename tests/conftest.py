@@ -15,7 +15,7 @@ import torch
 # an inductor cache of its own: torch 2.13 reused kernels compiled uncapped on the same machine,
 # and on a Zen 4 every compiled function then returned NaN (checked 2026-11-27); the other way
 # round, an uncapped run loading a graph compiled capped corrupted the heap.
-from hf_dsinfer.benchmark import separate_inductor_cache  # noqa: E402
+from hf_dsinfer.benchmark import separate_inductor_cache
 
 separate_inductor_cache()
 

@@ -104,11 +104,11 @@ def test_native_decode_layer_runs_w4a8_and_explain_says_so(grad_mode, monkeypatc
     linears run linear_int4_a8_cpu) within the bound every native layer meets (its norms and
     attention round in another order: tests/kernels/test_native_decode.py), and explain names
     it."""
-    from tests.kernels.test_native_decode import _BASE, _close, _step_logits  # head_dim 32
     from transformers import LlamaConfig
 
     from hf_dsinfer.kernels import _native
     from hf_dsinfer.kernels.abi import LIN_INT4_A8, LIN_INT4_A8_TILED
+    from tests.kernels.test_native_decode import _BASE, _close, _step_logits  # head_dim 32
 
     if _native.lib("a8") is None or _native.lib() is None:
         pytest.skip(f"no native W4A8 kernels here: {_native.why_unavailable('a8')}")
@@ -142,10 +142,10 @@ def test_batched_native_layer_runs_w4a8(monkeypatch):
     """Three sequences, two left-padded: the batched native layer's W4A8 projections run the
     torch path's kernel for those rows (hfd_int4_gemm_a8, AMX or not), counted, logits within the
     native layers' bound of the torch path's."""
-    from tests.kernels.test_native_decode import _BASE, _batched_against_torch_path, _need_batched
     from transformers import LlamaConfig
 
     from hf_dsinfer.kernels import _native
+    from tests.kernels.test_native_decode import _BASE, _batched_against_torch_path, _need_batched
 
     if _native.lib("a8") is None or _native.lib() is None:
         pytest.skip(f"no native W4A8 kernels here: {_native.why_unavailable('a8')}")

@@ -12,8 +12,8 @@ import torch
 from switches import switch
 
 from hf_dsinfer.kernels import _native, crossovers
-from hf_dsinfer.kernels import linear as lin
 from hf_dsinfer.kernels import kv_quant as KV
+from hf_dsinfer.kernels import linear as lin
 from hf_dsinfer.kernels import quant as Q
 from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, count_calls, pin_crossovers
 
