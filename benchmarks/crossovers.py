@@ -13,7 +13,9 @@ avx512; and oneDNN's, ONEDNN_MAX_CPU_ISA), it times the candidate paths of an in
           (csrc/cpu_qgemm.c, on row tiles) | torch's _weight_int4pack_mm_for_cpu (where its
           probe passed) | dequantize + F.linear
     bf16: the native bf16 panel kernel (csrc/cpu_qgemm.c: hfd_gemm_bf16, from its MIN_TIER) |
-          F.linear, on the bf16 weight as the model stores it (huge pages: streamed_copy)
+          F.linear, or fp32 GEMMs on converted weight chunks where linear_cpu runs those (many
+          rows at a tier without bf16 dot products), on the bf16 weight as the model stores it
+          (huge pages: streamed_copy)
 
 Each path is checked against the torch reference before it is timed. The repeats are
 interleaved (every path and row count once per round, weights cycled past the L3 cache) and
@@ -100,7 +102,11 @@ def _paths(tier: str, out_f: int, in_f: int, copies: int, group: int):
     has8 = Q.verified(Q.INT8PACK_MM, torch.bfloat16, Q._probe_int8pack_mm)
     dense = [_native.streamed_copy(w) for w in ws]
     paths = {
-        ("bf16", "flinear"): lambda x, i: torch.nn.functional.linear(x, dense[i]),
+        # what linear_cpu runs past the native kernels: fp32 GEMMs for many bf16 rows at a tier
+        # without bf16 dot products (kernels/linear.py: bf16_gemm_in_fp32), else F.linear
+        ("bf16", "flinear"): lambda x, i: (L._linear_fp32(x, dense[i], None)
+                                           if L.bf16_gemm_in_fp32(x, x.shape[0])
+                                           else torch.nn.functional.linear(x, dense[i])),
         ("int8", "native"): lambda x, i: Q._native_int8(lib, x, tiles8[i], None),
         ("int8", "dequant"): lambda x, i: Q._chunked_dequant_linear(
             x, out_f, functools.partial(Q._int8_rows, w8[i], x.dtype), None),
