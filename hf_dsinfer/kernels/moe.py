@@ -96,20 +96,25 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> MoeAlignment:
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str,
-                out: torch.Tensor | None = None, fuse: bool = False):
-    """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence (in
-    bf16 on a oneDNN CPU with `fuse`, at a tier with bf16 dot products, for more rows than its
-    native bf16 kernels take: act and * up fused into the GEMMs' epilogues); written into `out` [n, H] (contiguous) when given. The products run
-    as the dense linears do (kernels/linear.py: linear_cpu): the tier's native bf16 GEMV and
-    panel kernels for their rows, fp32 GEMMs for many bf16 rows on a CPU without bf16 dot
-    products, F.linear else; each rounded once, as F.linear rounds."""
-    if (fuse and not linear.fp32_gemm_tier() and not linear.native_bf16_takes(x, gate_up)
-            and _onednn_gated(x, gate_up, act)):
+                out: torch.Tensor | None = None, fuse: bool = False, kernels: bool = False):
+    """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence,
+    written into `out` [n, H] (contiguous) when given. With `kernels` (the CPU fast paths; the
+    reference and the traced path keep F.linear) the products run as the dense linears do
+    (kernels/linear.py: linear_cpu): the tier's native bf16 GEMV and panel kernels for their
+    rows, fp32 GEMMs for many bf16 rows on a CPU without bf16 dot products, F.linear else;
+    each rounded once, as F.linear rounds. With `fuse` too, bf16 on a oneDNN CPU at a tier with
+    bf16 dot products, for more rows than its native bf16 kernels take: act and * up fused into
+    the GEMMs' epilogues."""
+    project = linear.linear_cpu if kernels else F.linear
+    if (fuse and kernels and not linear.fp32_gemm_tier()
+            and not linear.native_bf16_takes(x, gate_up) and _onednn_gated(x, gate_up, act)):
         a = _gated_onednn(x, gate_up)
     else:
-        a = gated_act_ref(linear.linear_cpu(x, gate_up), None, act)  # [n, I]
-    y = linear.linear_cpu(a, down)  # [n, H]
-    return y if out is None else out.copy_(y)
+        a = gated_act_ref(project(x, gate_up), None, act)  # [n, I]
+    if out is None or project is not F.linear:
+        y = project(a, down)  # [n, H]
+        return y if out is None else out.copy_(y)
+    return torch.matmul(a, down.t(), out=out)
 
 
 def _gated_onednn(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -386,7 +391,7 @@ def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, out=y[lo:hi],
-                        fuse=fuse)
+                        fuse=fuse, kernels=True)
     return y
 
 
@@ -596,7 +601,8 @@ def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, w_sorted, align
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            y = _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, fuse=True)
+            y = _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, fuse=True,
+                            kernels=True)
             out.index_add_(0, align.token_idx[lo:hi], y.mul_(w_sorted[lo:hi, None]))
     return out
 

@@ -236,6 +236,19 @@ def test_bf16_few_rows_per_expert_run_the_tiers_native_linears(monkeypatch):
                      table=REDUCTION_TOL)
 
 
+def test_reference_keeps_hfs_ops(monkeypatch):
+    """The reference (HF's experts loop) runs F.linear, never the kernels the fast paths use
+    (native bf16 linears, fp32 GEMMs): a test against it then checks those kernels."""
+    from hf_dsinfer.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: True)
+    monkeypatch.setattr(lin, "fp32_gemm_calls", 0)
+    hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 64, 4, 2, torch.bfloat16)
+    with mock.patch.object(lin, "linear_cpu", wraps=lin.linear_cpu) as fast:
+        moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids)
+    assert fast.call_count == 0 and lin.fp32_gemm_calls == 0
+
+
 def test_moe_align_sentinel_rows_sort_last():
     ids = torch.tensor([[2, 4], [4, 1]])  # 4 = E: dropped slots
     align = moe.moe_align(ids, num_experts=4)
