@@ -111,10 +111,10 @@ def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act:
         a = _gated_onednn(x, gate_up)
     else:
         a = gated_act_ref(project(x, gate_up), None, act)  # [n, I]
-    if out is None or project is not F.linear:
-        y = project(a, down)  # [n, H]
-        return y if out is None else out.copy_(y)
-    return torch.matmul(a, down.t(), out=out)
+    if out is not None and not kernels:
+        return torch.matmul(a, down.t(), out=out)
+    y = project(a, down)  # [n, H]
+    return y if out is None else out.copy_(y)
 
 
 def _gated_onednn(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
