@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 import hf_dsinfer
 from hf_dsinfer import settings
 from hf_dsinfer.kernels import _native, crossovers
+from hf_dsinfer.kernels import attention as A
 from hf_dsinfer.kernels import kv_quant as KV
 from hf_dsinfer.kernels import moe as M
 from hf_dsinfer.kernels import quant as Q
@@ -293,6 +294,52 @@ def test_moe_expert_rows(monkeypatch, tier):
     offsets = torch.tensor([0, 2, 3, 5, 6])
     _same(monkeypatch, tier,
           lambda: M._native_moe_rows(_native.lib(), xs, gate_up, down, offsets, 6))
+
+
+@NO_LOWER
+@ALL_TIERS
+@pytest.mark.parametrize("rep", [1, 2, 3, 8, 12])
+@pytest.mark.parametrize("d", [32, 96, 128])
+@pytest.mark.parametrize("case", ["plain", "masked", "softcap", "slots"])
+def test_attend_rows(monkeypatch, tier, rep, d, case):
+    """The decode layers' attention (csrc/cpu_decode.c: attend_heads; the avx2 tier scores 8
+    keys at a time and runs its own softmax and passes over v) gives the best tier's bits: one
+    head and groups of 2, 3, 8 and 8 + 4 heads, dims in passes of 64 with a 32-dim rest (d =
+    96), spans of 1 to 300 keys (the 8- and 16-key blocks' rests), keys masked inside the
+    spans, a soft-cap, and keys read in place through a read index."""
+    gen = torch.Generator().manual_seed(rep * d + len(case))
+    lens = [1, 7, 8, 9, 16, 17, 40, 300]
+    n, hkv, keys = len(lens), 2, sum(lens)
+    ends = torch.tensor(lens).cumsum(0)
+    spans = torch.stack([torch.arange(n), ends - torch.tensor(lens), ends], 1).contiguous()
+    q = (3 * torch.randn(1, hkv * rep, n, d, generator=gen)).bfloat16()
+    k, v = (torch.randn(1, hkv, keys, d, generator=gen).bfloat16() for _ in range(2))
+    keep = None
+    if case == "masked":  # a third of the keys, and all of the second row's
+        keep = (torch.rand(n, keys, generator=gen) > 0.33).to(torch.uint8)
+        keep[1] = 0
+    if case == "slots":
+        k, v = _in_slots(k, v)
+
+    def attend():
+        out = torch.zeros_like(q)
+        A.attend_rows_native(q, k, v, spans, keep, d ** -0.5, 5.0 if case == "softcap" else None,
+                             out)
+        return out
+
+    _same(monkeypatch, tier, attend)
+
+
+def _in_slots(k: torch.Tensor, v: torch.Tensor):
+    """k, v [1, Hkv, K, D] as rows of a larger cache [S, Hkv, D] read through a shuffled index."""
+    gen = torch.Generator().manual_seed(1)
+    index = torch.randperm(3 * k.shape[2], generator=gen)[:k.shape[2]]
+    slots = []
+    for x in (k, v):
+        cache = torch.randn(3 * k.shape[2], x.shape[1], x.shape[3], generator=gen).to(x.dtype)
+        cache[index] = x[0].transpose(0, 1)
+        slots.append(A.SlotRows(cache, index))
+    return slots
 
 
 def _llama():

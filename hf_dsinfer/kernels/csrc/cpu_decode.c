@@ -1077,6 +1077,9 @@ static inline __m512 softcap_scores(__m512 dots, float scale, float cap) {
 static inline __attribute__((always_inline)) float key_dot(const uint16_t *q, const uint16_t *kr,
                                                            int64_t d);
 static inline float softmax_probs(float *sc, int64_t s0, int64_t sk, float scale, float softcap);
+static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16_t *kc,
+                         int64_t kss, int64_t s0, int64_t sk, int64_t d, const uint8_t *keep,
+                         float scale, float softcap, float *sc, const int64_t *ix);
 
 /* The first key a sliding window (window > 0) lets the query read: the query's key is the last
    one keep allows. 0 without a window. */
@@ -1085,6 +1088,47 @@ static inline int64_t window_start(const uint8_t *keep, int64_t sk, int64_t wind
     int64_t last = sk - 1;
     while (keep && last >= 0 && !keep[last]) last--;
     return last + 1 > window ? last + 1 - window : 0;
+}
+
+/* attend's sum over v: one head's probabilities sc[s0 .. sk) times its value rows, dims i to
+   i + 64 (NV = PV_LANES vectors) or i + 32 (NV = PV_LANES / 2), key after key in each lane,
+   keys of probability 0 skipped, times inv, into o. NV is a literal at each call, so the sums
+   stay in registers: over a variable count of vectors gcc kept them on the stack, a store and
+   a load in each fma's chain (half of the attention's time on Zen 4). */
+#if HFD_AVX2_DOTS
+#define PV_LANES 8 /* 8 vectors of 8 lanes */
+#else
+#define PV_LANES 4 /* 4 vectors of 16 lanes */
+#endif
+static inline __attribute__((always_inline)) void pv_one(const float *sc, int64_t s0, int64_t sk,
+                                                         const uint16_t *vc, int64_t vss,
+                                                         const int64_t *ix, int64_t i,
+                                                         const int NV, float inv, uint16_t *o) {
+#if HFD_AVX2_DOTS
+    __m256 acc[PV_LANES];
+    for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (sc[s] == 0.f) continue;
+        const __m256 p = _mm256_set1_ps(sc[s]);
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++)
+            acc[j] = _mm256_fmadd_ps(p, hfd_load8(vr, j * 8, DT_BF16, 8), acc[j]);
+    }
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int j = 0; j < NV; j++) hfd_store8_bf16(o + i + j * 8, _mm256_mul_ps(acc[j], iv));
+#else
+    __m512 acc[PV_LANES];
+    for (int j = 0; j < NV; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (sc[s] == 0.f) continue;
+        const __m512 p = _mm512_set1_ps(sc[s]);
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++)
+            acc[j] = _mm512_fmadd_ps(p, load16(vr, j * 16, DT_BF16, 0xFFFF), acc[j]);
+    }
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int j = 0; j < NV; j++) store16_bf16(o + i + j * 16, 0xFFFF, _mm512_mul_ps(acc[j], iv));
+#endif
 }
 
 /* One query head against sk cached keys: o = softmax(q . k * scale) v. Without a soft-cap,
@@ -1100,47 +1144,19 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
                    int64_t vss, int64_t sk, int64_t d, const uint8_t *keep, float scale,
                    float softcap, int64_t window, float *sc, uint16_t *o, const int64_t *ix) {
     const int64_t s0 = window_start(keep, sk, window);
-    for (int64_t s = s0; s < sk; s++) {
-        if (keep && !keep[s]) {
-            sc[s] = -INFINITY;
-            continue;
-        }
-        sc[s] = key_dot(q, kc + (ix ? ix[s] : s) * kss, d);
-        if (softcap == 0.f) sc[s] *= scale;
-    }
+    scores_heads(q, 0, 1, kc, kss, s0, sk, d, keep, scale, softcap, sc, ix);
     const float total = softmax_probs(sc, s0, sk, scale, softcap);
     if (total == 0.f) { /* nothing to attend (a padding row): zeros, never NaN */
         memset(o, 0, (size_t)d * 2);
         return;
     }
-#if HFD_AVX2_DOTS
-    { /* the same fmas per lane, in 256-bit halves (d % 32 == 0) */
-        __m256 a8[MAX_D / 8];
-        for (int64_t i = 0; i < d / 8; i++) a8[i] = _mm256_setzero_ps();
-        for (int64_t s = s0; s < sk; s++) {
-            if (sc[s] == 0.f) continue;
-            const __m256 p = _mm256_set1_ps(sc[s]);
-            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
-            for (int64_t i = 0; i < d / 8; i++)
-                a8[i] = _mm256_fmadd_ps(p, hfd_load8(vr, i * 8, DT_BF16, 8), a8[i]);
-        }
-        const __m256 inv8 = _mm256_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
-        for (int64_t i = 0; i < d / 8; i++) hfd_store8_bf16(o + i * 8, _mm256_mul_ps(a8[i], inv8));
-        return;
+    const float inv = softcap == 0.f ? 1.0f / total : 1.0f;
+    for (int64_t i = 0; i < d; i += 64) { /* d % 32 == 0 */
+        if (d - i >= 64)
+            pv_one(sc, s0, sk, vc, vss, ix, i, PV_LANES, inv, o);
+        else
+            pv_one(sc, s0, sk, vc, vss, ix, i, PV_LANES / 2, inv, o);
     }
-#endif
-    __m512 acc[MAX_D / 16];
-    for (int i = 0; i < MAX_D / 16; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t vecs = d / 16;
-    for (int64_t s = s0; s < sk; s++) {
-        if (sc[s] == 0.f) continue;
-        __m512 p = _mm512_set1_ps(sc[s]);
-        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
-        for (int64_t i = 0; i < vecs; i++)
-            acc[i] = _mm512_fmadd_ps(p, load16(vr, i * 16, DT_BF16, 0xFFFF), acc[i]);
-    }
-    __m512 inv = _mm512_set1_ps(softcap == 0.f ? 1.0f / total : 1.0f);
-    for (int64_t i = 0; i < vecs; i++) store16_bf16(o + i * 16, 0xFFFF, _mm512_mul_ps(acc[i], inv));
 }
 
 /* q . k of one query head and one key row: vdpbf16ps over d (d % 32 == 0), its lanes summed in
@@ -1169,6 +1185,34 @@ static inline __attribute__((always_inline)) float key_dot(const uint16_t *q, co
    divided by the returned total after), with one the normalized probabilities rounded to bf16.
    Returns the sum of the exponentials (>= 1), or 0 where every key is masked. */
 static inline float softmax_probs(float *sc, int64_t s0, int64_t sk, float scale, float softcap) {
+#if HFD_AVX2_DOTS
+    if (softcap == 0.f) { /* below, by 256-bit instructions: the same operations lane for lane */
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t s = s0;
+        for (; s + 8 <= sk; s += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sc + s), m8);
+        float m[8], mx = -INFINITY;
+        _mm256_storeu_ps(m, m8);
+        for (int i = 0; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
+        for (; s < sk; s++) mx = sc[s] > mx ? sc[s] : mx;
+        if (mx == -INFINITY) return 0.f;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* lanes 0-7, 8-15 */
+        for (s = s0; s < sk; s += 8) {
+            float rest[8];
+            const int64_t n = sk - s < 8 ? sk - s : 8;
+            float *at = sc + s;
+            if (n < 8) { /* past the keys: -inf, whose exp adds +0 (the masked lanes' zeros) */
+                for (int i = 0; i < 8; i++) rest[i] = i < n ? sc[s + i] : -INFINITY;
+                at = rest;
+            }
+            const __m256 e = hfd_exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(at), mv));
+            sum[(s - s0) / 8 % 2] = _mm256_add_ps(sum[(s - s0) / 8 % 2], e);
+            _mm256_storeu_ps(at, _mm256_castsi256_ps(_mm256_slli_epi32(hfd_bf16_bits8(e), 16)));
+            if (n < 8) memcpy(sc + s, rest, (size_t)n * sizeof(float));
+        }
+        return hfd_reduce16_ps(sum[0], sum[1]);
+    }
+#endif
     if (softcap != 0.f) {
         for (int64_t s = s0; s < sk; s += 16) {
             __mmask16 mk = mask16(sk - s);
@@ -1177,9 +1221,13 @@ static inline float softmax_probs(float *sc, int64_t s0, int64_t sk, float scale
             _mm512_mask_storeu_ps(sc + s, live, softcap_scores(v, scale, softcap));
         }
     }
-    float mx = -INFINITY;
-    for (int64_t s = s0; s < sk; s++)
-        if (sc[s] > mx) mx = sc[s];
+    /* the largest score, NaN skipped as `if (sc[s] > mx) mx = sc[s]` skips it (vmaxps returns
+       its second operand where either is NaN); which of +0 / -0 it keeps changes no s - mx */
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = s0; s < sk; s += 16)
+        m16 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(sk - s), sc + s),
+                            m16);
+    const float mx = _mm512_reduce_max_ps(m16);
     if (mx == -INFINITY) return 0.f;
     __m512 sum = _mm512_setzero_ps();
     for (int64_t s = s0; s < sk; s += 16) {
@@ -1241,8 +1289,12 @@ static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16
         for (int64_t j = 0; j < 16; j++) {
             const int64_t at = s + (j < nk ? j : 0);
             kr[j] = kc + (ix ? ix[at] : at) * kss;
-            if (j < nk && keep && !keep[at]) live &= (__mmask16)~(1u << j);
         }
+        /* apart from the rows: merged into their loop, gcc reads keep by masked vector loads,
+           and with keep NULL their fault suppression cost ~15% of the attention on Zen 4 */
+        if (keep)
+            for (int64_t j = 0; j < nk; j++)
+                if (!keep[s + j]) live &= (__mmask16)~(1u << j);
         for (int64_t h = 0; h < g; h++) {
             const uint16_t *qh = q + h * qhs;
             __m512 acc[16];
@@ -1256,6 +1308,52 @@ static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16
             if (softcap == 0.f) r = _mm512_mul_ps(r, sv);
             r = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), r);
             _mm512_mask_storeu_ps(sc + h * sk + s, mask16(nk), r);
+        }
+    }
+#elif HFD_AVX2_DOTS
+    /* 8 keys at a time: key j's 16 lanes summed to 8 (hfd_reduce16_ps's first add), then the
+       8 keys' remaining adds together by shuffles, each lane the same adds as hfd_reduce16_ps */
+    const __m256 sv = _mm256_set1_ps(softcap == 0.f ? scale : 1.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 qs[MAX_D / 8]; /* one head's query split as hfd_bf16_split: chunk c at qs + 4c */
+    for (int64_t s = s0; s < sk; s += 8) {
+        const int64_t nk = sk - s < 8 ? sk - s : 8;
+        const uint16_t *kr[8];
+        int live = (1 << nk) - 1;
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t at = s + (j < nk ? j : 0);
+            kr[j] = kc + (ix ? ix[at] : at) * kss;
+        }
+        if (keep)
+            for (int64_t j = 0; j < nk; j++)
+                if (!keep[s + j]) live &= ~(1 << j);
+        for (int64_t h = 0; h < g; h++) {
+            if (s == s0 || g > 1)
+                for (int64_t c = 0; c < d; c += 32)
+                    hfd_bf16_split(q + h * qhs + c, qs + c / 8, qs + c / 8 + 2);
+            __m256 t[8];
+            for (int j = 0; j < 8; j++) {
+                __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t c = 0; c < d; c += 32)
+                    hfd_dpbf16_avx2(a, kr[j] + c, qs + c / 8, qs + c / 8 + 2);
+                t[j] = _mm256_add_ps(a[1], a[0]);
+            }
+            __m256 x[4], w[2];
+            for (int i = 0; i < 4; i++) /* [u of key 2i, u of key 2i + 1], u[l] = t[l] + t[l + 4] */
+                x[i] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x31),
+                                     _mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x20));
+            for (int i = 0; i < 2; i++) /* lanes [w0 w1] of keys 4i, 4i + 2 | 4i + 1, 4i + 3 */
+                w[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+            /* w0 + w1 of keys 0 2 4 6 | 1 3 5 7, then in key order */
+            __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+            r = _mm256_permutevar8x32_ps(r, order);
+            if (softcap == 0.f) r = _mm256_mul_ps(r, sv);
+            float out[8];
+            _mm256_storeu_ps(out, r);
+            for (int64_t j = 0; j < nk; j++)
+                sc[h * sk + s + j] = live >> j & 1 ? out[j] : -INFINITY;
         }
     }
 #else
@@ -1275,56 +1373,78 @@ static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16
 
 #define GROUP_MAX 8 /* query heads attend_heads takes at once */
 
+/* One pass of pv_heads over the keys: dims i .. i + NV vectors (NV <= 4, a literal) of the G
+   heads' sums, each v row's part loaded once. */
+static inline __attribute__((always_inline)) void pv_pass(
+        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
+        int64_t sk, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
+        const int64_t *ix, int64_t i, const int NV) {
+#if HFD_AVX2_DOTS
+    __m256 acc[GROUP_MAX][4], v[4];
+    for (int h = 0; h < G; h++)
+        for (int j = 0; j < NV; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (keep && !keep[s]) continue;
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++) v[j] = hfd_load8(vr, j * 8, DT_BF16, 8);
+        for (int h = 0; h < G; h++) {
+            const __m256 p = _mm256_set1_ps(sc[h * scs + s]);
+            for (int j = 0; j < NV; j++) acc[h][j] = _mm256_fmadd_ps(p, v[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const __m256 iv = _mm256_set1_ps(inv[h]);
+        for (int j = 0; j < NV; j++)
+            hfd_store8_bf16(o + h * ohs + i + j * 8, _mm256_mul_ps(acc[h][j], iv));
+    }
+#else
+    __m512 acc[GROUP_MAX][4], v[4];
+    for (int h = 0; h < G; h++)
+        for (int j = 0; j < NV; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (keep && !keep[s]) continue;
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++) v[j] = load16(vr, j * 16, DT_BF16, 0xFFFF);
+        for (int h = 0; h < G; h++) {
+            const __m512 p = _mm512_set1_ps(sc[h * scs + s]);
+            for (int j = 0; j < NV; j++) acc[h][j] = _mm512_fmadd_ps(p, v[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const __m512 iv = _mm512_set1_ps(inv[h]);
+        for (int j = 0; j < NV; j++)
+            store16_bf16(o + h * ohs + i + j * 16, 0xFFFF, _mm512_mul_ps(acc[h][j], iv));
+    }
+#endif
+}
+
 /* The sum over v of G heads at once (G <= GROUP_MAX, a literal at each call): head h's
    probabilities at sc + h * scs, its output o + h * ohs times inv[h]. Each v row is loaded once
-   for the G heads, 32 dims at a time, and each head's sums are attend's lane for lane, key
-   after key: attend skips a key whose probability is 0, this skips only keys keep masks and
-   adds the others' 0 * v, which leaves a sum that starts at +0 as it was (it cannot become -0)
-   wherever v is finite. */
+   for the G heads, in passes over the keys of as many dims as keep the G heads' sums in
+   registers with enough of them to hide the fmas' latency (64 / 32 dims with AVX-512 for G up
+   to 4 / more, 32 / 16 on the avx2 tier for G up to 2 / more), and each head's sums are
+   attend's lane for lane, key after key: attend skips a key whose probability is 0, this skips
+   only keys keep masks and adds the others' 0 * v, which leaves a sum that starts at +0 as it
+   was (it cannot become -0) wherever v is finite. */
 static inline __attribute__((always_inline)) void pv_heads(
         const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
         int64_t sk, int64_t d, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
         const int64_t *ix) {
 #if HFD_AVX2_DOTS
-    for (int64_t i = 0; i < d; i += 16) {
-        __m256 acc[GROUP_MAX][2];
-        for (int h = 0; h < G; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        for (int64_t s = s0; s < sk; s++) {
-            if (keep && !keep[s]) continue;
-            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
-            const __m256 v0 = hfd_load8(vr, i, DT_BF16, 8), v1 = hfd_load8(vr, i + 8, DT_BF16, 8);
-            for (int h = 0; h < G; h++) {
-                const __m256 p = _mm256_set1_ps(sc[h * scs + s]);
-                acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
-            }
-        }
-        for (int h = 0; h < G; h++) {
-            const __m256 iv = _mm256_set1_ps(inv[h]);
-            hfd_store8_bf16(o + h * ohs + i, _mm256_mul_ps(acc[h][0], iv));
-            hfd_store8_bf16(o + h * ohs + i + 8, _mm256_mul_ps(acc[h][1], iv));
-        }
+    const int wide = G <= 2, step = wide ? 32 : 16; /* d % 32 == 0 */
+    for (int64_t i = 0; i < d; i += step) {
+        if (wide)
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4);
+        else
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2);
     }
 #else
-    for (int64_t i = 0; i < d; i += 32) {
-        __m512 acc[GROUP_MAX][2];
-        for (int h = 0; h < G; h++) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
-        for (int64_t s = s0; s < sk; s++) {
-            if (keep && !keep[s]) continue;
-            const uint16_t *vr = vc + (ix ? ix[s] : s) * vss;
-            const __m512 v0 = load16(vr, i, DT_BF16, 0xFFFF);
-            const __m512 v1 = load16(vr, i + 16, DT_BF16, 0xFFFF);
-            for (int h = 0; h < G; h++) {
-                const __m512 p = _mm512_set1_ps(sc[h * scs + s]);
-                acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
-                acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
-            }
-        }
-        for (int h = 0; h < G; h++) {
-            const __m512 iv = _mm512_set1_ps(inv[h]);
-            store16_bf16(o + h * ohs + i, 0xFFFF, _mm512_mul_ps(acc[h][0], iv));
-            store16_bf16(o + h * ohs + i + 16, 0xFFFF, _mm512_mul_ps(acc[h][1], iv));
-        }
+    const int wide = G <= 4;
+    for (int64_t i = 0; i < d; i += wide && d - i >= 64 ? 64 : 32) {
+        if (wide && d - i >= 64)
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4);
+        else
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2);
     }
 #endif
 }
