@@ -50,6 +50,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     OPTConfig,
     Qwen3Config,
 )
@@ -215,8 +217,10 @@ def build_variants(name: str, configs: list[str], dtype: torch.dtype) -> dict:
 GEN_FIXED = {"eos_token_id": None, "do_sample": False, "pad_token_id": 0}
 
 
-def _generate(model, config: str, ids, new_tokens: int):
+def _generate(model, config: str, ids, new_tokens: int, clock: StepClock | None = None):
     kwargs = {"max_new_tokens": new_tokens, **GEN_FIXED}
+    if clock is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([clock])
     if config == "hf-compile":
         kwargs.update(cache_implementation="static", compile_config=compile_config())
     elif config in ("hf", "hf-fp32"):
@@ -227,11 +231,32 @@ def _generate(model, config: str, ids, new_tokens: int):
     return out, time.perf_counter() - start
 
 
+class StepClock(LogitsProcessor):
+    """The time of each generated token: generate calls its logits processors once per token,
+    right after that step's forward. Changes no score."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
 def measure(model, config: str, ids, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step), from a 1-token and an N-token generate."""
+    """(prefill seconds, seconds per decode step): the prefill from a 1-token generate, the
+    steps from the clock of an N-token one (first token to last over N - 1 steps), as the
+    llama.cpp peer times its loop. The difference of the two generates' times, used before,
+    carried both prefills' noise: with a 1536-token prompt (~3 s prefill, ~0.4 s of decode)
+    it moved the decode rate by up to 2x between repeats."""
     _, t1 = _generate(model, config, ids, 1)
-    _, tn = _generate(model, config, ids, new_tokens)
-    return t1, (tn - t1) / (new_tokens - 1)
+    clock = StepClock()
+    _generate(model, config, ids, new_tokens, clock)
+    if len(clock.stamps) != new_tokens:
+        raise RuntimeError(f"bench: expected {new_tokens} generated tokens, the clock saw "
+                           f"{len(clock.stamps)}; generate stopped early or skipped the "
+                           "logits processors")
+    return t1, (clock.stamps[-1] - clock.stamps[0]) / (new_tokens - 1)
 
 
 class LlamaCppPeer:

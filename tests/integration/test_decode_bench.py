@@ -152,6 +152,34 @@ def test_runs_generate_every_token_past_eos_without_min_length_processors(config
     assert stopped.shape == (1, ids.shape[1] + 1)
 
 
+@pytest.mark.parametrize("config", ["hf", "int8"])
+def test_decode_steps_are_timed_apart_from_the_prefill(config, monkeypatch):
+    """measure's decode rate is the steps' own clock: a prefill that takes longer in the N-token
+    run than in the 1-token run (a long prompt's noise) does not move it, and each step is
+    timed, as the llama.cpp peer times its loop."""
+    import time
+
+    base = benchmark.base_model("tiny", torch.bfloat16)
+    model = base if config == "hf" else hf_dsinfer.init_inference(
+        base, parity_check=False, **benchmark.CONFIGS[config])
+    ids = benchmark.prompt_ids("tiny", base.config.vocab_size, 1, 8)
+    benchmark._generate(model, config, ids, 2)  # warm
+    prefills, forward = [], type(model).forward
+
+    def slow_second_prefill(self, *args, **kwargs):
+        seq = kwargs.get("input_ids", args[0] if args else None)
+        if seq is not None and seq.shape[1] > 1:
+            prefills.append(seq.shape[1])
+            if len(prefills) == 2:
+                time.sleep(0.6)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", slow_second_prefill)
+    prefill, step = benchmark.measure(model, config, ids, 5)  # raises unless 5 steps were clocked
+    assert prefills == [8, 8]
+    assert prefill < 0.6 and 0 < step < 0.1  # the difference of the runs gave >= 0.6 / 4
+
+
 def test_peer_context_holds_the_whole_run_and_its_tokens_are_llama_cpp_argmax(monkeypatch):
     """The llama.cpp peer allocates a context for the prompt plus the new tokens (with a fixed
     1024, every longer run failed inside `llama_decode` with an error that named nothing), and
