@@ -36,7 +36,7 @@ def paths(lib) -> dict:
         out["native AVX-512"] = native("0")
     out["F.grouped_mm"] = lambda xs, gu, d, offs: M._grouped_rows_gmm(xs, gu, d, offs, "silu")
     out["oneDNN pair per expert"] = lambda xs, gu, d, offs: M._grouped_rows_loop(
-        xs, gu, d, offs.tolist(), "silu", fuse=True)
+        xs, gu, d, offs.tolist(), "silu", kernels=True)
     return out
 
 

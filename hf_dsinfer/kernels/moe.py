@@ -96,24 +96,23 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> MoeAlignment:
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str,
-                out: torch.Tensor | None = None, fuse: bool = False, kernels: bool = False):
+                out: torch.Tensor | None = None, kernels: bool = False):
     """One expert on its rows x [n, H]: act(gate) * up then down, HF's eager op sequence,
     written into `out` [n, H] (contiguous) when given. With `kernels` (the CPU fast paths; the
-    reference and the traced path keep F.linear) the products run as the dense linears do
+    references and the traced path keep HF's ops) the products run as the dense linears do
     (kernels/linear.py: linear_cpu): the tier's native bf16 GEMV and panel kernels for their
     rows, fp32 GEMMs for many bf16 rows on a CPU without bf16 dot products, F.linear else;
-    each rounded once, as F.linear rounds. With `fuse` too, bf16 on a oneDNN CPU at a tier with
-    bf16 dot products, for more rows than its native bf16 kernels take: act and * up fused into
-    the GEMMs' epilogues."""
-    project = linear.linear_cpu if kernels else F.linear
-    if (fuse and kernels and not linear.fp32_gemm_tier()
-            and not linear.native_bf16_takes(x, gate_up) and _onednn_gated(x, gate_up, act)):
+    each rounded once, as F.linear rounds. Past the native kernels' rows, bf16 on a oneDNN CPU
+    at a tier with bf16 dot products fuses act and * up into the GEMMs' epilogues."""
+    if not kernels:
+        a = gated_act_ref(F.linear(x, gate_up), None, act)  # [n, I]
+        return F.linear(a, down) if out is None else torch.matmul(a, down.t(), out=out)
+    if (not linear.fp32_gemm_tier() and not linear.native_bf16_takes(x, gate_up)
+            and _onednn_gated(x, gate_up, act)):
         a = _gated_onednn(x, gate_up)
     else:
-        a = gated_act_ref(project(x, gate_up), None, act)  # [n, I]
-    if out is not None and not kernels:
-        return torch.matmul(a, down.t(), out=out)
-    y = project(a, down)  # [n, H]
+        a = gated_act_ref(linear.linear_cpu(x, gate_up), None, act)  # [n, I]
+    y = linear.linear_cpu(a, down)  # [n, H]
     return y if out is None else out.copy_(y)
 
 
@@ -381,7 +380,7 @@ def _grouped_mm_fits(*weights: torch.Tensor) -> bool:
 
 
 def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act: str,
-                       fuse: bool = False):
+                       kernels: bool = False):
     """One GEMM pair per expert that has rows (idle experts cost nothing): the fallback without
     F.grouped_mm, and the faster path once experts get many rows each (oneDNN's GEMMs beat
     torch's CPU grouped GEMM from ~32 rows per expert: docs/performance.md, "Behind the code")."""
@@ -391,7 +390,7 @@ def _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds: list[int], act
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, out=y[lo:hi],
-                        fuse=fuse, kernels=True)
+                        kernels=kernels)
     return y
 
 
@@ -516,7 +515,7 @@ def grouped_expert_rows_cpu(x_sorted, gate_up_proj, down_proj, offsets, act="sil
     if lib is not None:
         return _native_moe_rows(lib, x_sorted, gate_up_proj, down_proj, offsets, bounds[-1])
     if _per_expert_gemms(bounds, gate_up_proj, down_proj, x_sorted):
-        return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act, fuse=True)
+        return _grouped_rows_loop(x_sorted, gate_up_proj, down_proj, bounds, act, kernels=True)
     y = _grouped_rows_gmm(x_sorted, gate_up_proj, down_proj, offsets, act)
     if bounds[-1] < x_sorted.shape[0]:  # dropped rows: never computed, uninitialized
         y[bounds[-1]:] = 0
@@ -601,8 +600,7 @@ def _loop_and_combine(hidden, x_sorted, gate_up_proj, down_proj, w_sorted, align
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            y = _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, fuse=True,
-                            kernels=True)
+            y = _expert_mlp(x_sorted[lo:hi], gate_up_proj[e], down_proj[e], act, kernels=True)
             out.index_add_(0, align.token_idx[lo:hi], y.mul_(w_sorted[lo:hi, None]))
     return out
 

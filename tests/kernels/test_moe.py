@@ -237,15 +237,17 @@ def test_bf16_few_rows_per_expert_run_the_tiers_native_linears(monkeypatch):
 
 
 def test_reference_keeps_hfs_ops(monkeypatch):
-    """The reference (HF's experts loop) runs F.linear, never the kernels the fast paths use
+    """The references (HF's experts loop, and its rows form) run F.linear, never the kernels the fast paths use
     (native bf16 linears, fp32 GEMMs): a test against it then checks those kernels."""
     from hf_dsinfer.kernels import linear as lin
 
     monkeypatch.setattr(lin, "fp32_gemm_tier", lambda: True)
     monkeypatch.setattr(lin, "fp32_gemm_calls", 0)
     hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 64, 4, 2, torch.bfloat16)
+    align = moe.moe_align(ids, gate_up.shape[0])
     with mock.patch.object(lin, "linear_cpu", wraps=lin.linear_cpu) as fast:
         moe.grouped_expert_mlp_ref(hidden, gate_up, down, weights, ids)
+        moe.grouped_expert_rows_ref(hidden[align.token_idx], gate_up, down, align.expert_offsets)
     assert fast.call_count == 0 and lin.fp32_gemm_calls == 0
 
 

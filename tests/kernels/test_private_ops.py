@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from switches import switch
 
-from hf_dsinfer.kernels import _native, moe, private_ops
+from hf_dsinfer.kernels import _native, linear, moe, private_ops
 from hf_dsinfer.kernels import quant as Q
+from hf_dsinfer.kernels.activations import gated_act_ref
 from tests.kernels.conftest import REDUCTION_TOL, assert_close_tol, pin_crossovers
 
 
@@ -145,7 +146,8 @@ def test_wrong_linear_pointwise_is_refused(fresh):
     gate_up, down = torch.randn(96, 64).to(torch.bfloat16), torch.randn(64, 48).to(torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="_linear_pointwise.*disagrees"):
         assert not moe._onednn_gated(x, gate_up, "silu")
-    out = moe._expert_mlp(x, gate_up, down, "silu", fuse=True)
-    assert torch.equal(out, moe._expert_mlp(x, gate_up, down, "silu"))  # HF's own ops
+    out = moe._expert_mlp(x, gate_up, down, "silu", kernels=True)
+    unfused = gated_act_ref(linear.linear_cpu(x, gate_up), None, "silu")
+    assert torch.equal(out, linear.linear_cpu(unfused, down))  # the products, act and * up apart
     assert_close_tol(out, F.linear(F.silu(x @ gate_up[:48].t()) * (x @ gate_up[48:].t()), down),
                      torch.bfloat16, REDUCTION_TOL)
