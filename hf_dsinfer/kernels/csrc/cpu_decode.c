@@ -1090,45 +1090,89 @@ static inline int64_t window_start(const uint8_t *keep, int64_t sk, int64_t wind
     return last + 1 > window ? last + 1 - window : 0;
 }
 
-/* attend's sum over v: one head's probabilities sc[s0 .. sk) times its value rows, dims i to
-   i + 64 (NV = PV_LANES vectors) or i + 32 (NV = PV_LANES / 2), key after key in each lane,
-   keys of probability 0 skipped, times inv, into o. NV is a literal at each call, so the sums
-   stay in registers: over a variable count of vectors gcc kept them on the stack, a store and
-   a load in each fma's chain (half of the attention's time on Zen 4). */
+#define GROUP_MAX 8 /* query heads attend_heads takes at once */
+
+/* One pass of pv_heads over the keys: dims i .. i + NV vectors (NV <= 8, a literal, as are G
+   and skip_zero, so the sums stay in registers: over a variable count of vectors gcc kept them
+   on the stack, a store and a load in each fma's chain) of the G heads' sums, each v row's part
+   loaded once. Skipped: keys keep masks, or with skip_zero (attend) keys of probability 0. */
+static inline __attribute__((always_inline)) void pv_pass(
+        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
+        int64_t sk, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
+        const int64_t *ix, int64_t i, const int NV, const int skip_zero) {
 #if HFD_AVX2_DOTS
-#define PV_LANES 8 /* 8 vectors of 8 lanes */
+    __m256 acc[GROUP_MAX][8], v[8];
+    for (int h = 0; h < G; h++)
+        for (int j = 0; j < NV; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (skip_zero ? sc[s] == 0.f : keep && !keep[s]) continue;
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++) v[j] = hfd_load8(vr, j * 8, DT_BF16, 8);
+        for (int h = 0; h < G; h++) {
+            const __m256 p = _mm256_set1_ps(sc[h * scs + s]);
+            for (int j = 0; j < NV; j++) acc[h][j] = _mm256_fmadd_ps(p, v[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const __m256 iv = _mm256_set1_ps(inv[h]);
+        for (int j = 0; j < NV; j++)
+            hfd_store8_bf16(o + h * ohs + i + j * 8, _mm256_mul_ps(acc[h][j], iv));
+    }
 #else
-#define PV_LANES 4 /* 4 vectors of 16 lanes */
+    __m512 acc[GROUP_MAX][8], v[8];
+    for (int h = 0; h < G; h++)
+        for (int j = 0; j < NV; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < sk; s++) {
+        if (skip_zero ? sc[s] == 0.f : keep && !keep[s]) continue;
+        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
+        for (int j = 0; j < NV; j++) v[j] = load16(vr, j * 16, DT_BF16, 0xFFFF);
+        for (int h = 0; h < G; h++) {
+            const __m512 p = _mm512_set1_ps(sc[h * scs + s]);
+            for (int j = 0; j < NV; j++) acc[h][j] = _mm512_fmadd_ps(p, v[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const __m512 iv = _mm512_set1_ps(inv[h]);
+        for (int j = 0; j < NV; j++)
+            store16_bf16(o + h * ohs + i + j * 16, 0xFFFF, _mm512_mul_ps(acc[h][j], iv));
+    }
 #endif
-static inline __attribute__((always_inline)) void pv_one(const float *sc, int64_t s0, int64_t sk,
-                                                         const uint16_t *vc, int64_t vss,
-                                                         const int64_t *ix, int64_t i,
-                                                         const int NV, float inv, uint16_t *o) {
+}
+
+/* The sum over v of G heads at once (G <= GROUP_MAX, a literal at each call): head h's
+   probabilities at sc + h * scs, its output o + h * ohs times inv[h]. Each v row is loaded once
+   for the G heads, in passes over the keys of as many dims as keep the G heads' sums in
+   registers with enough of them to hide the fmas' latency (64 / 32 dims with AVX-512 for G up
+   to 4 / more, 64 / 32 / 16 on the avx2 tier for G 1 / 2 / more). Each head's sums run lane
+   for lane, key after key. attend (one head, skip_zero) skips a key whose probability is 0;
+   attend_heads skips only keys keep masks and adds the others' 0 * v, which leaves a sum that
+   starts at +0 as it was (it cannot become -0) wherever v is finite: attend's bits. */
+static inline __attribute__((always_inline)) void pv_heads(
+        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
+        int64_t sk, int64_t d, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
+        const int64_t *ix, const int skip_zero) {
+    for (int64_t i = 0; i < d;) { /* d % 32 == 0 */
 #if HFD_AVX2_DOTS
-    __m256 acc[PV_LANES];
-    for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t s = s0; s < sk; s++) {
-        if (sc[s] == 0.f) continue;
-        const __m256 p = _mm256_set1_ps(sc[s]);
-        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
-        for (int j = 0; j < NV; j++)
-            acc[j] = _mm256_fmadd_ps(p, hfd_load8(vr, j * 8, DT_BF16, 8), acc[j]);
-    }
-    const __m256 iv = _mm256_set1_ps(inv);
-    for (int j = 0; j < NV; j++) hfd_store8_bf16(o + i + j * 8, _mm256_mul_ps(acc[j], iv));
+        if (G == 1 && d - i >= 64) {
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 8, skip_zero);
+            i += 64;
+        } else if (G <= 2) {
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4, skip_zero);
+            i += 32;
+        } else {
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2, skip_zero);
+            i += 16;
+        }
 #else
-    __m512 acc[PV_LANES];
-    for (int j = 0; j < NV; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < sk; s++) {
-        if (sc[s] == 0.f) continue;
-        const __m512 p = _mm512_set1_ps(sc[s]);
-        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
-        for (int j = 0; j < NV; j++)
-            acc[j] = _mm512_fmadd_ps(p, load16(vr, j * 16, DT_BF16, 0xFFFF), acc[j]);
-    }
-    const __m512 iv = _mm512_set1_ps(inv);
-    for (int j = 0; j < NV; j++) store16_bf16(o + i + j * 16, 0xFFFF, _mm512_mul_ps(acc[j], iv));
+        if (G <= 4 && d - i >= 64) {
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4, skip_zero);
+            i += 64;
+        } else {
+            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2, skip_zero);
+            i += 32;
+        }
 #endif
+    }
 }
 
 /* One query head against sk cached keys: o = softmax(q . k * scale) v. Without a soft-cap,
@@ -1151,12 +1195,7 @@ static void attend(const uint16_t *q, const uint16_t *kc, int64_t kss, const uin
         return;
     }
     const float inv = softcap == 0.f ? 1.0f / total : 1.0f;
-    for (int64_t i = 0; i < d; i += 64) { /* d % 32 == 0 */
-        if (d - i >= 64)
-            pv_one(sc, s0, sk, vc, vss, ix, i, PV_LANES, inv, o);
-        else
-            pv_one(sc, s0, sk, vc, vss, ix, i, PV_LANES / 2, inv, o);
-    }
+    pv_heads(sc, 0, 1, vc, vss, s0, sk, d, NULL, &inv, o, 0, ix, 1);
 }
 
 /* q . k of one query head and one key row: vdpbf16ps over d (d % 32 == 0), its lanes summed in
@@ -1371,84 +1410,6 @@ static void scores_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16
 #endif
 }
 
-#define GROUP_MAX 8 /* query heads attend_heads takes at once */
-
-/* One pass of pv_heads over the keys: dims i .. i + NV vectors (NV <= 4, a literal) of the G
-   heads' sums, each v row's part loaded once. */
-static inline __attribute__((always_inline)) void pv_pass(
-        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
-        int64_t sk, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
-        const int64_t *ix, int64_t i, const int NV) {
-#if HFD_AVX2_DOTS
-    __m256 acc[GROUP_MAX][4], v[4];
-    for (int h = 0; h < G; h++)
-        for (int j = 0; j < NV; j++) acc[h][j] = _mm256_setzero_ps();
-    for (int64_t s = s0; s < sk; s++) {
-        if (keep && !keep[s]) continue;
-        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
-        for (int j = 0; j < NV; j++) v[j] = hfd_load8(vr, j * 8, DT_BF16, 8);
-        for (int h = 0; h < G; h++) {
-            const __m256 p = _mm256_set1_ps(sc[h * scs + s]);
-            for (int j = 0; j < NV; j++) acc[h][j] = _mm256_fmadd_ps(p, v[j], acc[h][j]);
-        }
-    }
-    for (int h = 0; h < G; h++) {
-        const __m256 iv = _mm256_set1_ps(inv[h]);
-        for (int j = 0; j < NV; j++)
-            hfd_store8_bf16(o + h * ohs + i + j * 8, _mm256_mul_ps(acc[h][j], iv));
-    }
-#else
-    __m512 acc[GROUP_MAX][4], v[4];
-    for (int h = 0; h < G; h++)
-        for (int j = 0; j < NV; j++) acc[h][j] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < sk; s++) {
-        if (keep && !keep[s]) continue;
-        const uint16_t *vr = vc + (ix ? ix[s] : s) * vss + i;
-        for (int j = 0; j < NV; j++) v[j] = load16(vr, j * 16, DT_BF16, 0xFFFF);
-        for (int h = 0; h < G; h++) {
-            const __m512 p = _mm512_set1_ps(sc[h * scs + s]);
-            for (int j = 0; j < NV; j++) acc[h][j] = _mm512_fmadd_ps(p, v[j], acc[h][j]);
-        }
-    }
-    for (int h = 0; h < G; h++) {
-        const __m512 iv = _mm512_set1_ps(inv[h]);
-        for (int j = 0; j < NV; j++)
-            store16_bf16(o + h * ohs + i + j * 16, 0xFFFF, _mm512_mul_ps(acc[h][j], iv));
-    }
-#endif
-}
-
-/* The sum over v of G heads at once (G <= GROUP_MAX, a literal at each call): head h's
-   probabilities at sc + h * scs, its output o + h * ohs times inv[h]. Each v row is loaded once
-   for the G heads, in passes over the keys of as many dims as keep the G heads' sums in
-   registers with enough of them to hide the fmas' latency (64 / 32 dims with AVX-512 for G up
-   to 4 / more, 32 / 16 on the avx2 tier for G up to 2 / more), and each head's sums are
-   attend's lane for lane, key after key: attend skips a key whose probability is 0, this skips
-   only keys keep masks and adds the others' 0 * v, which leaves a sum that starts at +0 as it
-   was (it cannot become -0) wherever v is finite. */
-static inline __attribute__((always_inline)) void pv_heads(
-        const float *sc, int64_t scs, const int G, const uint16_t *vc, int64_t vss, int64_t s0,
-        int64_t sk, int64_t d, const uint8_t *keep, const float *inv, uint16_t *o, int64_t ohs,
-        const int64_t *ix) {
-#if HFD_AVX2_DOTS
-    const int wide = G <= 2, step = wide ? 32 : 16; /* d % 32 == 0 */
-    for (int64_t i = 0; i < d; i += step) {
-        if (wide)
-            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4);
-        else
-            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2);
-    }
-#else
-    const int wide = G <= 4;
-    for (int64_t i = 0; i < d; i += wide && d - i >= 64 ? 64 : 32) {
-        if (wide && d - i >= 64)
-            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 4);
-        else
-            pv_pass(sc, scs, G, vc, vss, s0, sk, keep, inv, o, ohs, ix, i, 2);
-    }
-#endif
-}
-
 /* attend for g query heads that read one kv head (GQA): head h's query at q + h * qhs, its
    output at o + h * ohs. The same bits as g calls of attend (each score, probability and sum
    computed by the same operations in the same order), with each key and value row read once
@@ -1477,13 +1438,13 @@ static void attend_heads(const uint16_t *q, int64_t qhs, int64_t g, const uint16
         }
     }
     switch (g) {
-        case 2: pv_heads(sc, sk, 2, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        case 3: pv_heads(sc, sk, 3, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        case 4: pv_heads(sc, sk, 4, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        case 5: pv_heads(sc, sk, 5, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        case 6: pv_heads(sc, sk, 6, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        case 7: pv_heads(sc, sk, 7, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
-        default: pv_heads(sc, sk, 8, vc, vss, s0, sk, d, keep, inv, o, ohs, ix); break;
+        case 2: pv_heads(sc, sk, 2, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        case 3: pv_heads(sc, sk, 3, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        case 4: pv_heads(sc, sk, 4, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        case 5: pv_heads(sc, sk, 5, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        case 6: pv_heads(sc, sk, 6, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        case 7: pv_heads(sc, sk, 7, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
+        default: pv_heads(sc, sk, 8, vc, vss, s0, sk, d, keep, inv, o, ohs, ix, 0); break;
     }
 }
 
