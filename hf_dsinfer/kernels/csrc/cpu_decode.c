@@ -442,7 +442,7 @@ static inline __attribute__((always_inline)) void int4_dots(const hfd_lin *L, co
         if (tiled)
             prefetch_tiles(wr[0] + c * 64 * step, end);
         else
-            prefetch_next_block(next, end, ROWS * c, ROWS);
+            prefetch_next_block(next, end, ROWS * c, ROWS, 0);
         const int64_t g0 = (c * 128) >> gshift;
         const __m512 unit = _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(in->gunit + g0));
         for (int r = 0; r < ROWS; r++) {
@@ -569,11 +569,17 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
         /* The block's rows are contiguous (tiles or not): the next block's codes are fetched
            a span's share at a time. The streams of its rows are short (a tile, 4 rows, is one
            4 KiB page of a 2048-column weight), too short for the hardware prefetchers: without
-           this a 5632 x 2048 weight read from DRAM at 16.8 GB/s, 27.4 for the W4A16 rows. */
+           this a 5632 x 2048 weight read from DRAM at 16.8 GB/s, 27.4 for the W4A16 rows.
+           AVX-512 (16 rows, 4 tiles side by side) fetches into L2 only: into L1 the next
+           block's 16-32 KiB competed with the block being read. Zen 4, 2 threads, 16 such
+           weights cycled from DRAM, 3 interleaved runs: 13.5-16.4 GB/s of codes into L1,
+           16.8-20.7 into L2; Qwen3-0.6B's int4-a8 decode layers 13.4-14.9 -> 12.1-13.4 ms. The
+           avx2 loop (8 rows) was no faster so (16.6-18.1 against 17.1-18.7 GB/s) and keeps
+           L1. Not measured on a Xeon. */
 #if HFD_AVX2_DOTS
         __m256i V[2][8]; /* V[h][r]: row r's pieces 8h .. 8h + 7 */
         for (int r = 0; r < A8_BLOCK; r++) {
-            prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
+            prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines, 0);
             if (whole) {
                 for (int h = 0; h < 2; h++) {
                     /* without AVX-VNNI: int16 pair sums, at most 4 chunks x 2 x 3810 */
@@ -654,7 +660,7 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
                 x[2 * i + 1] = _mm512_loadu_si512(xo + (c0 + i) * 64);
             }
             for (int r = 0; r < A8_BLOCK; r++) {
-                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
+                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines, 1);
                 __m512i acc = _mm512_setzero_si512();
                 for (int i = 0; i < 4; i++)
                     acc = a8_dot64(acc, _mm512_loadu_si512(wr[r] + (c0 + i) * 64 * step), x[2 * i],
@@ -663,7 +669,7 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
             }
         } else {
             for (int r = 0; r < A8_BLOCK; r++) {
-                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines);
+                prefetch_next_block(next, end, s * span_lines + r * row_lines, row_lines, 1);
                 __m512i p[4];
                 for (int64_t i = 0; i < 4; i++) {
                     p[i] = _mm512_setzero_si512();

@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void int8_dots_avx2(
         if (tiled) {
             if (end) prefetch_tiles(wr[0] + k * step, end);
         } else {
-            prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS);
+            prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS, 0);
         }
         for (int h = 0; h < 64; h += 32) {
             const __m256i l0 = _mm256_load_si256((const __m256i *)(xl + k + h));
@@ -326,7 +326,7 @@ static inline __attribute__((always_inline)) void int4_dots_avx2(
         if (tiled)
             prefetch_tiles(wr[0] + c * 64 * step, end);
         else
-            prefetch_next_block(next, end, TILE_ROWS * c, TILE_ROWS);
+            prefetch_next_block(next, end, TILE_ROWS * c, TILE_ROWS, 0);
         const int64_t g0 = (c * 128) >> gshift;
         for (int h = 0; h < 2; h++) {
             const int64_t o = c * 64 + 32 * h, g = g0 + ((64 * h) >> gs);

@@ -347,13 +347,19 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
    block of contiguous rows prefetches the block it reads next (from next, NULL: none, up to
    end) instead, `lines` cache lines from line `first` on, at the pace it reads its own.
    always_inline: gcc counts a prefetch as no side effect, so where it kept this out of line
-   (in cpu_decode.c's lin_block) it deleted the calls, and the int4 / int8 rows ran unfetched. */
+   (in cpu_decode.c's lin_block) it deleted the calls, and the int4 / int8 rows ran unfetched.
+   l2 (a literal): into L2 only (_MM_HINT_T2) instead of L1, for a block much larger than the
+   rows a kernel has in flight (cpu_decode.c: a8_dots_g says where and what it measured). */
 static inline __attribute__((always_inline)) void prefetch_next_block(const void *next, const void *end, int64_t first,
-                                       int lines) {
+                                       int lines, int l2) {
     if (!next) return;
     for (int i = 0; i < lines; i++) {
         const char *p = (const char *)next + 64 * (first + i);
-        if (p < (const char *)end) _mm_prefetch(p, _MM_HINT_T0);
+        if (p >= (const char *)end) continue;
+        if (l2)
+            _mm_prefetch(p, _MM_HINT_T2);
+        else
+            _mm_prefetch(p, _MM_HINT_T0);
     }
 }
 
@@ -744,7 +750,7 @@ static inline __attribute__((always_inline)) void int8_dots(
         if (tiled) {
             if (end) prefetch_tiles(wr[0] + k * step, end);
         } else {
-            prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS);
+            prefetch_next_block(next, end, k / 64 * INT8_ROWS, INT8_ROWS, 0);
         }
         for (int r = 0; r < INT8_ROWS; r++) {
             __m512i w = _mm512_loadu_si512(wr[r] + k * step);
