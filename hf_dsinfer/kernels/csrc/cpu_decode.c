@@ -573,7 +573,7 @@ static inline __attribute__((always_inline)) void a8_dots_g(const hfd_lin *L, co
            AVX-512 (16 rows, 4 tiles side by side) fetches into L2 only: into L1 the next
            block's 16-32 KiB competed with the block being read. Zen 4, 2 threads, 16 such
            weights cycled from DRAM, 3 interleaved runs: 13.5-16.4 GB/s of codes into L1,
-           16.8-20.7 into L2; Qwen3-0.6B's int4-a8 decode layers 13.4-14.9 -> 12.1-13.4 ms. The
+           16.8-20.7 into L2; Qwen3-0.6B's int4-a8 decode layers 13.4-15.0 -> 12.1-13.4 ms. The
            avx2 loop (8 rows) was no faster so (16.6-18.1 against 17.1-18.7 GB/s) and keeps
            L1. Not measured on a Xeon. */
 #if HFD_AVX2_DOTS
