@@ -18,7 +18,10 @@ from transformers import (
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    InternLM3Config,
     LlamaConfig,
+    Ministral3Config,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
@@ -33,6 +36,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -99,10 +103,21 @@ CONFIGS = {
     # Phi-3: fused qkv_proj (GQA 6 / 2 heads) and gate_up_proj, half the head rotated, window 4
     "phi3": lambda: Phi3Config(**{**_LLAMA, "num_key_value_heads": 2}, sliding_window=4,
                                partial_rotary_factor=0.5),
+    # Llama's block under other names (the llama policy): Ministral, sliding (window 4) /
+    # full / sliding layers; Seed-OSS, biases on q / k / v and the MLP but not on o_proj;
+    # InternLM3 (HF builds Llama's classes), biases on every projection
+    "ministral": lambda: MinistralConfig(
+        **{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "seed_oss": lambda: SeedOssConfig(**_LLAMA, attention_bias=True, attention_out_bias=False,
+                                      mlp_bias=True),
+    "internlm3": lambda: InternLM3Config(**_LLAMA, qkv_bias=True, bias=True),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
-                 "olmo3", "gemma"]  # test_family_quant.py covers these
+                 "olmo3", "gemma", "ministral", "seed_oss",
+                 "internlm3"]  # test_family_quant.py covers these
+BIASED = ("seed_oss", "internlm3")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),
@@ -110,7 +125,9 @@ UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, n
                "qwen3_next": lambda: Qwen3NextConfig(
                    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32,
-                   num_experts=4, num_experts_per_tok=2, **_COMMON)}
+                   num_experts=4, num_experts_per_tok=2, **_COMMON),
+               # and one whose queries scale with the position (Llama 4's temperature)
+               "ministral3": lambda: Ministral3Config(**_LLAMA)}
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -136,6 +153,8 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
         _randomize_norms(model, seed)
     if name in MOE_2026:
         _randomize_zero_inits(model, seed)
+    if name in BIASED:
+        _randomize_biases(model, seed)
     return model.eval()
 
 
@@ -163,6 +182,16 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
             if type(module).__name__.endswith("RMSNorm"):
                 noise = 0.2 * torch.randn(module.weight.shape, generator=gen)
                 module.weight.add_(noise.to(module.weight.dtype))
+
+
+def _randomize_biases(model: torch.nn.Module, seed: int) -> None:
+    """Zero biases (HF's initialization) would hide a block that drops or misplaces one."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                noise = 0.1 * torch.randn(module.bias.shape, generator=gen)
+                module.bias.add_(noise.to(module.bias.dtype))
 
 
 def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):

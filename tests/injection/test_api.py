@@ -79,6 +79,9 @@ def test_unsupported_names_what_the_block_lacks():
     phi = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
                             make_model("phi")).value)
     assert "No policy maps its decoder block" in phi
+    ministral3 = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
+                                   make_model("ministral3")).value)
+    assert "Ministral3ForCausalLM" in ministral3 and "llama_4_scaling_beta" in ministral3
 
 
 def test_unsupported_non_strict_runs_unmodified():

@@ -1,6 +1,7 @@
 """The one-call decode step (injection/decode_step.py) for the 2026 Llama-pattern families
 (issue 27): Qwen3, Phi-3 (partial rotary), OLMo 2 (fp32 cos / sin), SmolLM3 (NoPE layers),
-Gemma (its embedding scales itself) and Granite (embedding multiplier).
+Gemma (its embedding scales itself), Granite (embedding multiplier) and Seed-OSS (biases on
+q / k / v and the MLP, none on o_proj); Ministral's sliding / full layers as Gemma 2 / 3's.
 
 For each, the step must really run (its counters and the blocks' path record), and give
 exactly what HF's own layer loop gives with the same native layers (same kernels: the same
@@ -18,9 +19,11 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GraniteConfig,
+    MinistralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen3Config,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -43,9 +46,12 @@ CONFIGS = {
     "gemma": lambda: GemmaConfig(**_BASE, head_dim=64, hidden_act="gelu_pytorch_tanh"),
     "granite": lambda: GraniteConfig(**_BASE, residual_multiplier=0.4, attention_multiplier=0.1,
                                      embedding_multiplier=2.0, logits_scaling=0.5),
+    "seed_oss": lambda: SeedOssConfig(**_BASE, attention_bias=True, attention_out_bias=False,
+                                      mlp_bias=True),
 }
 INNER = {"qwen3": "Qwen3Model", "phi3": "Phi3Model", "olmo2": "Olmo2Model",
-         "smollm3": "SmolLM3Model", "gemma": "GemmaModel", "granite": "GraniteModel"}
+         "smollm3": "SmolLM3Model", "gemma": "GemmaModel", "granite": "GraniteModel",
+         "seed_oss": "SeedOssModel"}
 
 
 def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):
@@ -57,6 +63,9 @@ def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):
             if type(module).__name__.endswith("RMSNorm"):
                 noise = 0.3 * torch.randn(module.weight.shape, generator=gen)
                 module.weight.add_(noise.to(module.weight.dtype))
+            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+                noise = 0.1 * torch.randn(module.bias.shape, generator=gen)  # HF's are zeros
+                module.bias.add_(noise.to(module.bias.dtype))
     return model
 
 
@@ -140,6 +149,9 @@ SLIDING = {  # window 6: a 6-token prompt and 5 steps run past it
                                         sliding_window=6, query_pre_attn_scalar=24),
     "Gemma3TextModel": lambda: Gemma3TextConfig(
         **_BASE, head_dim=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "MinistralModel": lambda: MinistralConfig(
+        **_BASE, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"]),
 }
 
 

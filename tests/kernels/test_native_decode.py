@@ -21,6 +21,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -45,6 +46,9 @@ CONFIGS = {
     "llama_d64": lambda: LlamaConfig(**{**_BASE, "num_attention_heads": 2,
                                         "num_key_value_heads": 1}),  # head_dim 64, MQA
     "qwen2": lambda: Qwen2Config(**_BASE),  # q/k/v biases
+    # biases on q / k / v and on the MLP's three projections, none on o_proj
+    "seed_oss": lambda: SeedOssConfig(**_BASE, head_dim=32, attention_bias=True,
+                                      attention_out_bias=False, mlp_bias=True),
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),  # window through the mask
     # layer 1 is NoPE: the layer computed without RoPE (kernels.decode rope=False); weights
     # large enough that rotating its q and k would change the logits
@@ -70,10 +74,12 @@ QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 3
 def _model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.bfloat16).eval()
-    if name == "qwen2":  # HF initialises biases to zero: make them matter
+    if name in ("qwen2", "seed_oss"):  # HF initialises biases to zero: make them matter
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                if proj.bias is not None:
+                    torch.nn.init.normal_(proj.bias, std=0.5)
     if name == "qwen3":  # HF initialises the q/k norm weights to ones: make them differ
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -428,7 +434,7 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
-                                  "smollm3", "granite", "phi3"])
+                                  "smollm3", "granite", "phi3", "seed_oss"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""

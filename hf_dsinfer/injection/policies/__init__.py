@@ -41,6 +41,9 @@ POLICIES: tuple[Policy, ...] = (
 LACKING: dict[str, str] = {
     "qwen3_next": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
     "qwen3_5_text": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
+    "ministral3": ("position-dependent query scaling (queries times 1 + beta * log(1 + "
+                   "floor(position / original_max_position_embeddings)), rope_parameters' "
+                   "llama_4_scaling_beta)"),
 }
 
 

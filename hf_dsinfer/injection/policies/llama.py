@@ -1,12 +1,15 @@
 """Llama family: Llama, Mistral, Qwen2 (GQA, optional attention bias, any HF rope_scaling,
-sliding window via the masks HF builds per layer)."""
+sliding window via the masks HF builds per layer), and the families that are these blocks under
+another name: Ministral (Qwen2's block without biases, sliding / full `layer_types`), Seed-OSS
+(biases on q / k / v and, apart, on o_proj and the MLP) and InternLM3 (HF runs it as Llama)."""
 
 from hf_dsinfer.injection.policy import ROPE, SEPARATE, SEQUENTIAL, FromConfig, Policy
 
 POLICY = Policy(
     family="llama",
-    model_types=("llama", "mistral", "qwen2"),
-    block_classes=("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"),
+    model_types=("llama", "mistral", "qwen2", "ministral", "seed_oss", "internlm3"),
+    block_classes=("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                   "MinistralDecoderLayer", "SeedOssDecoderLayer"),
     layers="model.layers",
     layout=SEQUENTIAL,
     norm="rms",
