@@ -84,6 +84,17 @@ def test_unsupported_names_what_the_block_lacks():
     assert "Ministral3ForCausalLM" in ministral3 and "llama_4_scaling_beta" in ministral3
 
 
+def test_lacking_names_real_model_types_no_policy_covers():
+    """Every entry of policies.LACKING is a model_type transformers knows, and none is one a
+    policy covers (a family added later must leave the list)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_dsinfer.injection.policies import LACKING, supported_families
+    covered = {t for types in supported_families().values() for t in types}
+    assert not [t for t in LACKING if t not in CONFIG_MAPPING_NAMES]
+    assert not [t for t in LACKING if t in covered]
+
+
 def test_unsupported_non_strict_runs_unmodified():
     ref = make_model("phi")
     model = copy.deepcopy(ref)

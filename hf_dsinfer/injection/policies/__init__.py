@@ -37,13 +37,33 @@ POLICIES: tuple[Policy, ...] = (
 
 
 # Families with no policy because their blocks compute what the fused block has no option for
-# (config.model_type -> what it lacks); the refusal names it (issue 27).
+# (config.model_type -> what it lacks); the refusal names it (issue 27). Read from transformers
+# 5.24's modeling files.
+_DELTANET = "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output"
+_MAMBA = "Mamba state-space mixer layers (a recurrent state, not a KV cache)"
+_GEMMA3N = "AltUp and Laurel blocks and per-layer input embeddings"
+_GEMMA4 = ("per-layer input embeddings, key / value states shared across layers, an RMSNorm of "
+           "the values, keys used as values on global layers (attention_k_eq_v), a per-layer "
+           "output scalar and head_dim per layer type")
 LACKING: dict[str, str] = {
-    "qwen3_next": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
-    "qwen3_5_text": "Gated DeltaNet (linear attention) layers and sigmoid-gated attention output",
+    "qwen3_next": _DELTANET,
+    "qwen3_5": _DELTANET,
+    "qwen3_5_text": _DELTANET,
+    "qwen3_5_moe": _DELTANET,
+    "qwen3_5_moe_text": _DELTANET,
+    "olmo_hybrid": "Gated DeltaNet (linear attention) layers",
+    "kimi_linear": "Kimi Delta Attention (linear attention) layers",
     "ministral3": ("position-dependent query scaling (queries times 1 + beta * log(1 + "
                    "floor(position / original_max_position_embeddings)), rope_parameters' "
                    "llama_4_scaling_beta)"),
+    "gemma3n": _GEMMA3N,
+    "gemma3n_text": _GEMMA3N,
+    "gemma4": _GEMMA4,
+    "gemma4_text": _GEMMA4,
+    "lfm2": "gated short-convolution layers (LFM2's ShortConv, a rolling conv state)",
+    "lfm2_moe": "gated short-convolution layers (LFM2's ShortConv, a rolling conv state)",
+    **{t: _MAMBA for t in ("falcon_h1", "granitemoehybrid", "nemotron_h", "jamba", "bamba",
+                           "zamba2")},
 }
 
 
