@@ -38,6 +38,7 @@ from transformers import (
     Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    VaultGemmaConfig,
 )
 
 VOCAB = 101
@@ -112,11 +113,16 @@ CONFIGS = {
     "seed_oss": lambda: SeedOssConfig(**_LLAMA, attention_bias=True, attention_out_bias=False,
                                       mlp_bias=True),
     "internlm3": lambda: InternLM3Config(**_LLAMA, qkv_bias=True, bias=True),
+    # VaultGemma: Gemma 2's block without post-norms; sliding (window 4) / global layers
+    "vaultgemma": lambda: VaultGemmaConfig(**{**_LLAMA, "num_hidden_layers": 3},
+                                           sliding_window=4, query_pre_attn_scalar=24,
+                                           attn_logit_softcapping=1.5,
+                                           final_logit_softcapping=10.0),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
-                 "internlm3"]  # test_family_quant.py covers these
+                 "internlm3", "vaultgemma"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,

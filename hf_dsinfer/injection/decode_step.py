@@ -57,12 +57,13 @@ from hf_dsinfer.kernels.decode import LayerChain
 # causal mask or a sliding one per layer type (`_windows`); SmolLM3's NoPE layers are layers
 # without RoPE (their native layer's rope is off); OLMo 2's cos / sin are fp32; Phi-3 rotates
 # the first rotary_dim dims (partial_rotary_factor); Gemma's embedding module scales by
-# sqrt(hidden) itself (GemmaTextScaledWordEmbedding, Gemma2TextScaledWordEmbedding, Gemma 3's);
+# sqrt(hidden) itself (GemmaTextScaledWordEmbedding, Gemma2TextScaledWordEmbedding, Gemma 3's,
+# VaultGemma's); Ministral and Seed-OSS are Qwen2's and Llama's forward (transformers 5.24);
 # Granite multiplies the embeddings (EMBEDDING_MULTIPLIERS); Gemma 3 computes a rotary
 # embedding per layer type (ROPE_PER_LAYER_TYPE).
 ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model",
                       "Olmo2Model", "SmolLM3Model", "GemmaModel", "GraniteModel", "Gemma2Model",
-                      "Gemma3TextModel", "MinistralModel", "SeedOssModel")
+                      "Gemma3TextModel", "MinistralModel", "SeedOssModel", "VaultGemmaModel")
 ROPE_PER_LAYER_TYPE = ("Gemma3TextModel",)  # rotary_emb(x, position_ids, layer_type)
 # inner models whose forward the step does not reproduce, and why (their blocks still run the
 # native layer one by one)

@@ -49,6 +49,9 @@ NO_PAGED_CACHE = () if RENAMED else ("bloom", "gptj")
 # part (GPT-NeoX), and otherwise raises with HF's error chained (test_hf_failures_raise).
 NO_HF_CB = ("deepseek_v3",) + (
     ("opt", "opt_post_ln", "bloom", "gpt_neox", "gpt_neox_sequential") if RENAMED else ())
+# HF's generate_batch gives other tokens than its own generate for these (5.24, greedy, the
+# same prompts): the injected model's generate_batch is held to HF's generate instead.
+HF_CB_DIFFERS = ("vaultgemma",)
 CB_FAMILIES = [f for f in FAMILIES if f not in NO_PAGED_CACHE + NO_HF_CB] + [
     m for m in MOE_MODELS if m not in NO_HF_CB]
 
@@ -87,12 +90,14 @@ def test_generate_batch_equals_hf(family):
     ref = make_model(family)
     hf_batch = _generate_batch(ref, prompts)
     hf_each = _generate_each(ref, prompts)
-    assert hf_batch == hf_each  # the reference agrees with itself
+    # the reference agrees with itself (where HF's does not, the entry leaves HF_CB_DIFFERS
+    # once HF's generate_batch is fixed)
+    assert (hf_batch == hf_each) != (family in HF_CB_DIFFERS)
     model = hf_dsinfer.init_inference(copy.deepcopy(ref))
     fused = list(get_report(model).blocks.values())
     with torch.inference_mode():
         tokens = _generate_batch(model, prompts)
-    assert tokens == hf_batch
+    assert tokens == hf_each
     assert all(len(t) == NEW_TOKENS for t in tokens)
     # every block attended over the paged cache itself, in every forward
     assert all(f.paged.calls > 0 and not f.paged.deferred for f in fused)

@@ -25,6 +25,7 @@ from transformers import (
     Qwen3Config,
     SeedOssConfig,
     SmolLM3Config,
+    VaultGemmaConfig,
 )
 
 import hf_dsinfer
@@ -149,6 +150,8 @@ SLIDING = {  # window 6: a 6-token prompt and 5 steps run past it
                                         sliding_window=6, query_pre_attn_scalar=24),
     "Gemma3TextModel": lambda: Gemma3TextConfig(
         **_BASE, head_dim=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "VaultGemmaModel": lambda: VaultGemmaConfig(**{**_BASE, "num_hidden_layers": 2}, head_dim=32,
+                                                sliding_window=6, query_pre_attn_scalar=24),
     "MinistralModel": lambda: MinistralConfig(
         **_BASE, head_dim=32, sliding_window=6,
         layer_types=["sliding_attention", "full_attention"]),

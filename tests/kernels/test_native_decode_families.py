@@ -24,6 +24,7 @@ from transformers import (
     GemmaConfig,
     Olmo2Config,
     SmolLM3Config,
+    VaultGemmaConfig,
 )
 
 import hf_dsinfer
@@ -58,6 +59,10 @@ CONFIGS = {
                                      sliding_window=WINDOW, initializer_range=0.1),
     # Gemma (1): Llama's block with (1 + w) norms and GeGLU, head_dim 64
     "gemma": lambda: GemmaConfig(**_BASE, head_dim=64, hidden_act="gelu_pytorch_tanh"),
+    # VaultGemma: Gemma 2's attention and MLP with pre-norms only (no post-norms)
+    "vaultgemma": lambda: VaultGemmaConfig(**_BASE, head_dim=32, sliding_window=WINDOW,
+                                           query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                           final_logit_softcapping=10.0, initializer_range=0.1),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -192,7 +197,7 @@ def test_bf16_steps_on_the_panel_kernels_cache(name, monkeypatch):
     _close(native, torch_path)
 
 
-@pytest.mark.parametrize("name", ["smollm3", "gemma"])
+@pytest.mark.parametrize("name", ["smollm3", "gemma", "vaultgemma"])
 def test_bf16_steps_of_the_other_families(name, monkeypatch):
     """SmolLM3's NoPE layers and Gemma (1)'s pre-norm GeGLU block, at the CPU's own tier."""
     _bf16_bits(name, monkeypatch)
@@ -211,7 +216,7 @@ def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
     _close(native, torch_path, float((torch_path - bf16).abs().max()))
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3", "vaultgemma"])
 def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     """generate(): the same greedy tokens, every decode step of every layer native (inference
     mode; no_grad for one family), and explain's path column says so."""

@@ -25,6 +25,7 @@ from hf_dsinfer.injection.policies import (
     qwen3,
     qwen3_moe,
     smollm3,
+    vaultgemma,
 )
 from hf_dsinfer.injection.policy import Policy
 
@@ -32,7 +33,7 @@ POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
-    phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY,
+    phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY,
 )
 
 
