@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
     DeepseekV3Config,
+    Ernie4_5Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -18,6 +19,7 @@ from transformers import (
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    HeliumConfig,
     InternLM3Config,
     LlamaConfig,
     Ministral3Config,
@@ -118,12 +120,16 @@ CONFIGS = {
                                            sliding_window=4, query_pre_attn_scalar=24,
                                            attn_logit_softcapping=1.5,
                                            final_logit_softcapping=10.0),
+    # RoPE over interleaved pairs from Llama's cos / sin: ERNIE 4.5 (fp32 tables, a bias on
+    # every projection) and Helium (fp32 norm multiply, rotation in the model's dtype)
+    "ernie4_5": lambda: Ernie4_5Config(**_LLAMA, use_bias=True),
+    "helium": lambda: HeliumConfig(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
-                 "internlm3", "vaultgemma"]  # test_family_quant.py covers these
-BIASED = ("seed_oss", "internlm3")  # HF initializes biases to zero: make_model randomizes them
+                 "internlm3", "vaultgemma", "ernie4_5", "helium"]  # test_family_quant.py covers these
+BIASED = ("seed_oss", "internlm3", "ernie4_5")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),

@@ -750,6 +750,10 @@ class FusedBlock:
             cos, sin = named["position_embeddings"]
             if self.policy.rope_half_table:  # [.., D/2] -> Llama's [.., D] (same products)
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            elif self.policy.rope_pairs_table:  # [f0 f1 .. f0 f1 ..] -> [f0 f0 f1 f1 ..]
+                half = cos.shape[-1] // 2
+                cos = cos[..., :half].repeat_interleave(2, dim=-1)
+                sin = sin[..., :half].repeat_interleave(2, dim=-1)
         elif positions == P.ROPE_TABLE:
             cos, sin = _gptj_cos_sin(self._attn, named, q.dtype)
         else:

@@ -217,6 +217,9 @@ class Policy:
                                           # add (Granite; FromConfig)
     rope_half_table: bool = False         # cos / sin hold the D/2 frequencies once (gpt-oss),
                                           # not cat(freqs, freqs): rotate-half over all of D
+    rope_pairs_table: bool = False        # HF's cos / sin are Llama's cat(freqs, freqs), read
+                                          # as freqs.repeat_interleave(2) for interleaved pairs
+                                          # (ERNIE 4.5, Helium; with rotary_interleaved)
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
@@ -262,6 +265,12 @@ class Policy:
                                   f"{self.layout!r}")
         if self.ln1 is None and not sandwich:
             raise PolicyError(f"{where}: ln1=None (no pre-norm) only with layout=SANDWICH")
+        if self.rope_pairs_table and not (self.rotary_interleaved and self.positions == ROPE):
+            raise PolicyError(f"{where}: rope_pairs_table reads HF's cos / sin for interleaved "
+                              "pairs: it needs positions=ROPE and rotary_interleaved=True")
+        if self.rope_pairs_table and self.rope_half_table:
+            raise PolicyError(f"{where}: rope_pairs_table and rope_half_table are two readings "
+                              "of the cos / sin tables; a policy takes one")
         for path, style in (self.tp_plan or {}).items():
             _check_choice(f"{where} tp_plan[{path!r}]", "style", style, TP_STYLES)
         if self.moe is not None and not isinstance(self.moe, MoeLayout):

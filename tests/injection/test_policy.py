@@ -32,6 +32,9 @@ def test_every_registered_policy_is_valid():
     ({"ln1": None}, r"ln1=None \(no pre-norm\) only with layout=SANDWICH"),
     ({"tp_plan": {"self_attn.q_proj": "column"}}, r"style='column' is not one of"),
     ({"layout": P.FromConfig("x", {True: P.PARALLEL, False: "paralel"})}, r"'paralel'"),
+    ({"rope_pairs_table": True}, r"needs positions=ROPE and rotary_interleaved=True"),
+    ({"rope_pairs_table": True, "rotary_interleaved": True, "rope_half_table": True},
+     r"a policy takes one"),
 ])
 def test_a_typo_fails_when_the_policy_is_defined(change, message):
     with pytest.raises(PolicyError, match=message):

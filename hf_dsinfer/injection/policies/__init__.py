@@ -7,6 +7,7 @@ from typing import Any
 from hf_dsinfer.injection.policies import (
     bloom,
     deepseek_v3,
+    ernie4_5,
     gemma,
     gemma2,
     gemma3,
@@ -15,6 +16,7 @@ from hf_dsinfer.injection.policies import (
     gpt_oss,
     gptj,
     granite,
+    helium,
     llama,
     mixtral,
     olmo2,
@@ -33,7 +35,8 @@ POLICIES: tuple[Policy, ...] = (
     gpt2.POLICY, opt.POLICY, bloom.POLICY, gpt_neox.POLICY, gptj.POLICY, llama.POLICY,
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
-    phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY,
+    phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
+    helium.POLICY,
 )
 
 
