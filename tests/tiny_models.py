@@ -20,6 +20,7 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     HeliumConfig,
+    HunYuanDenseV1Config,
     InternLM3Config,
     LlamaConfig,
     Ministral3Config,
@@ -124,11 +125,14 @@ CONFIGS = {
     # every projection) and Helium (fp32 norm multiply, rotation in the model's dtype)
     "ernie4_5": lambda: Ernie4_5Config(**_LLAMA, use_bias=True),
     "helium": lambda: HeliumConfig(**_LLAMA),
+    # HunYuan: per-head q / k RMSNorms after RoPE (made distinct by make_model)
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
-                 "internlm3", "vaultgemma", "ernie4_5", "helium"]  # test_family_quant.py covers these
+                 "internlm3", "vaultgemma", "ernie4_5", "helium",
+                 "hunyuan_v1_dense"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,

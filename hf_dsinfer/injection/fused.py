@@ -208,7 +208,7 @@ class FusedBlock:
         self._mlp_in = [self._mlp_module.get_submodule(n) for n in mlp_in]
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
         if policy.qk_norm is not None:
-            self._q_norm, self._k_norm = self._attn.q_norm, self._attn.k_norm
+            self._q_norm, self._k_norm = (self._attn.get_submodule(n) for n in policy.qk_norm_attrs)
         self.mla = None if policy.mla is None else _mla_attention(self)
         # the native one-token decode layer (kernels.decode), built on the first decode call
         self._decode: native_decode.DecodeLayer | None = None
@@ -258,6 +258,7 @@ class FusedBlock:
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
             (spec.clip_qkv is None, "q/k/v clipping"),
+            (not p.qk_norm_after_rope, "q / k norms after RoPE"),
             (not p.rope_half_table, "a half-width cos / sin table"),
             (p.mla is None, "multi-head latent attention"),
             (not spec.sinks, "attention sinks"),
@@ -632,7 +633,7 @@ class FusedBlock:
         then q, k, v clamped to +-clip_qkv. q, k, v are [B, S, heads * D]."""
         if self.sharded_qk_norm is not None:
             q, k = self.sharded_qk_norm(q, k)
-        elif self.policy.qk_norm is not None:
+        elif self.policy.qk_norm is not None and not self.policy.qk_norm_after_rope:
             q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         if self.spec.clip_qkv is not None:
             c = self.spec.clip_qkv
@@ -652,6 +653,8 @@ class FusedBlock:
         b, s, _ = x.shape
         q, k, v = self._project_qkv(x)
         q, k = self._rotate(q, k, named)
+        if self.policy.qk_norm_after_rope:  # [B, H, S, D]: each rotated head over its D
+            q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         cache = cache_args.dense_cache(named, self.policy.cache_arg)
         if cache is not None:
             if s == 1 and (done := self._attend_in_cache(cache, q, k, v, named, b)) is not None:

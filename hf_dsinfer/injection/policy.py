@@ -205,6 +205,9 @@ class Policy:
     # from the HF config's `base_model_tp_plan` (families transformers already has a plan for).
     tp_plan: dict[str, str] | None = None
     qk_norm: str | None = None            # QK_NORM_HEAD / QK_NORM_FULL
+    qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")  # the attention's norm modules
+    qk_norm_after_rope: bool = False      # per-head q / k norms of the rotated q, k (HunYuan),
+                                          # not before RoPE (Qwen3)
     clip_qkv: Any = None                  # OLMoE: clamp q, k, v to +-clip_qkv (FromConfig)
     moe: MoeLayout | None = None          # the MLP is (sometimes) a sparse MoE block
     # Model features beyond Llama's block, each an option computed by the one FusedBlock:
@@ -265,6 +268,14 @@ class Policy:
                                   f"{self.layout!r}")
         if self.ln1 is None and not sandwich:
             raise PolicyError(f"{where}: ln1=None (no pre-norm) only with layout=SANDWICH")
+        if self.qk_norm_after_rope and self.qk_norm != QK_NORM_HEAD:
+            raise PolicyError(f"{where}: qk_norm_after_rope norms each rotated head: it needs "
+                              f"qk_norm=QK_NORM_HEAD, got {self.qk_norm!r}")
+        if self.qk_norm is not None:
+            _check_names(where, "qk_norm_attrs", self.qk_norm_attrs)
+            if len(self.qk_norm_attrs) != 2:
+                raise PolicyError(f"{where}: qk_norm_attrs names the q and the k norm, got "
+                                  f"{self.qk_norm_attrs}")
         if self.rope_pairs_table and not (self.rotary_interleaved and self.positions == ROPE):
             raise PolicyError(f"{where}: rope_pairs_table reads HF's cos / sin for interleaved "
                               "pairs: it needs positions=ROPE and rotary_interleaved=True")
