@@ -14,6 +14,8 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    Glm4Config,
+    GlmConfig,
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
@@ -127,13 +129,17 @@ CONFIGS = {
     "helium": lambda: HeliumConfig(**_LLAMA),
     # HunYuan: per-head q / k RMSNorms after RoPE (made distinct by make_model)
     "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_LLAMA),
+    # GLM: fused gate_up_proj, q / k / v biases, half of each head rotated in interleaved
+    # pairs; GLM-4: the same with sandwich norms
+    "glm": lambda: GlmConfig(**_LLAMA, attention_bias=True, partial_rotary_factor=0.5),
+    "glm4": lambda: Glm4Config(**_LLAMA, attention_bias=True, partial_rotary_factor=0.5),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
-                 "hunyuan_v1_dense"]  # test_family_quant.py covers these
-BIASED = ("seed_oss", "internlm3", "ernie4_5")  # HF initializes biases to zero: make_model randomizes them
+                 "hunyuan_v1_dense", "glm", "glm4"]  # test_family_quant.py covers these
+BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),

@@ -11,6 +11,8 @@ from hf_dsinfer.injection.policies import (
     gemma,
     gemma2,
     gemma3,
+    glm,
+    glm4,
     gpt2,
     gpt_neox,
     gpt_oss,
@@ -37,7 +39,7 @@ POLICIES: tuple[Policy, ...] = (
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
-    helium.POLICY, hunyuan_v1_dense.POLICY,
+    helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY,
 )
 
 
