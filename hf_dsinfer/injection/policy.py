@@ -222,7 +222,7 @@ class Policy:
                                           # not cat(freqs, freqs): rotate-half over all of D
     rope_pairs_table: bool = False        # HF's cos / sin are Llama's cat(freqs, freqs), read
                                           # as freqs.repeat_interleave(2) for interleaved pairs
-                                          # (ERNIE 4.5, Helium; with rotary_interleaved)
+                                          # (ERNIE 4.5, Helium, GLM; with rotary_interleaved)
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
