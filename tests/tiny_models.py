@@ -21,6 +21,7 @@ from transformers import (
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     InternLM3Config,
@@ -133,12 +134,19 @@ CONFIGS = {
     # pairs; GLM-4: the same with sandwich norms
     "glm": lambda: GlmConfig(**_LLAMA, attention_bias=True, partial_rotary_factor=0.5),
     "glm4": lambda: Glm4Config(**_LLAMA, attention_bias=True, partial_rotary_factor=0.5),
+    # Granite SWA: Granite's multipliers, attention sinks (made to count by make_model),
+    # sliding (window 4) / full / sliding layers, the full one NoPE (a RoPE base of 0)
+    "granite_swa": lambda: GraniteSWAConfig(
+        **{**_LLAMA, "num_hidden_layers": 3}, embedding_multiplier=3.0,
+        residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=0.8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        layer_rope_theta=[10000.0, 0, 10000.0]),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
-                 "hunyuan_v1_dense", "glm", "glm4"]  # test_family_quant.py covers these
+                 "hunyuan_v1_dense", "glm", "glm4", "granite_swa"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
@@ -173,7 +181,7 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                                              attn_implementation=attn_implementation)
     if name in FAMILIES_2026 or name in MOE_2026:
         _randomize_norms(model, seed)
-    if name in MOE_2026:
+    if name in MOE_2026 or name == "granite_swa":  # gpt-oss's and Granite SWA's sinks
         _randomize_zero_inits(model, seed)
     if name in BIASED:
         _randomize_biases(model, seed)

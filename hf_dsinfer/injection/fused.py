@@ -750,6 +750,8 @@ class FusedBlock:
         if not self.spec.rope:  # a NoPE layer
             return q, k
         if positions == P.ROPE:
+            if named["position_embeddings"] is None and self.policy.rope_optional:
+                return q, k  # a NoPE layer the model chose by passing no tables
             cos, sin = named["position_embeddings"]
             if self.policy.rope_half_table:  # [.., D/2] -> Llama's [.., D] (same products)
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

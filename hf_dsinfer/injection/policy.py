@@ -223,6 +223,9 @@ class Policy:
     rope_pairs_table: bool = False        # HF's cos / sin are Llama's cat(freqs, freqs), read
                                           # as freqs.repeat_interleave(2) for interleaved pairs
                                           # (ERNIE 4.5, Helium, GLM; with rotary_interleaved)
+    rope_optional: bool = False           # the model passes position_embeddings=None to its
+                                          # NoPE layers (Granite SWA: a RoPE base of 0), which
+                                          # then rotate nothing, as HF's attention does
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
@@ -279,6 +282,9 @@ class Policy:
         if self.rope_pairs_table and not (self.rotary_interleaved and self.positions == ROPE):
             raise PolicyError(f"{where}: rope_pairs_table reads HF's cos / sin for interleaved "
                               "pairs: it needs positions=ROPE and rotary_interleaved=True")
+        if self.rope_optional and self.positions != ROPE:
+            raise PolicyError(f"{where}: rope_optional reads a None position_embeddings as a "
+                              f"NoPE layer: it needs positions=ROPE, got {self.positions!r}")
         if self.rope_pairs_table and self.rope_half_table:
             raise PolicyError(f"{where}: rope_pairs_table and rope_half_table are two readings "
                               "of the cos / sin tables; a policy takes one")

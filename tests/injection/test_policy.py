@@ -36,6 +36,7 @@ def test_every_registered_policy_is_valid():
     ({"rope_pairs_table": True, "rotary_interleaved": True, "rope_half_table": True},
      r"a policy takes one"),
     ({"qk_norm_after_rope": True}, r"it needs qk_norm=QK_NORM_HEAD, got None"),
+    ({"rope_optional": True, "positions": P.NO_POSITIONS}, r"rope_optional .* needs positions=ROPE"),
     ({"qk_norm": P.QK_NORM_HEAD, "qk_norm_attrs": ("q_norm",)}, r"names the q and the k norm"),
 ])
 def test_a_typo_fails_when_the_policy_is_defined(change, message):

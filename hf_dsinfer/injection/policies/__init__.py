@@ -18,6 +18,7 @@ from hf_dsinfer.injection.policies import (
     gpt_oss,
     gptj,
     granite,
+    granite_swa,
     helium,
     hunyuan_v1_dense,
     llama,
@@ -39,7 +40,7 @@ POLICIES: tuple[Policy, ...] = (
     mixtral.POLICY, qwen2_moe.POLICY, qwen3_moe.POLICY, olmoe.POLICY, qwen3.POLICY,
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
-    helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY,
+    helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
 )
 
 
