@@ -63,7 +63,10 @@ from hf_dsinfer.kernels.decode import LayerChain
 # embedding per layer type (ROPE_PER_LAYER_TYPE).
 ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model",
                       "Olmo2Model", "SmolLM3Model", "GemmaModel", "GraniteModel", "Gemma2Model",
-                      "Gemma3TextModel", "MinistralModel", "SeedOssModel", "VaultGemmaModel")
+                      "Gemma3TextModel", "MinistralModel", "SeedOssModel", "VaultGemmaModel",
+                      # Llama's forward, line for line (transformers 5.24)
+                      "Ernie4_5Model", "HeliumModel", "GlmModel", "Glm4Model",
+                      "HunYuanDenseV1Model")
 ROPE_PER_LAYER_TYPE = ("Gemma3TextModel",)  # rotary_emb(x, position_ids, layer_type)
 # inner models whose forward the step does not reproduce, and why (their blocks still run the
 # native layer one by one)

@@ -243,8 +243,10 @@ class FusedBlock:
         """Why this block's layout is not one kernels.decode computes (None: it is): pre-norm
         blocks with separate q/k/v and either Llama's RMSNorm, rotate-half RoPE and SiLU-gated
         MLP or OPT's LayerNorm, learned positions (added before the blocks), scaled query and
-        fc1 -> ReLU -> fc2; biases anywhere; per-head q/k RMSNorm (Qwen3, Gemma 3) or over the
-        whole projection (OLMo 2), NoPE layers (SmolLM3), a residual multiplier (Granite),
+        fc1 -> ReLU -> fc2; biases anywhere; RoPE over interleaved pairs read from Llama's
+        tables (ERNIE 4.5, Helium, GLM); per-head q/k RMSNorm (Qwen3, Gemma 3), after RoPE
+        (HunYuan) or over the whole projection (OLMo 2), NoPE layers (SmolLM3), a residual
+        multiplier (Granite),
         fused [q | k | v] and [gate | up] projections (Phi-3); sandwich norms (Gemma 2/3,
         OLMo 2), the fp32 and (1 + w) RMSNorms, GeGLU, an attention soft-cap (Gemma 2)."""
         p, spec, mlp = self.policy, self.spec, self._decode_mlp
@@ -252,13 +254,13 @@ class FusedBlock:
             ((spec.layout == P.SEQUENTIAL and not spec.residual_post_ln)
              or spec.layout == P.SANDWICH, "not a pre-norm block"),  # sandwich: pre-norms optional
             (p.norm in P.NORMS, f"{p.norm} norm"),
-            ((p.positions == P.ROPE and not p.rotary_interleaved)
+            ((p.positions == P.ROPE and (not p.rotary_interleaved or p.rope_pairs_table))
              or p.positions == P.NO_POSITIONS,
-             "positions are neither rotate-half RoPE nor added before the blocks"),
+             "positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
+             "nor added before the blocks"),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
             (spec.clip_qkv is None, "q/k/v clipping"),
-            (not p.qk_norm_after_rope, "q / k norms after RoPE"),
             (not p.rope_half_table, "a half-width cos / sin table"),
             (p.mla is None, "multi-head latent attention"),
             (not spec.sinks, "attention sinks"),
@@ -391,7 +393,8 @@ class FusedBlock:
         if self._decode_layout_why is not None:
             return None
         rope = ("none" if not (self.policy.positions == P.ROPE and self.spec.rope)
-                else "fp32" if rope_fp32 else "bf16")
+                else ("fp32" if rope_fp32 else "bf16")
+                + ("_pairs" if self.policy.rope_pairs_table else ""))
         rotary_dim = self._rotary_dim if rotary_dim is None else rotary_dim
         rotary_dim = None if rotary_dim == self.spec.head_dim else rotary_dim
         layer = self._decode
@@ -421,7 +424,8 @@ class FusedBlock:
                 qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier,
                 qk_norm_full=self.policy.qk_norm == P.QK_NORM_FULL,
                 post_norms=self._decode_post_norms(), softcap=spec.attn_softcap,
-                window=getattr(self._attn, "sliding_window", None), rotary_dim=rotary_dim)
+                window=getattr(self._attn, "sliding_window", None), rotary_dim=rotary_dim,
+                qk_norm_after_rope=self.policy.qk_norm_after_rope)
         except NativeUnsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)
         return self._decode

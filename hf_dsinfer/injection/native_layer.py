@@ -198,7 +198,7 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
           residual_multiplier: float | None = None, qk_norm_full: bool = False,
           post_norms: tuple[nn.Module, nn.Module, float, float] | None = None,
           softcap: float | None = None, window: int | None = None,
-          rotary_dim: int | None = None) -> DecodeLayer:
+          rotary_dim: int | None = None, qk_norm_after_rope: bool = False) -> DecodeLayer:
     """Raises NativeUnsupported (with the reason) for a layer the kernel does not compute.
 
     linears: by slot name (abi.SLOTS) q, k, v, o, then gate, up, down (mlp "gated_silu":
@@ -206,8 +206,10 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     of a fused projection (Phi-3). norm "rms" (weight only), "layer" (LayerNorm, weight and optional
     bias), "rms_fp32" (OLMo 2's weight multiply in fp32) or "rms_unit_offset" (Gemma's (1 + w)
     in fp32), for every norm of the layer; ln1 / ln2 None: no pre-norm (OLMo 2, RMS styles);
-    rope True / "bf16" (cos / sin bf16), "fp32" (fp32 cos / sin, one rounding: OLMo 2) or
-    False / "none": positions enter before the layers (OPT's learned embeddings) or none (NoPE);
+    rope True / "bf16" (cos / sin bf16), "fp32" (fp32 cos / sin, one rounding: OLMo 2),
+    "bf16_pairs" / "fp32_pairs" (interleaved pairs (2j, 2j + 1) rotated by cos / sin [j], the
+    first half of Llama's tables: Helium, GLM / ERNIE 4.5) or False / "none": positions enter
+    before the layers (OPT's learned embeddings) or none (NoPE);
     mlp "gated_silu", "relu" or "gated_gelu_tanh" (Gemma's GeGLU);
     q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
     to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
@@ -219,7 +221,8 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     s -> softcap * tanh(s / softcap) (Gemma 2); window: each query attends only its last
     `window` keys (a sliding-window layer; HF's mask says the same); rotary_dim: only the
     first rotary_dim dims of each q / k head rotate, the rest pass through (partial rotary:
-    Phi-3's partial_rotary_factor; None: all head_dim)."""
+    Phi-3's partial_rotary_factor; None: all head_dim); qk_norm_after_rope: the q / k norms
+    apply to the rotated q and k (HunYuan), not before RoPE."""
     lib = _native.lib()
     if lib is None:
         raise NativeUnsupported(f"native kernels unavailable ({_native.why_unavailable()})")
@@ -271,6 +274,9 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
                   else (head_dim, head_dim))
         watched += _head_norms(struct, qk_norm, widths)
         struct.qk_norm_full = int(qk_norm_full)
+        struct.qk_norm_after_rope = int(qk_norm_after_rope)
+    elif qk_norm_after_rope:
+        raise ValueError("build_decode_layer: qk_norm_after_rope without qk_norm")
     watched += _options(struct, norm, post_norms, softcap, window, residual_multiplier)
     if residual_multiplier is not None:
         if residual_multiplier == 0:

@@ -12,7 +12,7 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 6  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 7  # hfd_api.h: HFD_ABI_VERSION
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
@@ -25,7 +25,10 @@ SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
 # RMS_UNIT_OFFSET): the RMSNorm numerics of every norm of a layer
 NORMS = {"rms": 0, "layer": 1, "rms_fp32": 2, "rms_unit_offset": 3}
 MLPS = {"gated_silu": 0, "relu": 1, "gated_gelu_tanh": 2}  # hfd_api.h: MLP_*
-ROPES = {"none": 0, "bf16": 1, "fp32": 2}  # hfd_api.h: ROPE_*, by the dtype of cos / sin
+# hfd_api.h: ROPE_*, by the dtype of cos / sin and the rotation: rotate-half, or interleaved
+# pairs read from the first half of Llama's tables (ABI 7)
+ROPES = {"none": 0, "bf16": 1, "fp32": 2, "bf16_pairs": 3, "fp32_pairs": 4}
+ROPES_FP32 = ("fp32", "fp32_pairs")
 
 
 class Lin(ctypes.Structure):
@@ -56,7 +59,9 @@ class Layer(ctypes.Structure):
                 ("eps4", ctypes.c_float), ("softcap", ctypes.c_float),
                 ("window", ctypes.c_int64), ("qk_norm_full", ctypes.c_int64),
                 # ABI 3
-                ("rotary_dim", ctypes.c_int64)]
+                ("rotary_dim", ctypes.c_int64),
+                # ABI 7
+                ("qk_norm_after_rope", ctypes.c_int64)]
 
 
 class KVSpan(ctypes.Structure):

@@ -50,6 +50,7 @@ from hf_dsinfer.kernels.abi import (
     LIN_INT8,
     LIN_INT8_TILED,
     ROPES,
+    ROPES_FP32,
 )
 from hf_dsinfer.kernels.abi import Layer as _Layer
 from hf_dsinfer.kernels.attention import SlotRows
@@ -83,8 +84,9 @@ class DecodeLayer:
         self.heads, self.kv_heads, self.head_dim = struct.heads, struct.kv_heads, struct.head_dim
         self.hidden = struct.hidden
         self.rope = bool(struct.rope)  # attn_in rotates q and k (needs cos, sin)
-        # the dtype of the cos / sin it reads (OLMo 2's stay fp32: abi.ROPES)
-        self.rope_dtype = torch.float32 if struct.rope == ROPES["fp32"] else torch.bfloat16
+        # the dtype of the cos / sin it reads (OLMo 2's and ERNIE 4.5's stay fp32: abi.ROPES)
+        self.rope_dtype = (torch.float32 if struct.rope in (ROPES[n] for n in ROPES_FP32)
+                           else torch.bfloat16)
         # the width of cos / sin: the leading dims of each head that rotate (partial rotary,
         # Phi-3's partial_rotary_factor: fewer than head_dim; the rest pass through)
         self.rotary_dim = struct.rotary_dim or struct.head_dim

@@ -1,7 +1,9 @@
 """The one-call decode step (injection/decode_step.py) for the 2026 Llama-pattern families
 (issue 27): Qwen3, Phi-3 (partial rotary), OLMo 2 (fp32 cos / sin), SmolLM3 (NoPE layers),
-Gemma (its embedding scales itself), Granite (embedding multiplier) and Seed-OSS (biases on
-q / k / v and the MLP, none on o_proj); Ministral's sliding / full layers as Gemma 2 / 3's.
+Gemma (its embedding scales itself), Granite (embedding multiplier), Seed-OSS (biases on
+q / k / v and the MLP, none on o_proj), ERNIE 4.5 (fp32 pairs RoPE), GLM (bf16 pairs over half
+of each head) and HunYuan (q / k norms after RoPE); Ministral's sliding / full layers as
+Gemma 2 / 3's.
 
 For each, the step must really run (its counters and the blocks' path record), and give
 exactly what HF's own layer loop gives with the same native layers (same kernels: the same
@@ -15,10 +17,13 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Ernie4_5Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GlmConfig,
     GraniteConfig,
+    HunYuanDenseV1Config,
     MinistralConfig,
     Olmo2Config,
     Phi3Config,
@@ -49,10 +54,15 @@ CONFIGS = {
                                      embedding_multiplier=2.0, logits_scaling=0.5),
     "seed_oss": lambda: SeedOssConfig(**_BASE, attention_bias=True, attention_out_bias=False,
                                       mlp_bias=True),
+    "ernie4_5": lambda: Ernie4_5Config(**_BASE, use_bias=True),  # fp32 cos / sin, pairs
+    "glm": lambda: GlmConfig(**_BASE, head_dim=32, attention_bias=True,
+                             partial_rotary_factor=0.5),  # bf16 pairs over 16 of 32 dims
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_BASE, head_dim=32),
 }
 INNER = {"qwen3": "Qwen3Model", "phi3": "Phi3Model", "olmo2": "Olmo2Model",
          "smollm3": "SmolLM3Model", "gemma": "GemmaModel", "granite": "GraniteModel",
-         "seed_oss": "SeedOssModel"}
+         "seed_oss": "SeedOssModel", "ernie4_5": "Ernie4_5Model", "glm": "GlmModel",
+         "hunyuan_v1_dense": "HunYuanDenseV1Model"}
 
 
 def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):

@@ -44,6 +44,8 @@ def test_python_mirror_matches_the_header():
                                                "NORM_LAYER": abi.NORMS["layer"]}
     assert _enum("MLP_GATED_SILU", "MLP_RELU") == {"MLP_GATED_SILU": abi.MLPS["gated_silu"],
                                                    "MLP_RELU": abi.MLPS["relu"]}
+    ropes = _enum(*(f"ROPE_{name.upper()}" for name in abi.ROPES))
+    assert ropes == {f"ROPE_{name.upper()}": code for name, code in abi.ROPES.items()}
     struct_fields = re.search(r"typedef struct \{(.*?)\} hfd_layer;", HEADER,
                               re.DOTALL).group(1)
     for field, _ in abi.Layer._fields_:

@@ -1,7 +1,7 @@
 """GLM (GLM-4-9B, `glm`): Llama's block with Phi-3's fused `gate_up_proj`, biases on q / k / v
 (`attention_bias`) but none on o_proj, and partial RoPE (`partial_rotary_factor`) over
-interleaved pairs read from Llama's cos / sin tables (`rope_pairs_table`). The native C layer
-rotates halves: these blocks take torch ops at batch-1 decode, and explain names the reason."""
+interleaved pairs read from Llama's cos / sin tables (`rope_pairs_table`), which the native
+decode layer rotates too (ROPE_BF16_PAIRS over the first rotary_dim dims of each head)."""
 
 import dataclasses
 

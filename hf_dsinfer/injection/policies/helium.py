@@ -1,7 +1,7 @@
 """Helium: Llama's block with an RMSNorm that multiplies its weight in fp32 (OLMo 2's numerics)
 and RoPE over interleaved pairs (dims 2i, 2i + 1) from Llama's cos / sin tables, read as their
-first half repeated pairwise; the rotation in the activations' dtype. The batch-1 native layer
-rotates halves, not pairs: these blocks take torch ops there, and explain says so."""
+first half repeated pairwise; the rotation in the activations' dtype (the native decode
+layer's ROPE_BF16_PAIRS)."""
 
 import dataclasses
 

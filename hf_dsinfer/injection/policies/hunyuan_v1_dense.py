@@ -1,7 +1,7 @@
 """HunYuan (dense, `hunyuan_v1_dense`): Llama's block with per-head RMSNorms of q and k
 (`query_layernorm`, `key_layernorm`) applied after RoPE, not before as Qwen3's; its NTK-alpha
-RoPE is HF's rotary module and runs unchanged. The native C layer norms q and k before rotating
-them, so these blocks take torch ops at batch-1 decode, and explain names the reason. HF gives
+RoPE is HF's rotary module and runs unchanged. The native decode layer norms the rotated q and
+k too (hfd_layer.qk_norm_after_rope). HF gives
 it no base_model_tp_plan: tensor parallelism slices Llama's way (the norms' [head_dim] weights
 replicated)."""
 

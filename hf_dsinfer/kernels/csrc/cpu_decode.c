@@ -953,6 +953,38 @@ static void rotate_bf16(uint16_t *x, int64_t heads, int64_t d, int64_t rot, cons
     }
 }
 
+/* x (heads x d, bf16) rotated in place over interleaved pairs (ERNIE 4.5, Helium, GLM): pair j
+   of a head's first `rot` values, (x[2j], x[2j + 1]), by cos[j] and sin[j] (the first half of
+   Llama's cat(freqs, freqs) tables, as HF's repeat_interleave reads them):
+   out[2j] = x[2j] cos[j] - x[2j + 1] sin[j], out[2j + 1] = x[2j + 1] cos[j] + x[2j] sin[j].
+   fp32 = 0: bf16 cos / sin, each product and the sum rounded to bf16 (eager in bf16); 1: fp32
+   cos / sin, the products and the sum in fp32 (no fused multiply-add), rounded once (ERNIE 4.5
+   casts q to fp32). A lane computes x * c + swap(x) * (-+s): (-x) s and -(x s) are the same
+   number, so this is eager's rotate_half product. */
+static void rotate_pairs(uint16_t *x, int64_t heads, int64_t d, int64_t rot, const void *cos,
+                         const void *sin, int fp32) {
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i swap = _mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1);
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * d;
+        for (int64_t c = 0; c < rot; c += 16) {
+            __mmask16 mk = mask16(rot - c), mk8 = mask16((rot - c < 16 ? rot - c : 16) / 2);
+            __m512 xv = load16(v, c, DT_BF16, mk);
+            __m512 cv = load16(cos, c / 2, fp32 ? DT_F32 : DT_BF16, mk8);
+            __m512 sv = load16(sin, c / 2, fp32 ? DT_F32 : DT_BF16, mk8);
+            cv = _mm512_permutexvar_ps(dup, cv);
+            sv = _mm512_permutexvar_ps(dup, sv);
+            sv = _mm512_mask_sub_ps(sv, (__mmask16)0x5555, _mm512_setzero_ps(), sv);
+            __m512 a = _mm512_mul_ps(xv, cv), b = _mm512_mul_ps(_mm512_permutexvar_ps(swap, xv), sv);
+            if (!fp32) {
+                a = bf16_round(a);
+                b = bf16_round(b);
+            }
+            store16_bf16(v + c, mk, _mm512_add_ps(a, b));
+        }
+    }
+}
+
 /* The q / k norms in place, in the layer's RMSNorm numerics (nothing without q_norm): each head
    of q [heads * d] and k [kv_heads * d] over its d values (Qwen3, Gemma 3), or the whole q and
    the whole k (qk_norm_full: OLMo 2, before the head split). */
@@ -978,13 +1010,26 @@ static inline int64_t rope_width(const hfd_layer *L) {
 /* q and k rotated in place, as the layer's rope says (cos / sin bf16 or fp32 [rope_width]). */
 static void rope_qk(const hfd_layer *L, uint16_t *q, uint16_t *k, const void *cos, const void *sin) {
     const int64_t d = L->head_dim, r = rope_width(L);
-    if (L->rope == ROPE_FP32) {
+    if (L->rope == ROPE_BF16_PAIRS || L->rope == ROPE_FP32_PAIRS) {
+        rotate_pairs(q, L->heads, d, r, cos, sin, L->rope == ROPE_FP32_PAIRS);
+        rotate_pairs(k, L->kv_heads, d, r, cos, sin, L->rope == ROPE_FP32_PAIRS);
+    } else if (L->rope == ROPE_FP32) {
         rotate_fp32(q, L->heads, d, r, (const float *)cos, (const float *)sin);
         rotate_fp32(k, L->kv_heads, d, r, (const float *)cos, (const float *)sin);
     } else if (L->rope) {
         rotate_bf16(q, L->heads, d, r, (const uint16_t *)cos, (const uint16_t *)sin);
         rotate_bf16(k, L->kv_heads, d, r, (const uint16_t *)cos, (const uint16_t *)sin);
     }
+}
+
+/* What follows q / k / v's projections, in place on one token's q and k: the q / k norms, the
+   query scale (OPT) and RoPE, or RoPE before the norms (qk_norm_after_rope: HunYuan). */
+static void qk_finish(const hfd_layer *L, uint16_t *q, uint16_t *k, const void *cos,
+                      const void *sin) {
+    if (!L->qk_norm_after_rope) head_norms_bf16(L, q, k);
+    if (L->q_scale != 0.f) scale_bf16(q, L->heads * L->head_dim, L->q_scale);
+    rope_qk(L, q, k, cos, sin);
+    if (L->qk_norm_after_rope) head_norms_bf16(L, q, k);
 }
 
 /* Scratch of one call: kp-rounded buffers for up to 3 inputs' planes, int4 group sums and
@@ -1053,9 +1098,7 @@ int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *co
     round_row(ys[0], q, nq);
     round_row(ys[1], k, nkv);
     round_row(ys[2], v, nkv);
-    head_norms_bf16(L, q, k);
-    if (L->q_scale != 0.f) scale_bf16(q, nq, L->q_scale);
-    rope_qk(L, q, k, cos, sin);
+    qk_finish(L, q, k, cos, sin);
     free(h);
     free(y);
     free(s.mem);
@@ -1909,17 +1952,14 @@ int hfd_decode_attn_in_rows(const hfd_layer *L, int64_t rows, const uint16_t *x,
     if (!rc) rc = lin_batch(&L->lin[L_V], h, rows, v, nt, bounds);
     free(h);
     if (rc) return rc;
-    if (L->q_norm) {
+    /* cs_stride counts elements; without RoPE, cos / sin may be NULL and are never read */
+    const int64_t cs_bytes = L->rope == ROPE_FP32 || L->rope == ROPE_FP32_PAIRS ? 4 : 2;
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t r = 0; r < rows; r++) head_norms_bf16(L, q + r * nq, k + r * nkv);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = r * cs_stride * cs_bytes;
+        qk_finish(L, q + r * nq, k + r * nkv, L->rope ? (const char *)cos + at : NULL,
+                  L->rope ? (const char *)sin + at : NULL);
     }
-    if (L->q_scale != 0.f) scale_bf16(q, rows * nq, L->q_scale);
-    if (!L->rope) return 0;
-    const int64_t cs_bytes = L->rope == ROPE_FP32 ? 4 : 2; /* cs_stride counts elements */
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        rope_qk(L, q + r * nq, k + r * nkv, (const char *)cos + r * cs_stride * cs_bytes,
-                (const char *)sin + r * cs_stride * cs_bytes);
     return 0;
 }
 

@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 6
+#define HFD_ABI_VERSION 7
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -51,10 +51,12 @@ enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
    every norm of the layer (q / k norms included); mlp: SiLU-gated (gate, up, down),
    fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2) or tanh-GELU-gated
    (Gemma's GeGLU); rope: none, rotate-half with bf16 cos / sin (each product rounded), or with
-   fp32 cos / sin (OLMo 2: the rotation in fp32, rounded once). */
+   fp32 cos / sin (OLMo 2: the rotation in fp32, rounded once); the _PAIRS ones (ABI 7) rotate
+   interleaved pairs (2j, 2j + 1) by cos / sin [j], the first half of Llama's cat(freqs, freqs)
+   tables as HF passes them (ERNIE 4.5 in fp32; Helium, GLM, GLM-4 in bf16). */
 enum { NORM_RMS = 0, NORM_LAYER = 1, NORM_RMS_FP32 = 2, NORM_RMS_UNIT = 3 };
 enum { MLP_GATED_SILU = 0, MLP_RELU = 1, MLP_GATED_GELU_TANH = 2 };
-enum { ROPE_NONE = 0, ROPE_BF16 = 1, ROPE_FP32 = 2 };
+enum { ROPE_NONE = 0, ROPE_BF16 = 1, ROPE_FP32 = 2, ROPE_BF16_PAIRS = 3, ROPE_FP32_PAIRS = 4 };
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
@@ -79,9 +81,12 @@ typedef struct {
     int64_t rotary_dim; /* partial rotary (Phi-3 / Phi-4-mini's partial_rotary_factor): only the
                            first rotary_dim (even, <= head_dim) dims of each q / k head rotate,
                            with cos / sin of rotary_dim values; the rest pass through; 0: all */
+    /* ABI 7 */
+    int64_t qk_norm_after_rope; /* the q / k norms apply to the rotated q and k (HunYuan);
+                                   0: before RoPE (Qwen3, Gemma 3, OLMo 2) */
 } hfd_layer;
 
-/* cos / sin: bf16 [r], or fp32 [r] for a ROPE_FP32 layer (the same pointers); r: the layer's
+/* cos / sin: bf16 [r], or fp32 [r] for a ROPE_FP32 / ROPE_FP32_PAIRS layer (the same pointers); r: the layer's
    rotary_dim, or head_dim where that is 0. */
 int hfd_decode_attn_in(const hfd_layer *L, const uint16_t *x, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *v, int nthreads);
