@@ -256,8 +256,8 @@ class FusedBlock:
             (p.norm in P.NORMS, f"{p.norm} norm"),
             ((p.positions == P.ROPE and (not p.rotary_interleaved or p.rope_pairs_table))
              or p.positions == P.NO_POSITIONS,
-             "positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
-             "nor added before the blocks"),
+             ("positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
+              "nor added before the blocks")),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
             (spec.clip_qkv is None, "q/k/v clipping"),
