@@ -11,6 +11,7 @@ from transformers import (
     BloomConfig,
     DeepseekV3Config,
     Ernie4_5Config,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -141,12 +142,19 @@ CONFIGS = {
         residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=0.8, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         layer_rope_theta=[10000.0, 0, 10000.0]),
+    # EXAONE 4: post-norms only, per-head q / k norms, sliding (window 4) / global / sliding
+    # layers with the global one NoPE; "exaone4_full": no window, so every layer rotates
+    "exaone4": lambda: Exaone4Config(
+        **{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "exaone4_full": lambda: Exaone4Config(**_LLAMA, sliding_window=None,
+                                          layer_types=["full_attention"] * 2),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
-                 "hunyuan_v1_dense", "glm", "glm4", "granite_swa"]  # test_family_quant.py covers these
+                 "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,

@@ -66,12 +66,14 @@ class BlockSpec:
     residual_multiplier: float | None = None  # Granite: branch outputs scaled before the add
     sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: bool = False  # DeepSeek-V3: multi-head latent attention (injection.mla)
+    window: int | None = None  # a sliding layer's window (HF's mask says the same); None: full
 
     def describe(self) -> str:
         extras = [name for name, on in (
             ("NoPE", not self.rope), (f"attn softcap {self.attn_softcap}", self.attn_softcap),
             (f"residual x{self.residual_multiplier}", self.residual_multiplier is not None),
-            ("attention sinks", self.sinks), ("multi-head latent attention", self.mla))
+            ("attention sinks", self.sinks), ("multi-head latent attention", self.mla),
+            (f"sliding window {self.window}", self.window is not None))
             if on]
         return (f"{self.layout}, {self.norm}_norm, {self.num_heads}q/{self.num_kv_heads}kv heads"
                 f" x {self.head_dim}, {self.activation}" + "".join(f", {e}" for e in extras))
@@ -111,6 +113,12 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
     else:  # packed / head-interleaved: three equal parts
         q_out = kv_out = _out_features(projections[0], policy.conv1d) // 3
     scale = float(getattr(attn, policy.scale_attr))
+    window = getattr(attn, "sliding_window", None)
+    sliding = window is not None and (policy.sliding_attr is None
+                                      or bool(getattr(attn, policy.sliding_attr)))
+    rope = policy.rope_attr is None or bool(getattr(attn, policy.rope_attr))
+    if policy.rope_sliding_only and window is not None and not sliding:
+        rope = False  # EXAONE 4's global NoPE layers
     return BlockSpec(
         layout=P.resolve(policy.layout, config),
         norm=policy.norm,
@@ -123,11 +131,12 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         residual_post_ln=bool(P.resolve(policy.residual_post_ln, config)),
         layer_idx=index if getattr(attn, "layer_idx", None) is None else int(attn.layer_idx),
         clip_qkv=P.resolve(policy.clip_qkv, config),
-        rope=policy.rope_attr is None or bool(getattr(attn, policy.rope_attr)),
+        rope=rope,
         attn_softcap=None if policy.softcap_attr is None else getattr(attn, policy.softcap_attr),
         residual_multiplier=P.resolve(policy.residual_multiplier, config),
         sinks=_check_sinks(attn, policy, q_out // head_dim),
         mla=policy.mla is not None,
+        window=window if sliding else None,
     )
 
 
@@ -424,7 +433,7 @@ class FusedBlock:
                 qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier,
                 qk_norm_full=self.policy.qk_norm == P.QK_NORM_FULL,
                 post_norms=self._decode_post_norms(), softcap=spec.attn_softcap,
-                window=getattr(self._attn, "sliding_window", None), rotary_dim=rotary_dim,
+                window=spec.window, rotary_dim=rotary_dim,
                 qk_norm_after_rope=self.policy.qk_norm_after_rope)
         except NativeUnsupported as err:
             self._decode_key, self._decode_build_why = key, str(err)

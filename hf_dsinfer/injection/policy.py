@@ -226,6 +226,12 @@ class Policy:
     rope_optional: bool = False           # the model passes position_embeddings=None to its
                                           # NoPE layers (Granite SWA: a RoPE base of 0), which
                                           # then rotate nothing, as HF's attention does
+    sliding_attr: str | None = None       # attention attribute, true on sliding layers: the
+                                          # attention's sliding_window applies there only
+                                          # (EXAONE 4 sets sliding_window on every layer)
+    rope_sliding_only: bool = False       # with a window configured (the attention's
+                                          # sliding_window set), only sliding layers rotate
+                                          # q and k; global layers are NoPE (EXAONE 4)
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
@@ -285,6 +291,9 @@ class Policy:
         if self.rope_optional and self.positions != ROPE:
             raise PolicyError(f"{where}: rope_optional reads a None position_embeddings as a "
                               f"NoPE layer: it needs positions=ROPE, got {self.positions!r}")
+        if self.rope_sliding_only and not (self.sliding_attr and self.positions == ROPE):
+            raise PolicyError(f"{where}: rope_sliding_only tells sliding layers by "
+                              "sliding_attr: it needs sliding_attr and positions=ROPE")
         if self.rope_pairs_table and self.rope_half_table:
             raise PolicyError(f"{where}: rope_pairs_table and rope_half_table are two readings "
                               "of the cos / sin tables; a policy takes one")

@@ -2,8 +2,8 @@
 (issue 27): Qwen3, Phi-3 (partial rotary), OLMo 2 (fp32 cos / sin), SmolLM3 (NoPE layers),
 Gemma (its embedding scales itself), Granite (embedding multiplier), Seed-OSS (biases on
 q / k / v and the MLP, none on o_proj), ERNIE 4.5 (fp32 pairs RoPE), GLM (bf16 pairs over half
-of each head) and HunYuan (q / k norms after RoPE); Ministral's sliding / full layers as
-Gemma 2 / 3's.
+of each head) and HunYuan (q / k norms after RoPE); Ministral's and EXAONE 4's sliding / full
+layers (EXAONE's full ones NoPE) as Gemma 2 / 3's.
 
 For each, the step must really run (its counters and the blocks' path record), and give
 exactly what HF's own layer loop gives with the same native layers (same kernels: the same
@@ -18,6 +18,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Ernie4_5Config,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -163,6 +164,10 @@ SLIDING = {  # window 6: a 6-token prompt and 5 steps run past it
     "VaultGemmaModel": lambda: VaultGemmaConfig(**{**_BASE, "num_hidden_layers": 2}, head_dim=32,
                                                 sliding_window=6, query_pre_attn_scalar=24),
     "MinistralModel": lambda: MinistralConfig(
+        **_BASE, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"]),
+    # sliding_window on every attention, applied where is_sliding; the full layer is NoPE
+    "Exaone4Model": lambda: Exaone4Config(
         **_BASE, head_dim=32, sliding_window=6,
         layer_types=["sliding_attention", "full_attention"]),
 }

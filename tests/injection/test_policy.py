@@ -38,6 +38,9 @@ def test_every_registered_policy_is_valid():
     ({"qk_norm_after_rope": True}, r"it needs qk_norm=QK_NORM_HEAD, got None"),
     ({"rope_optional": True, "positions": P.NO_POSITIONS}, r"rope_optional .* needs positions=ROPE"),
     ({"qk_norm": P.QK_NORM_HEAD, "qk_norm_attrs": ("q_norm",)}, r"names the q and the k norm"),
+    ({"rope_sliding_only": True}, r"rope_sliding_only .* needs sliding_attr and positions=ROPE"),
+    ({"rope_sliding_only": True, "sliding_attr": "is_sliding", "positions": P.NO_POSITIONS},
+     r"needs sliding_attr and positions=ROPE"),
 ])
 def test_a_typo_fails_when_the_policy_is_defined(change, message):
     with pytest.raises(PolicyError, match=message):

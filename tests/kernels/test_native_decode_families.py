@@ -21,6 +21,7 @@ from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     Ernie4_5Config,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -84,6 +85,11 @@ CONFIGS = {
                                partial_rotary_factor=0.5),
     # HunYuan: per-head q / k RMSNorms after RoPE
     "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_BASE, head_dim=32, initializer_range=0.1),
+    # EXAONE 4: post-norms only, per-head q / k norms; sliding_window on every attention but
+    # applied where is_sliding, and the full layer NoPE
+    "exaone4": lambda: Exaone4Config(
+        **_BASE, head_dim=32, sliding_window=WINDOW, initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -230,10 +236,12 @@ def test_bf16_steps_on_the_panel_kernels_cache(name, monkeypatch):
     _close(native, torch_path)
 
 
-@pytest.mark.parametrize("name", ["smollm3", "gemma", "vaultgemma", "helium", "glm4"])
+@pytest.mark.parametrize("name", ["smollm3", "gemma", "vaultgemma", "helium", "glm4", "exaone4"])
 def test_bf16_steps_of_the_other_families(name, monkeypatch):
     """SmolLM3's NoPE layers, Gemma (1)'s pre-norm GeGLU block, VaultGemma, Helium's pairs over
-    whole heads and GLM-4's pairs with sandwich norms, at the CPU's own tier."""
+    whole heads, GLM-4's pairs with sandwich norms and EXAONE 4 (its full layer NoPE and
+    without a window although its attention names one: an 11-token prompt past the window
+    of 6 would move the logits otherwise), at the CPU's own tier."""
     _bf16_bits(name, monkeypatch)
 
 
@@ -251,7 +259,7 @@ def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3", "vaultgemma",
-                                  "ernie4_5", "glm", "hunyuan_v1_dense"])
+                                  "ernie4_5", "glm", "hunyuan_v1_dense", "exaone4"])
 def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     """generate(): the same greedy tokens, every decode step of every layer native (inference
     mode; no_grad for one family), and explain's path column says so."""
@@ -275,6 +283,17 @@ def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     text = hf_dsinfer.explain(model)  # the path column: the blocks' calls, or the step's
     # the step's loop where a layer slides (injection/decode_step.py)
     assert any(f"{path} {calls}" in text for path in ("native", "step_chain", "step_loop")), text
+
+
+def test_exaone4_slides_and_rotates_only_its_sliding_layers(monkeypatch):
+    """EXAONE 4's attention keeps sliding_window on every layer: the native layers take the
+    window and RoPE on the sliding layers only (the full layer's struct has neither)."""
+    model = _model("exaone4")
+    ids, mask = _prompt()
+    _step_logits(model, ids, mask, True, monkeypatch, steps=1)  # builds the layers
+    structs = [b._decode.struct for b in _blocks(model)]
+    assert [s.window for s in structs] == [WINDOW, 0, WINDOW]
+    assert [s.rope for s in structs] == [abi.ROPES["bf16"], abi.ROPES["none"], abi.ROPES["bf16"]]
 
 
 def test_left_padding_and_windows_of_padded_prompts(monkeypatch):
