@@ -9,6 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    Cohere2Config,
+    CohereConfig,
     DeepseekV3Config,
     Ernie4_5Config,
     Exaone4Config,
@@ -149,12 +151,19 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "exaone4_full": lambda: Exaone4Config(**_LLAMA, sliding_window=None,
                                           layer_types=["full_attention"] * 2),
+    # Cohere: attention and MLP off one fp32 LayerNorm, interleaved RoPE in fp32, a logit scale;
+    # Cohere 2: sliding (window 4) / full / sliding layers, the full one NoPE
+    "cohere": lambda: CohereConfig(**_LLAMA, logit_scale=0.5),
+    "cohere2": lambda: Cohere2Config(
+        **{**_LLAMA, "num_hidden_layers": 3}, logit_scale=0.5, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
-                 "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full"]  # test_family_quant.py covers these
+                 "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
+                 "cohere", "cohere2"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,

@@ -33,12 +33,13 @@ from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
+from hf_dsinfer.kernels.abi import NORMS as NATIVE_NORMS
 from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.attention import attention_segments
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
-from hf_dsinfer.kernels.norms import layer_norm, rms_norm
+from hf_dsinfer.kernels.norms import layer_norm, layer_norm_fp32, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary
 
 # Sequences up to which a one-token step takes the native batched layer (its projections are
@@ -262,7 +263,7 @@ class FusedBlock:
         checks = [
             ((spec.layout == P.SEQUENTIAL and not spec.residual_post_ln)
              or spec.layout == P.SANDWICH, "not a pre-norm block"),  # sandwich: pre-norms optional
-            (p.norm in P.NORMS, f"{p.norm} norm"),
+            (p.norm in NATIVE_NORMS, f"{p.norm} norm"),
             ((p.positions == P.ROPE and (not p.rotary_interleaved or p.rope_pairs_table))
              or p.positions == P.NO_POSITIONS,
              ("positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
@@ -376,6 +377,8 @@ class FusedBlock:
         mlp_out, mlp_bias = self._mlp(h)
         if self.reduce is not None:  # one all-reduce carries both partial sums
             return _add_bias(_add_bias(self.reduce(attn_out + mlp_out), attn_bias), mlp_bias) + x
+        if self.policy.parallel_residual_first:  # Cohere: (x + attn) + mlp
+            return x + _add_bias(attn_out, attn_bias) + _add_bias(mlp_out, mlp_bias)
         return _add_bias(attn_out, attn_bias) + _add_bias(mlp_out, mlp_bias) + x
 
     def _post_ln(self, x: torch.Tensor, named: dict) -> torch.Tensor:
@@ -616,6 +619,8 @@ class FusedBlock:
         if self.spec.norm in P.RMS_STYLES:
             return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend,
                             style=P.RMS_STYLES[self.spec.norm])
+        if self.spec.norm == P.LAYER_FP32:
+            return layer_norm_fp32(x, norm.weight, eps, residual, x_bias)
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
 
     def _linear(self, module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
@@ -772,6 +777,8 @@ class FusedBlock:
                 half = cos.shape[-1] // 2
                 cos = cos[..., :half].repeat_interleave(2, dim=-1)
                 sin = sin[..., :half].repeat_interleave(2, dim=-1)
+            if self.policy.rope_fp32_math:  # bf16 q times fp32 cos: the products in fp32
+                cos, sin = cos.float(), sin.float()
         elif positions == P.ROPE_TABLE:
             cos, sin = _gptj_cos_sin(self._attn, named, q.dtype)
         else:

@@ -59,6 +59,10 @@ RMS = "rms"                  # Llama: normalized value rounded to the input dtyp
 RMS_FP32 = "rms_fp32"        # OLMo 2: (weight * normalized) in fp32, then rounded
 RMS_UNIT_OFFSET = "rms_unit_offset"  # Gemma: (normalized * (1 + weight)) in fp32, then rounded
 RMS_STYLES = {RMS: "llama", RMS_FP32: "fp32", RMS_UNIT_OFFSET: "gemma"}
+# LayerNorm numerics: "layer" is torch's nn.LayerNorm; LAYER_FP32 is Cohere's (no bias, the
+# weight multiply in fp32, kernels.norms.layer_norm_fp32)
+LAYER = "layer"
+LAYER_FP32 = "layer_fp32"
 
 # Position sources.
 ROPE = "rope"                # (cos, sin) passed to the block as `position_embeddings`
@@ -72,7 +76,7 @@ QK_NORM_FULL = "full"        # OLMoE: over the whole q (k) projection, before th
 
 QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA)
 LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
-NORMS = ("layer", *RMS_STYLES)
+NORMS = (LAYER, LAYER_FP32, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
 QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
 TP_STYLES = ("colwise", "rowwise")
@@ -232,6 +236,13 @@ class Policy:
     rope_sliding_only: bool = False       # with a window configured (the attention's
                                           # sliding_window set), only sliding layers rotate
                                           # q and k; global layers are NoPE (EXAONE 4)
+    rope_fp32_math: bool = False          # q and k rotate in fp32 (cast before the products,
+                                          # rounded once) whatever the tables' dtype (Cohere)
+    parallel_residual_first: bool = False  # PARALLEL_SHARED_LN summed as (x + attn) + mlp
+                                          # (Cohere), not (attn + mlp) + x (GPT-J)
+    # (config attribute, value, what the fused block lacks for it): a model whose config has
+    # that value is refused with the reason (Cohere's use_qk_norm: per-head norm weights)
+    unsupported_when: tuple[tuple[str, Any, str], ...] = ()
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
@@ -291,6 +302,17 @@ class Policy:
         if self.rope_optional and self.positions != ROPE:
             raise PolicyError(f"{where}: rope_optional reads a None position_embeddings as a "
                               f"NoPE layer: it needs positions=ROPE, got {self.positions!r}")
+        if self.rope_fp32_math and self.positions != ROPE:
+            raise PolicyError(f"{where}: rope_fp32_math rotates the model's cos / sin: it needs "
+                              f"positions=ROPE, got {self.positions!r}")
+        if self.parallel_residual_first and self.layout != PARALLEL_SHARED_LN:
+            raise PolicyError(f"{where}: parallel_residual_first orders the sum of "
+                              f"layout=PARALLEL_SHARED_LN, got {self.layout!r}")
+        for entry in self.unsupported_when:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                    and isinstance(entry[2], str)):
+                raise PolicyError(f"{where}: unsupported_when holds (config attribute, value, "
+                                  f"reason) triples, got {entry!r}")
         if self.rope_sliding_only and not (self.sliding_attr and self.positions == ROPE):
             raise PolicyError(f"{where}: rope_sliding_only tells sliding layers by "
                               "sliding_attr: it needs sliding_attr and positions=ROPE")
@@ -304,3 +326,8 @@ class Policy:
 
     def matches(self, model: Any) -> bool:
         return getattr(model.config, "model_type", None) in self.model_types
+
+    def lacking(self, config: Any) -> str | None:
+        """What the fused block lacks for this config (unsupported_when), or None."""
+        return next((f"{why} ({attr}={value!r})" for attr, value, why in self.unsupported_when
+                     if getattr(config, attr, None) == value), None)

@@ -106,6 +106,9 @@ def prepare(model: nn.Module, config: DSInferConfig, report: InjectionReport) ->
     if policy is None or layers_path(model, policy) is None:
         _handle_unsupported(model, config, report)
         return False
+    if (lacking := policy.lacking(model.config)) is not None:
+        _handle_unsupported(model, config, report, lacking)
+        return False
     report.backend = _model_backend(model, config)
     for path, index, block in iter_layers(model, policy):
         if type(block).__name__ not in policy.block_classes:
@@ -222,9 +225,16 @@ def _warn_accelerate_offloaded(report: InjectionReport) -> None:
                       f"forward: {ACCELERATE_OFFLOADED}.", stacklevel=5)
 
 
-def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport) -> None:
+def _handle_unsupported(model: nn.Module, config: DSInferConfig, report: InjectionReport,
+                        lacking: str | None = None) -> None:
     model_type = getattr(model.config, "model_type", "?")
-    if report.policy is None:
+    if lacking is not None:  # a policy's family, in a configuration its blocks cannot compute
+        why = f"the {report.policy.family} policy lacks {lacking}"
+        message = (
+            f"hf_dsinfer cannot fuse {type(model).__name__}: the fused block lacks {lacking}. "
+            "Fix: pass strict=False to run this model unmodified.")
+        report.policy = None
+    elif report.policy is None:
         families = ", ".join(f"{f} ({'/'.join(t)})" for f, t in supported_families().items())
         why = f"no policy for model_type={model_type!r}"
         message = (

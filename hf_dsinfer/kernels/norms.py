@@ -13,6 +13,10 @@ Numerics (the Hugging Face eager ones):
                 is bit-identical to HF's residual stream.
     layer_norm  torch.nn.LayerNorm: mean and variance (biased) in fp32, `(h - mean) * rstd * w
                 + b`, output in x's dtype.
+    layer_norm_fp32  Cohere's LayerNorm (no bias), HF's six eager ops: `hf = h.float()`, the
+                mean, then the variance of `hf - mean` (two passes), `(hf - mean) *
+                rsqrt(var + eps)`, times `weight.float()`, rounded once to h's dtype. The weight
+                may be [heads, head_dim] over [..., heads, head_dim] (Cohere's q / k norms).
     rms_norm    LlamaRMSNorm: `hf = h.float(); hf * rsqrt(mean(hf**2) + eps)`, rounded back to
                 h's dtype *before* the weight multiply, then `weight * that` (so the output dtype
                 is the promotion of weight's and h's dtypes, as in HF).
@@ -235,6 +239,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """(LayerNorm(h), h) with h = residual + (x + x_bias); x is [..., hidden]."""
     fn = _dispatch.pick(backend, x.device, ref=layer_norm_ref, triton_fn=layer_norm_triton)
     return fn(x, weight, bias, eps, residual, x_bias)
+
+
+def layer_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Cohere's LayerNorm(h), h) with h = residual + (x + x_bias): CohereLayerNorm's forward
+    line for line (the module doc above), on every backend."""
+    h = _residual_sum(x, residual, x_bias)
+    hf = h.to(torch.float32)
+    centered = hf - hf.mean(-1, keepdim=True)
+    variance = centered.pow(2).mean(-1, keepdim=True)
+    return (weight.to(torch.float32) * (centered * torch.rsqrt(variance + eps))).to(h.dtype), h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -39,6 +39,9 @@ def test_every_registered_policy_is_valid():
     ({"rope_optional": True, "positions": P.NO_POSITIONS}, r"rope_optional .* needs positions=ROPE"),
     ({"qk_norm": P.QK_NORM_HEAD, "qk_norm_attrs": ("q_norm",)}, r"names the q and the k norm"),
     ({"rope_sliding_only": True}, r"rope_sliding_only .* needs sliding_attr and positions=ROPE"),
+    ({"rope_fp32_math": True, "positions": P.NO_POSITIONS}, r"rope_fp32_math .* needs positions"),
+    ({"parallel_residual_first": True}, r"orders the sum of layout=PARALLEL_SHARED_LN"),
+    ({"unsupported_when": (("use_qk_norm", True),)}, r"\(config attribute, value, reason\)"),
     ({"rope_sliding_only": True, "sliding_attr": "is_sliding", "positions": P.NO_POSITIONS},
      r"needs sliding_attr and positions=ROPE"),
 ])

@@ -6,6 +6,7 @@ from typing import Any
 
 from hf_dsinfer.injection.policies import (
     bloom,
+    cohere,
     deepseek_v3,
     ernie4_5,
     exaone4,
@@ -42,7 +43,7 @@ POLICIES: tuple[Policy, ...] = (
     smollm3.POLICY, granite.POLICY, olmo2.POLICY, gemma.POLICY, gemma2.POLICY, gemma3.POLICY,
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
-    exaone4.POLICY,
+    exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
 )
 
 
