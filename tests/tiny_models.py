@@ -18,6 +18,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
+    Glm4MoeConfig,
     GlmConfig,
     GPT2Config,
     GPTJConfig,
@@ -314,5 +315,16 @@ MOE_CONFIGS = {
                          "original_max_position_embeddings": 32, "mscale_all_dim": 1.0,
                          "beta_fast": 32.0, "beta_slow": 1.0}, **_COMMON),
 }
+MOE_CONFIGS["glm4_moe"] = lambda: Glm4MoeConfig(
+    # GLM-4.5: q / k / v biases, per-head q / k norms, half of each head rotated; layer 0 dense,
+    # layer 1 DeepSeek-V3's MoE (8 experts in 4 groups, top-3 within the 2 best, a correction
+    # bias, routed scaling 2.5, a shared expert)
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+    n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+    max_position_embeddings=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    **_COMMON)
 MOE_MODELS = list(MOE_CONFIGS)
-MOE_2026 = ["gpt_oss", "deepseek_v3"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -68,6 +68,7 @@ class BlockSpec:
     sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: bool = False  # DeepSeek-V3: multi-head latent attention (injection.mla)
     window: int | None = None  # a sliding layer's window (HF's mask says the same); None: full
+    qk_norm: str | None = None  # the policy's q / k norm for this config (GLM-4.5: use_qk_norm)
 
     def describe(self) -> str:
         extras = [name for name, on in (
@@ -138,6 +139,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         sinks=_check_sinks(attn, policy, q_out // head_dim),
         mla=policy.mla is not None,
         window=window if sliding else None,
+        qk_norm=P.resolve(policy.qk_norm, config),
     )
 
 
@@ -217,7 +219,7 @@ class FusedBlock:
         mlp_in = () if self.is_moe else policy.mlp_in
         self._mlp_in = [self._mlp_module.get_submodule(n) for n in mlp_in]
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
-        if policy.qk_norm is not None:
+        if self.spec.qk_norm is not None:
             self._q_norm, self._k_norm = (self._attn.get_submodule(n) for n in policy.qk_norm_attrs)
         self.mla = None if policy.mla is None else _mla_attention(self)
         # the native one-token decode layer (kernels.decode), built on the first decode call
@@ -419,7 +421,7 @@ class FusedBlock:
         norm = next(n for n in (self._ln1, self._post_attn, self._ln2) if n is not None)
         key = (norm.weight.dtype, norm.weight.data_ptr(), rope, rotary_dim,
                *(id(m) for m in (*self._qkv, self._out, *self._mlp_in, self._mlp_out)))
-        qk_norm = None if self.policy.qk_norm is None else (
+        qk_norm = None if self.spec.qk_norm is None else (
             self._q_norm, self._k_norm, _norm_eps(self._q_norm), _norm_eps(self._k_norm))
         if self._decode_key == key:
             return None  # this set of weights failed already
@@ -434,7 +436,7 @@ class FusedBlock:
                 norm=self.policy.norm, rope=rope,
                 mlp=self._decode_mlp, q_scale=spec.scale if spec.scale_query else None,
                 qk_norm=qk_norm, residual_multiplier=spec.residual_multiplier,
-                qk_norm_full=self.policy.qk_norm == P.QK_NORM_FULL,
+                qk_norm_full=self.spec.qk_norm == P.QK_NORM_FULL,
                 post_norms=self._decode_post_norms(), softcap=spec.attn_softcap,
                 window=spec.window, rotary_dim=rotary_dim,
                 qk_norm_after_rope=self.policy.qk_norm_after_rope)
@@ -651,7 +653,7 @@ class FusedBlock:
         then q, k, v clamped to +-clip_qkv. q, k, v are [B, S, heads * D]."""
         if self.sharded_qk_norm is not None:
             q, k = self.sharded_qk_norm(q, k)
-        elif self.policy.qk_norm is not None and not self.policy.qk_norm_after_rope:
+        elif self.spec.qk_norm is not None and not self.policy.qk_norm_after_rope:
             q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         if self.spec.clip_qkv is not None:
             c = self.spec.clip_qkv
@@ -660,7 +662,7 @@ class FusedBlock:
 
     def _rms_last(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """RMSNorm of [B, S, heads * D] over D (per head) or over the whole last dim."""
-        width = self.spec.head_dim if self.policy.qk_norm == P.QK_NORM_HEAD else t.shape[-1]
+        width = self.spec.head_dim if self.spec.qk_norm == P.QK_NORM_HEAD else t.shape[-1]
         out, _ = rms_norm(t.unflatten(-1, (-1, width)), norm.weight, _norm_eps(norm),
                           backend=self.backend, style=P.RMS_STYLES[self.spec.norm])
         return out.flatten(-2)

@@ -176,7 +176,7 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
     if policy.sinks_attr is not None:  # gpt-oss: one sink logit per query head, sliced with it
         params[_join(policy.attn, policy.sinks_attr)] = ShardSpec(0, (heads.q,))
     owned: tuple[bool, ...] = ()
-    if policy.qk_norm == P.QK_NORM_FULL:  # norm weights [heads * d] follow q / k's slices
+    if P.resolve(policy.qk_norm, config) == P.QK_NORM_FULL:  # norm weights [heads * d] follow q / k's slices
         params[_join(policy.attn, "q_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 0)])
         params[_join(policy.attn, "k_norm.weight")] = ShardSpec(0, ranges[_qk_path(policy, 1)])
         owned = kv_owned(full.num_heads, full.num_kv_heads, tp, rank)

@@ -250,7 +250,7 @@ def _wire_blocks(model: nn.Module, report: InjectionReport, plan: ModelPlan, tp:
         fused.reduce = tp.all_reduce
         q0, q1 = plan.blocks[path].heads.q
         fused.head_slice = slice(q0, q1)
-        if fused.policy.qk_norm == QK_NORM_FULL:
+        if fused.spec.qk_norm == QK_NORM_FULL:
             fused.sharded_qk_norm = FullQKNorm(fused, plan.blocks[path], tp)
         if fused.is_moe:  # experts stay whole; the shared expert (if any) is tensor-sliced
             fused.moe.reduce = tp.all_reduce

@@ -1,6 +1,6 @@
 """The issue-27 MoE families (gpt-oss) through the dense families' grid, plus what is theirs.
 
-The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (gpt-oss, DeepSeek-V3) (its test functions are
+The grid of tests/injection/test_family_parity.py runs here on MOE_2026 (gpt-oss, DeepSeek-V3, GLM-4.5) (its test functions are
 imported, so they collect again with this module's `pair`): fp32 logits within 1e-4 of HF eager
 on a left-padded batch, identical tokens for greedy, padded batches, beams, seeded sampling, the
 static cache, no cache and inference_mode, fused calls counted. Prompts (5-9 tokens) and 24 new
@@ -205,6 +205,28 @@ def test_deepseek_v3_full_rank_query_and_rotate_half_rope():
     ids, mask = prompts()
     assert (_logits(ref, ids, mask) - _logits(fused, ids, mask))[mask.bool()].abs().max() \
         <= FP32_LOGIT_ATOL
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
+                       fused.generate(ids, attention_mask=mask, **gen))
+
+
+@pytest.mark.parametrize("use_qk_norm", [True, False])
+def test_glm4_moe_qk_norms_follow_the_config(use_qk_norm):
+    """GLM-4.5's q / k norms exist where the config says use_qk_norm (the policy's qk_norm is
+    read from the config per model): both configurations keep HF eager's logits and tokens,
+    with the fused blocks and the MoE layer counted."""
+    config = MOE_CONFIGS["glm4_moe"]()
+    config.use_qk_norm = use_qk_norm
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    blocks = list(get_report(fused).blocks.values())
+    assert [b.spec.qk_norm for b in blocks] == ["per_head" if use_qk_norm else None] * 2
+    ids, mask = prompts()
+    before = sum(hf_dsinfer.fused_call_counts(fused).values())
+    assert (_logits(ref, ids, mask) - _logits(fused, ids, mask))[mask.bool()].abs().max() \
+        <= FP32_LOGIT_ATOL
+    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > before
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
                        fused.generate(ids, attention_mask=mask, **gen))

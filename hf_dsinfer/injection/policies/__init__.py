@@ -15,6 +15,7 @@ from hf_dsinfer.injection.policies import (
     gemma3,
     glm,
     glm4,
+    glm4_moe,
     gpt2,
     gpt_neox,
     gpt_oss,
@@ -44,6 +45,7 @@ POLICIES: tuple[Policy, ...] = (
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
+    glm4_moe.POLICY,
 )
 
 
