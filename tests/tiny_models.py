@@ -12,6 +12,7 @@ from transformers import (
     Cohere2Config,
     CohereConfig,
     DeepseekV3Config,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
@@ -165,7 +166,7 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
                  "cohere", "cohere2"]  # test_family_quant.py covers these
-BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4")  # HF initializes biases to zero: make_model randomizes them
+BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias")  # HF initializes biases to zero: make_model randomizes them
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
                                         intermediate_size=144, **_COMMON),
@@ -191,7 +192,7 @@ ROPE_SCALINGS = {
 
 def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                attn_implementation: str = "eager", rope_scaling: dict | None = None):
-    config = {**CONFIGS, **UNSUPPORTED, **MOE_CONFIGS}[name]()
+    config = {**CONFIGS, **UNSUPPORTED, **MOE_CONFIGS, **MOE_VARIANTS}[name]()
     if rope_scaling is not None:
         config.rope_parameters = {**config.rope_parameters, **rope_scaling}
     torch.manual_seed(seed)
@@ -326,5 +327,24 @@ MOE_CONFIGS["glm4_moe"] = lambda: Glm4MoeConfig(
     max_position_embeddings=128,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     **_COMMON)
+_ERNIE_MOE = dict(
+    # ERNIE 4.5 MoE: pairs RoPE in fp32; layer 0 dense, layers 1 and 2 sparse (8 experts top-3,
+    # choice by softmax + a correction bias, a floor on the renormalization, 2 shared experts).
+    # Untied head (ERNIE's default ties it): test_moe_families' dequantized HF copy writes the
+    # quantized head's weight, which a tied head would write into the embedding too (tied
+    # heads: tests/injection/test_family_quant.py)
+    tie_word_embeddings=False, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+    num_experts=8, num_experts_per_tok=3, moe_num_shared_experts=2, moe_layer_start_index=1,
+    moe_layer_end_index=2, moe_layer_interval=1, max_position_embeddings=128, **_COMMON)
+# without biases, as ERNIE-4.5-21B-A3B ships (MOE_2026's grid)
+MOE_CONFIGS["ernie4_5_moe"] = lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=False)
+# MoE variants outside the grid, for the tests that name them. With use_bias every projection
+# is biased, the shared experts' too, whose down bias tensor parallelism must add once
+# (test_ep_tp, test_tp_plans_2026); its random q / k biases make this tiny model amplify bf16
+# roundings past the bf16 grid's bounds (a 0.3 logit error against 0.07 without them).
+MOE_VARIANTS = {
+    "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
+}
 MOE_MODELS = list(MOE_CONFIGS)
-MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

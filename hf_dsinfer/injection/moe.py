@@ -20,6 +20,7 @@ priority), and the overflow slots are dropped (their weight is not redistributed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,12 @@ from hf_dsinfer.kernels.moe import (
     topk_gating,
     traced_expert_rows,
 )
-from hf_dsinfer.kernels.moe_routing import selection_margin, sigmoid_group_topk
+from hf_dsinfer.kernels.moe_routing import (
+    selection_margin,
+    sigmoid_group_topk,
+    softmax_biased_margin,
+    softmax_biased_topk,
+)
 
 if TYPE_CHECKING:  # annotations only: parallel/ sits above injection
     from hf_dsinfer.parallel.expert import ExpertParallel
@@ -77,6 +83,7 @@ class MoeSpec:
     topk_group: int = 1
     routed_scaling: float = 1.0
     router_fp32: bool = False
+    norm_min: float = 0.0  # softmax_biased: the renormalization's floor
 
     @property
     def canonical(self) -> bool:
@@ -125,8 +132,11 @@ def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activa
 def _routing_fields(layout: P.MoeLayout, config: Any) -> dict[str, Any]:
     if layout.scoring == "softmax":
         return {}
+    if layout.scoring == "softmax_biased":
+        return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
+                "norm_min": float(P.resolve(layout.norm_min, config))}
     if layout.scoring != "sigmoid_group":
-        raise ValueError(f"MoeLayout.scoring: expected 'softmax' or 'sigmoid_group', got "
+        raise ValueError(f"MoeLayout.scoring: expected one of {P.SCORINGS}, got "
                          f"{layout.scoring!r}")
     return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
             "n_group": int(P.resolve(layout.n_group, config)),
@@ -151,10 +161,11 @@ def drop_over_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: in
     return ids.masked_fill(~keep, num_experts), weights.masked_fill(~keep, 0)
 
 
-def _linear_any(module: nn.Module, x: torch.Tensor, backend: str) -> torch.Tensor:
+def _linear_any(module: nn.Module, x: torch.Tensor, backend: str,
+                with_bias: bool = True) -> torch.Tensor:
     if isinstance(module, QuantizedLinear):
-        return module.matmul(x)
-    return linear(x, module.weight, module.bias, backend=backend)
+        return module.matmul(x, with_bias)
+    return linear(x, module.weight, module.bias if with_bias else None, backend=backend)
 
 
 class FusedMoE:
@@ -215,11 +226,14 @@ class FusedMoE:
         else:
             out = self._local_experts(x, weights, ids)
         if self.spec.shared_expert:
-            shared = self._shared_expert(x)
-            out = out + (shared if self.reduce is None else self.reduce(shared))
+            out = out + self._shared_expert(x)
         return out
 
     # -- pieces --------------------------------------------------------------------------------
+    def correction_bias(self) -> torch.Tensor:
+        """The router's correction bias (layout.correction_bias, a dotted path under it)."""
+        return functools.reduce(getattr, self.layout.correction_bias.split("."), self.router)
+
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         # HF computes the router GEMM in the activations' dtype (DeepSeek-V3: in fp32); the
         # softmax is fp32.
@@ -236,14 +250,19 @@ class FusedMoE:
             logits = self.router_logits(x)
         if self.spec.scoring == "sigmoid_group":
             weights, ids = sigmoid_group_topk(
-                logits, getattr(self.router, self.layout.correction_bias), self.spec.top_k,
+                logits, self.correction_bias(), self.spec.top_k,
                 self.spec.n_group, self.spec.topk_group, self.spec.renormalize,
                 self.spec.routed_scaling)
+        elif self.spec.scoring == "softmax_biased":  # ERNIE 4.5: weights in x's dtype
+            weights, ids = softmax_biased_topk(logits, self.correction_bias(), self.spec.top_k,
+                                               self.spec.norm_min)
+            weights = weights.to(x.dtype)
         else:
             weights, ids = topk_gating(logits, self.spec.top_k,
                                        softmax_first=self.spec.softmax_first,
                                        renormalize=self.spec.renormalize, backend=self.backend)
-        if not self.spec.fp32_weights:  # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
+        if not self.spec.fp32_weights and self.spec.scoring != "softmax_biased":
+            # Qwen2/3-MoE, OLMoE: `router_top_value.to(logits.dtype)`
             weights = weights.to(logits.dtype)
         if self.spec.capacity_factor is not None:
             ids, weights = drop_over_capacity(ids, weights, self.spec.num_experts,
@@ -281,12 +300,20 @@ class FusedMoE:
         return combine_expert_rows(rows, weights, align)
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        """Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+        """Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x). Under tensor
+        parallelism the sliced expert's partial outputs are summed over the group here, and a
+        down-projection bias (ERNIE 4.5's use_bias) is added once, after the sum."""
         mlp = self.module.get_submodule(self.layout.shared_expert)
         gate, up = (_linear_any(mlp.get_submodule(n), x, self.backend)
                     for n in self.owner.policy.mlp_in)
         h = gated_act(gate, up, self.spec.activation, backend=self.backend)
-        out = _linear_any(mlp.get_submodule(self.owner.policy.mlp_out), h, self.backend)
+        down = mlp.get_submodule(self.owner.policy.mlp_out)
+        bias = getattr(down, "bias", None) if self.reduce is not None else None
+        out = _linear_any(down, h, self.backend, with_bias=bias is None)
+        if self.reduce is not None:
+            out = self.reduce(out)
+            if bias is not None:
+                out = out + bias
         if self.layout.shared_expert_gate is None:  # DeepSeek-V3: added as is
             return out
         gate_linear = self.module.get_submodule(self.layout.shared_expert_gate)
@@ -313,9 +340,12 @@ class FusedMoE:
         k-th expert. The parity gate excludes near-ties, which rounding may legally flip."""
         logits = self.router_logits(hidden_states.reshape(-1, hidden_states.shape[-1]))
         if self.spec.scoring == "sigmoid_group":
-            return selection_margin(logits, getattr(self.router, self.layout.correction_bias),
+            return selection_margin(logits, self.correction_bias(),
                                     self.spec.top_k, self.spec.n_group, self.spec.topk_group
                                     ).view(hidden_states.shape[:-1])
+        if self.spec.scoring == "softmax_biased":
+            return softmax_biased_margin(logits, self.correction_bias(), self.spec.top_k
+                                         ).view(hidden_states.shape[:-1])
         probs = torch.softmax(logits.float(), dim=-1) if self.spec.softmax_first else logits.float()
         k = self.spec.top_k
         if k >= probs.shape[-1]:

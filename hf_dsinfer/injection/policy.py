@@ -80,7 +80,7 @@ NORMS = (LAYER, LAYER_FP32, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
 QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
 TP_STYLES = ("colwise", "rowwise")
-SCORINGS = ("softmax", "sigmoid_group")
+SCORINGS = ("softmax", "sigmoid_group", "softmax_biased")
 
 
 def _check_choice(where: str, field: str, value: Any, allowed: tuple) -> None:
@@ -131,8 +131,12 @@ class MoeLayout:
     # DeepSeek-V3's router (kernels.moe_routing): "sigmoid_group" = sigmoid scores, a
     # correction bias (router buffer) steering the choice, top-k within the topk_group best of
     # n_group groups, weights times routed_scaling; its router GEMM runs in fp32.
+    # "softmax_biased" (ERNIE 4.5): fp32 softmax, the choice by the probabilities plus the
+    # correction bias, the chosen probabilities renormalized by max(sum, norm_min), then cast
+    # to the activations' dtype.
     scoring: str = "softmax"
-    correction_bias: str | None = None    # router attribute
+    correction_bias: str | None = None    # router attribute (a dotted path under the router)
+    norm_min: Any = None                  # softmax_biased: the renormalization's floor
     n_group: Any = None                   # FromConfig
     topk_group: Any = None
     routed_scaling: Any = None
@@ -147,6 +151,9 @@ class MoeLayout:
         if self.shared_expert_gate is not None and self.shared_expert is None:
             raise PolicyError("MoeLayout: shared_expert_gate without a shared_expert")
         _check_choice("MoeLayout", "scoring", self.scoring, SCORINGS)
+        if self.scoring != "softmax" and self.correction_bias is None:
+            raise PolicyError(f"MoeLayout: scoring={self.scoring!r} reads a correction_bias "
+                              "(the router attribute holding it)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,12 @@ sigmoid_group_topk(logits [T, E] fp32, correction_bias [E], top_k, n_group, topk
     plain sigmoid scores, divided by their sum (+1e-20) when `renormalize`, times `scaling`
     (routed_scaling_factor). HF's DeepseekV3TopkRouter op for op, ids in torch.topk's unsorted
     order as HF takes them.
+softmax_biased_topk(logits [T, E] fp32, correction_bias [E] or [1, E], top_k, norm_min)
+    ERNIE 4.5's router: probs = softmax(logits) in fp32; the choice is torch.topk of probs +
+    correction_bias (sorted, as HF calls it); weights are the chosen plain probabilities divided
+    by max(their sum, norm_min). The caller casts them to the activations' dtype, as HF does.
+softmax_biased_margin(...) -> [T]
+    the gap between the k-th and the next biased choice score.
 selection_margin(...) -> [T]
     how far each token is from another choice: the smaller of the gap between the topk_group-th
     and the next group score and the gap between the k-th and the next choice score inside the
@@ -49,6 +55,23 @@ def sigmoid_group_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def softmax_biased_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                        norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=1, dtype=torch.float32)  # [T, E]
+    ids = torch.topk(probs + correction_bias.squeeze(), top_k, dim=-1)[1]  # [T, k]
+    weights = torch.gather(probs, dim=-1, index=ids)
+    return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=norm_min), ids
+
+
+def softmax_biased_margin(logits: torch.Tensor, correction_bias: torch.Tensor,
+                          top_k: int) -> torch.Tensor:
+    choice = torch.softmax(logits.float(), dim=-1) + correction_bias.squeeze()
+    if top_k >= choice.shape[-1]:
+        return torch.ones(logits.shape[0], device=logits.device)
+    top = torch.topk(choice, top_k + 1, dim=-1).values
+    return top[:, top_k - 1] - top[:, top_k]
 
 
 def selection_margin(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,

@@ -56,3 +56,6 @@ def test_moe_layout_is_validated():
         dataclasses.replace(mixtral.POLICY.moe, shared_expert_gate="shared_expert_gate")
     with pytest.raises(PolicyError, match="classes must be a non-empty tuple"):
         dataclasses.replace(mixtral.POLICY.moe, classes=())
+    for scoring in ("softmax_biased", "sigmoid_group"):
+        with pytest.raises(PolicyError, match=f"scoring='{scoring}' reads a correction_bias"):
+            dataclasses.replace(mixtral.POLICY.moe, scoring=scoring)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from launch import torchrun
-from tiny_models import MOE_2026, MOE_CONFIGS, MOE_MODELS, make_model
+from tiny_models import MOE_2026, MOE_CONFIGS, MOE_MODELS, MOE_VARIANTS, make_model
 
 from hf_dsinfer.injection.layers import iter_layers
 from hf_dsinfer.injection.policies import find_policy
@@ -26,7 +26,7 @@ WORKER = Path(__file__).with_name("ep_tp_worker.py")
 WORLD, TP = 4, 2
 FP32_LOGIT_ATOL = 1e-4
 # every MoE family (the plans of gpt-oss and DeepSeek-V3: tests/parallel/test_tp_plans_2026.py)
-TP_MOE_MODELS = MOE_MODELS
+TP_MOE_MODELS = [*MOE_MODELS, "ernie4_5_moe_bias"]  # + a biased shared expert
 EP_CASES = [*TP_MOE_MODELS, "hier"]
 MODELS = [*EP_CASES, "tp_only"]
 
@@ -88,7 +88,7 @@ def test_sizes_that_do_not_tile_the_world_are_refused(ranks):
 
 
 def _num_experts(model: str) -> int:
-    config = MOE_CONFIGS[model]()
+    config = {**MOE_CONFIGS, **MOE_VARIANTS}[model]()
     for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
         if getattr(config, attr, None):
             return getattr(config, attr)

@@ -230,3 +230,42 @@ def test_glm4_moe_qk_norms_follow_the_config(use_qk_norm):
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ref.generate(ids, attention_mask=mask, **gen),
                        fused.generate(ids, attention_mask=mask, **gen))
+
+
+@pytest.mark.parametrize("norm_min", [1e-12, 0.9])  # ERNIE's floor, and one that clamps
+def test_ernie_moe_routing_is_hfs_router(norm_min):
+    """softmax_biased: the chosen experts and weights of HF's Ernie4_5_MoeTopKRouter, to the
+    bit (fp32 weights, then bf16 ones through FusedMoE.route), with a correction bias that
+    moves the choice; the floor of the renormalization applies where it clamps."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    from hf_dsinfer.kernels.moe_routing import softmax_biased_topk
+
+    config = MOE_CONFIGS["ernie4_5_moe"]()
+    config.moe_norm_min = norm_min
+    router = Ernie4_5_MoeTopKRouter(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5, generator=gen)
+        router.moe_statics.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+    x = torch.randn(64, config.hidden_size, generator=gen)
+    _, want_w, want_ids = router(x)
+    logits = torch.nn.functional.linear(x, router.weight)
+    bias = router.moe_statics.e_score_correction_bias
+    weights, ids = softmax_biased_topk(logits, bias, config.num_experts_per_tok, norm_min)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    plain = softmax_biased_topk(logits, torch.zeros_like(bias), config.num_experts_per_tok,
+                                norm_min)[1]
+    assert not torch.equal(plain, ids)  # the bias steers the choice
+    sums = torch.softmax(logits, -1).gather(1, ids).sum(-1)
+    assert (sums < norm_min).any() == (norm_min > 0.5)  # the floor clamps some rows, or none
+
+    model = make_model("ernie4_5_moe", dtype=torch.bfloat16)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(model), strict=True)
+    moe = next(iter(get_report(fused).moe.values()))
+    hf_router = model.model.layers[1].mlp.gate
+    xb = torch.randn(16, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        w, i = moe.route(xb)
+        _, hf_w, hf_i = hf_router(xb)
+    assert w.dtype == torch.bfloat16 and torch.equal(i, hf_i) and torch.equal(w, hf_w)

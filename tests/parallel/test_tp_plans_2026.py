@@ -97,3 +97,24 @@ def test_sliced_blocks_see_their_local_heads(name):
     else:
         spec = resolve_mla_spec(attn, find_policy(model).mla, model.config)
         assert spec.num_heads == 2 and attn.num_heads == 4
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "ernie4_5_moe_bias"])
+def test_glm4_moe_and_ernie_moe_plans_keep_routed_experts_whole(name):
+    """GLM-4.5 and ERNIE 4.5 MoE: attention Megatron-style, the dense first layer's MLP and
+    the shared experts sliced, the router and the routed experts whole; a biased shared
+    expert's down bias (ERNIE's use_bias) stays whole, added once after the all-reduce."""
+    model = make_model(name)
+    for blocks in _plans(model, 2):
+        for index, shard in enumerate(blocks):
+            p = shard.params
+            assert p["self_attn.o_proj.weight"].dim == 1
+            assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight"} <= set(p)
+            assert not [n for n in p if n.startswith(("mlp.experts", "mlp.gate."))]
+            prefix = "mlp." if index == 0 else "mlp.shared_experts."
+            weights = {n for n in p if n.startswith("mlp.") and n.endswith("weight")}
+            assert weights == {f"{prefix}{n}.weight" for n in ("gate_proj", "up_proj",
+                                                               "down_proj")}
+            assert f"{prefix}down_proj.bias" not in p
+            if name == "ernie4_5_moe_bias":  # column-sliced gate / up carry their biases
+                assert f"{prefix}gate_proj.bias" in p
