@@ -56,7 +56,8 @@ LAUNCHES = {  # name: (processes, pp, failure mode, families; "name@ep": ep = pr
 ACCELERATE = {"pp2": Path(__file__).resolve().parents[2] / "examples" / "accelerate" /
               "pp2_one_node.yaml"}
 TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
-UNEVEN = {"deepseek_v3"}  # layer 0 dense, the others MoE: its 4 layers do not split in halves
+# layer 0 dense, the others MoE: their 4 layers do not split in halves
+UNEVEN = {"deepseek_v3", "glm4_moe"}
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHES))
