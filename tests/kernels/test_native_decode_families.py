@@ -144,10 +144,15 @@ def _close(a: torch.Tensor, b: torch.Tensor, noise: float = 0.0) -> None:
     diff = (a - b).abs().max()
     assert diff <= max(0.03 * scale, noise), (diff, scale, noise)
     # A token may differ only where the reference's two best logits lie within 2 * diff (a
-    # near-tie the measured difference can break; implied by the bound above), and only rarely.
+    # near-tie the measured difference can break), and only rarely: one row of a few steps
+    # (GLM-4's first step at AVX2 torch, 2026-11-28), a quarter of many.
     flipped = a.argmax(-1) != b.argmax(-1)
-    assert flipped.float().mean() <= 0.25, ("tokens differ in too many rows", a.argmax(-1),
-                                            b.argmax(-1))
+    top2 = b.topk(2, dim=-1).values
+    near_tie = top2[..., 0] - top2[..., 1] <= 2 * diff
+    assert not (flipped & ~near_tie).any(), ("a token differs without a near tie", a.argmax(-1),
+                                             b.argmax(-1), top2)
+    assert flipped.sum() <= max(1, flipped.numel() // 4), ("tokens differ in too many rows",
+                                                           a.argmax(-1), b.argmax(-1))
 
 
 def _prompt(seed: int = 3, padding: int = 0):
