@@ -14,7 +14,10 @@ from switches import switch
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    Ernie4_5Config,
+    GlmConfig,
     GraniteConfig,
+    HunYuanDenseV1Config,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
@@ -67,6 +70,14 @@ CONFIGS = {
     # column order) and a 128-column rest
     "llama_wide": lambda: LlamaConfig(**{**_BASE, "hidden_size": 640, "intermediate_size": 1024,
                                          "num_attention_heads": 10, "num_key_value_heads": 2}),
+    # RoPE over interleaved pairs: in fp32 (ERNIE 4.5's fp32 tables), in bf16 over half of
+    # each 64-wide head (GLM, q / k / v biases); q / k norms after RoPE (HunYuan). Weights
+    # at 0.1: attention that moves the logits past _batched_against_torch_path's bound when a
+    # row rotates by another row's position (checked by hand: every row at row 0's cos / sin)
+    "ernie4_5": lambda: Ernie4_5Config(**_BASE, initializer_range=0.1),
+    "glm": lambda: GlmConfig(**_BASE, head_dim=64, partial_rotary_factor=0.5,
+                             attention_bias=True, initializer_range=0.1),
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_BASE, head_dim=32),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -74,11 +85,12 @@ QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 3
 def _model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.bfloat16).eval()
-    if name in ("qwen2", "seed_oss"):  # HF initialises biases to zero: make them matter
+    if name in ("qwen2", "seed_oss", "glm"):  # HF initialises biases to zero: make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                if proj.bias is not None:
+                         *(getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj",
+                                                                 "down_proj"))):
+                if proj is not None and proj.bias is not None:
                     torch.nn.init.normal_(proj.bias, std=0.5)
     if name == "qwen3":  # HF initialises the q/k norm weights to ones: make them differ
         for layer in model.model.layers:
@@ -118,22 +130,32 @@ def _need_batched(model) -> None:
         pytest.skip(f"batched steps take the torch path here: {why}")
 
 
-def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4):
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's positions counted from its first real token, as generate() passes them for
+    left-padded rows (padding at 1): the rows' cos / sin then differ."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def _step_logits(model, ids, mask, native: bool, monkeypatch, steps: int = 4,
+                 row_positions: bool = False):
     """Prefill (torch path), then `steps` one-token steps on the same tokens; logits [steps, V]
-    for one sequence, [steps, B, V] for B."""
+    for one sequence, [steps, B, V] for B. row_positions: position_ids per row (_positions),
+    else HF's default (the same positions in every row)."""
     b = ids.shape[0]
     with monkeypatch.context() as m:
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            extra = {"position_ids": _positions(mask)} if row_positions else {}
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
             if not native:
                 switch(m, native=False)
             out = []
             for i in range(steps):
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
                 tok = torch.tensor([[5 + 7 * i + 3 * r] for r in range(b)])
+                extra = {"position_ids": _positions(mask)[:, -1:]} if row_positions else {}
                 logits = model(tok, attention_mask=mask, past_key_values=cache,
-                               use_cache=True).logits
+                               use_cache=True, **extra).logits
                 out.append(logits[:, -1].float() if b > 1 else logits[0, -1].float())
     return torch.stack(out)
 
@@ -421,9 +443,9 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
     choice wherever the torch path's top two logits are further apart than that."""
     ids, mask = _padded_batch(3, 9)
     before = _row_calls(model)  # init_inference's parity check ran a batched step
-    torch_path = _step_logits(model, ids, mask, False, monkeypatch)
+    torch_path = _step_logits(model, ids, mask, False, monkeypatch, row_positions=True)
     assert _row_calls(model) == before
-    native = _step_logits(model, ids, mask, True, monkeypatch)
+    native = _step_logits(model, ids, mask, True, monkeypatch, row_positions=True)
     assert _row_calls(model) - before == 4 * len(model.model.layers)
     diff = (native - torch_path).abs().max()
     assert diff <= 0.03 * torch_path.abs().max(), diff
@@ -434,7 +456,8 @@ def _batched_against_torch_path(model, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_d64", "qwen2", "mistral", "llama_odd", "qwen3",
-                                  "smollm3", "granite", "phi3", "seed_oss"])
+                                  "smollm3", "granite", "phi3", "seed_oss", "ernie4_5", "glm",
+                                  "hunyuan_v1_dense"])
 def test_batched_decode_steps_match_the_torch_path(name, monkeypatch):
     """Three sequences, two of them left-padded, one token each per step: the batched layer
     (per-row positions, masks and keys) against the torch path, row by row."""
