@@ -270,9 +270,9 @@ def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     mode; no_grad for one family), and explain's path column says so."""
     # HunYuan's seed-1 prompt meets a near tie at the third step (the two best logits 0.0039
     # apart, one bf16 ulp there), where the paths' outputs of layer 1 differ by an ulp after
-    # bit-equal q / k / v (attention or the MLP: also seen in other families' generate runs,
-    # e.g. Gemma 2's seeds 3, 4, 6 for 12 tokens, where no tie was near); its seeds 2-6 keep
-    # the tokens (2026-11-28, Zen 4)
+    # bit-equal q / k / v (attention or the MLP). The two paths' scores differ in other
+    # families' generate runs too (Gemma 2: seeds 1, 3, 4 and 6 of 1-6, 12 tokens, no tie
+    # near); HunYuan's seeds 2-6 keep the tokens (2026-11-28, Zen 4)
     seed = 2 if name == "hunyuan_v1_dense" else 1
     model = _model(name, seed=seed)
     ids, _ = _prompt(seed=seed + 3)
