@@ -12,7 +12,7 @@ shards them."""
 
 import dataclasses
 
-from hf_dsinfer.injection.policies.llama import MLP_TP_PLAN
+from hf_dsinfer.injection.policies.llama import MLP_TP_PLAN, SHARED_EXPERTS_TP_PLAN
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
 from hf_dsinfer.injection.policy import FromConfig, MlaLayout, MoeLayout
 
@@ -25,8 +25,7 @@ POLICY = dataclasses.replace(
     mla=MlaLayout(rope_interleave=FromConfig("rope_interleave", default=False)),
     tp_plan={"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise",
              "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise", **MLP_TP_PLAN,
-             "mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
-             "mlp.shared_experts.down_proj": "rowwise"},
+             **SHARED_EXPERTS_TP_PLAN},
     moe=MoeLayout(classes=("DeepseekV3MoE",), num_experts="n_routed_experts",
                   renormalize=FromConfig("norm_topk_prob"), fp32_weights=True,
                   shared_expert="shared_experts", scoring="sigmoid_group",

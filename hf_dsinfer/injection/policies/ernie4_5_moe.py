@@ -11,7 +11,11 @@ experts whole (ep_size shards them)."""
 import dataclasses
 
 from hf_dsinfer.injection.policies.ernie4_5 import POLICY as ERNIE
-from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN, MLP_TP_PLAN
+from hf_dsinfer.injection.policies.llama import (
+    ATTENTION_TP_PLAN,
+    MLP_TP_PLAN,
+    SHARED_EXPERTS_TP_PLAN,
+)
 from hf_dsinfer.injection.policy import FromConfig, MoeLayout
 
 POLICY = dataclasses.replace(
@@ -19,9 +23,7 @@ POLICY = dataclasses.replace(
     family="ernie4_5_moe",
     model_types=("ernie4_5_moe",),
     block_classes=("Ernie4_5_MoeDecoderLayer",),
-    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN,
-             "mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
-             "mlp.shared_experts.down_proj": "rowwise"},
+    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN, **SHARED_EXPERTS_TP_PLAN},
     moe=MoeLayout(classes=("Ernie4_5_MoeSparseMoeBlock",), num_experts="num_experts",
                   shared_expert="shared_experts", scoring="softmax_biased",
                   correction_bias="moe_statics.e_score_correction_bias",

@@ -9,9 +9,14 @@ them), as for DeepSeek-V3."""
 
 import dataclasses
 
-from hf_dsinfer.injection.policies.llama import ATTENTION_TP_PLAN, MLP_TP_PLAN
+from hf_dsinfer.injection.policies.deepseek_v3 import POLICY as DEEPSEEK_V3
+from hf_dsinfer.injection.policies.llama import (
+    ATTENTION_TP_PLAN,
+    MLP_TP_PLAN,
+    SHARED_EXPERTS_TP_PLAN,
+)
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
-from hf_dsinfer.injection.policy import QK_NORM_HEAD, FromConfig, MoeLayout
+from hf_dsinfer.injection.policy import QK_NORM_HEAD, FromConfig
 
 POLICY = dataclasses.replace(
     LLAMA,
@@ -19,13 +24,6 @@ POLICY = dataclasses.replace(
     model_types=("glm4_moe",),
     block_classes=("Glm4MoeDecoderLayer",),
     qk_norm=FromConfig("use_qk_norm", {True: QK_NORM_HEAD, False: None}, default=False),
-    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN,
-             "mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
-             "mlp.shared_experts.down_proj": "rowwise"},
-    moe=MoeLayout(classes=("Glm4MoeMoE",), num_experts="n_routed_experts",
-                  renormalize=FromConfig("norm_topk_prob"), fp32_weights=True,
-                  shared_expert="shared_experts", scoring="sigmoid_group",
-                  correction_bias="e_score_correction_bias", n_group=FromConfig("n_group"),
-                  topk_group=FromConfig("topk_group"),
-                  routed_scaling=FromConfig("routed_scaling_factor"), router_fp32=True),
+    tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN, **SHARED_EXPERTS_TP_PLAN},
+    moe=dataclasses.replace(DEEPSEEK_V3.moe, classes=("Glm4MoeMoE",)),
 )

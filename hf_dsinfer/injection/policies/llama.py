@@ -33,3 +33,7 @@ POLICY = Policy(
 ATTENTION_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
                      "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"}
 MLP_TP_PLAN = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+# the same split of a MoE layer's ungated shared experts (DeepSeek-V3, GLM-4.5, ERNIE 4.5 MoE)
+SHARED_EXPERTS_TP_PLAN = {"mlp.shared_experts.gate_proj": "colwise",
+                          "mlp.shared_experts.up_proj": "colwise",
+                          "mlp.shared_experts.down_proj": "rowwise"}
