@@ -207,6 +207,7 @@ def test_bf16_many_rows_per_expert_in_fp32_gemms_without_bf16_dots(monkeypatch):
     # (nor the tier's native bf16 GEMV / panel kernels, which take up to 512 rows on avx2)
     monkeypatch.setattr(lin, "_native_gemv_lib", lambda *a: None)
     monkeypatch.setattr(lin, "_native_gemm_lib", lambda *a: None)
+    monkeypatch.setattr(lin, "_native_amx_lib", lambda *a: None)  # (nor the AMX linear)
     hidden, gate_up, down, weights, ids = _mlp_inputs(96, 32, 48, 4, 2, torch.bfloat16)
     picked = []
     monkeypatch.setattr(moe, "_onednn_gated", lambda *a: picked.append(a) or False)
