@@ -31,6 +31,7 @@ from transformers import (
     HunYuanDenseV1Config,
     InternLM3Config,
     LlamaConfig,
+    MiniMaxM2Config,
     Ministral3Config,
     MinistralConfig,
     MistralConfig,
@@ -346,8 +347,17 @@ MOE_CONFIGS["ernie4_5_moe"] = lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=
 # is biased, the shared experts' too, whose down bias tensor parallelism must add once
 # (test_ep_tp, test_tp_plans_2026); its random q / k biases make this tiny model amplify bf16
 # roundings past the bf16 grid's bounds (a 0.3 logit error against 0.07 without them).
+# MiniMax-M2: RMSNorm over the whole q and k projections, half of each head rotated, every
+# layer sparse: 8 experts top-3, fp32 sigmoid scores of a bf16 router GEMM, the choice steered
+# by a correction bias on the MoE block
+MOE_CONFIGS["minimax_m2"] = lambda: MiniMaxM2Config(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=3,
+    max_position_embeddings=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    **_COMMON)
 MOE_VARIANTS = {
     "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
 }
 MOE_MODELS = list(MOE_CONFIGS)
-MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

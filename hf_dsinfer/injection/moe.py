@@ -93,9 +93,11 @@ class MoeSpec:
     def describe(self) -> str:
         routing = "dropless" if self.capacity_factor is None else f"capacity {self.capacity_factor}"
         shared = " + shared expert" if self.shared_expert else ""
-        if self.scoring == "sigmoid_group":
+        if self.scoring == "sigmoid_group" and self.n_group > 1:
             routing += (f", sigmoid top-{self.top_k} in {self.topk_group} of {self.n_group} "
                         f"groups, x{self.routed_scaling}")
+        elif self.scoring == "sigmoid_group":
+            routing += f", sigmoid top-{self.top_k} with a correction bias, x{self.routed_scaling}"
         form = "" if self.canonical else (
             f" ({self.form.describe()}{', biased' if self.expert_bias else ''})")
         return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}{form}"
@@ -231,8 +233,9 @@ class FusedMoE:
 
     # -- pieces --------------------------------------------------------------------------------
     def correction_bias(self) -> torch.Tensor:
-        """The router's correction bias (layout.correction_bias, a dotted path under it)."""
-        return functools.reduce(getattr, self.layout.correction_bias.split("."), self.router)
+        """The routing's correction bias (layout.correction_bias, a dotted path under the MoE
+        module: DeepSeek-V3 keeps it on the router, MiniMax-M2 on the block)."""
+        return functools.reduce(getattr, self.layout.correction_bias.split("."), self.module)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         # HF computes the router GEMM in the activations' dtype (DeepSeek-V3: in fp32); the
@@ -244,7 +247,8 @@ class FusedMoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""
         if recording("router_logits"):  # HF's output hooks on the router record its logits
-            out = self.router(x)
+            out = self.router(x, *(functools.reduce(getattr, a.split("."), self.module)
+                                   for a in self.layout.router_args))
             logits = out[0] if isinstance(out, tuple) else out
         else:
             logits = self.router_logits(x)

@@ -115,6 +115,9 @@ class MoeLayout:
     fp32_weights: bool = False            # routing weights stay fp32 (Mixtral); else they are
                                           # cast to the router logits' dtype (Qwen2/3-MoE, OLMoE)
     router: str = "gate"                  # Linear-like module with `weight [E, H]`
+    router_args: tuple[str, ...] = ()     # what HF's MoE passes its router after the hidden
+                                          # states (dotted paths under the MoE module;
+                                          # MiniMax-M2: its correction bias)
     experts: str = "experts"
     shared_expert: str | None = None      # Qwen2-MoE: dense gated MLP (mlp_in / mlp_out names)
     shared_expert_gate: str | None = None  # its sigmoid gate, Linear(H, 1); None: ungated
@@ -135,7 +138,8 @@ class MoeLayout:
     # correction bias, the chosen probabilities renormalized by max(sum, norm_min), then cast
     # to the activations' dtype.
     scoring: str = "softmax"
-    correction_bias: str | None = None    # router attribute (a dotted path under the router)
+    correction_bias: str | None = None    # a dotted path under the MoE module (DeepSeek-V3:
+                                          # "gate.e_score_correction_bias"; MiniMax-M2: on the block)
     norm_min: Any = None                  # softmax_biased: the renormalization's floor
     n_group: Any = None                   # FromConfig
     topk_group: Any = None
@@ -144,6 +148,7 @@ class MoeLayout:
 
     def __post_init__(self) -> None:
         _check_names("MoeLayout", "classes", self.classes)
+        _check_names("MoeLayout", "router_args", self.router_args, empty=True)
         for field in ("num_experts", "top_k", "router", "experts"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise PolicyError(f"MoeLayout: {field} must be a config / module attribute "

@@ -1,7 +1,8 @@
 """Routing beyond softmax top-k: DeepSeek-V3's sigmoid, group-limited top-k with a correction
-bias (kernels/moe.py's topk_gating covers the softmax routers).
+bias (also MiniMax-M2's, with one group), ERNIE 4.5's biased softmax (kernels/moe.py's
+topk_gating covers the plain softmax routers).
 
-sigmoid_group_topk(logits [T, E] fp32, correction_bias [E], top_k, n_group, topk_group,
+sigmoid_group_topk(logits [T, E] (fp32, or the activations' dtype: scored in fp32), correction_bias [E], top_k, n_group, topk_group,
                    renormalize, scaling) -> (weights [T, k] fp32, ids [T, k] int64)
     scores = sigmoid(logits); the *choice* uses scores + correction_bias (a load-balancing bias
     that steers which experts are picked but not their weights): the experts are split into
@@ -47,9 +48,10 @@ def _masked_choice(choice: torch.Tensor, group_scores: torch.Tensor, topk_group:
 def sigmoid_group_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
                        n_group: int, topk_group: int, renormalize: bool, scaling: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = logits.sigmoid()  # [T, E]
+    scores = logits.float().sigmoid()  # [T, E]; fp32 (MiniMax-M2's router GEMM is bf16)
     choice = scores + correction_bias
-    choice = _masked_choice(choice, _group_scores(choice, n_group), topk_group)
+    if n_group > 1:  # MiniMax-M2: one group, every expert eligible
+        choice = _masked_choice(choice, _group_scores(choice, n_group), topk_group)
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
     weights = scores.gather(1, ids)
     if renormalize:

@@ -56,6 +56,8 @@ def test_moe_layout_is_validated():
         dataclasses.replace(mixtral.POLICY.moe, shared_expert_gate="shared_expert_gate")
     with pytest.raises(PolicyError, match="classes must be a non-empty tuple"):
         dataclasses.replace(mixtral.POLICY.moe, classes=())
+    with pytest.raises(PolicyError, match="router_args must be a tuple"):
+        dataclasses.replace(mixtral.POLICY.moe, router_args="e_score_correction_bias")
     for scoring in ("softmax_biased", "sigmoid_group"):
         with pytest.raises(PolicyError, match=f"scoring='{scoring}' reads a correction_bias"):
             dataclasses.replace(mixtral.POLICY.moe, scoring=scoring)

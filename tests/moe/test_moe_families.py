@@ -269,3 +269,30 @@ def test_ernie_moe_routing_is_hfs_router(norm_min):
         w, i = moe.route(xb)
         _, hf_w, hf_i = hf_router(xb)
     assert w.dtype == torch.bfloat16 and torch.equal(i, hf_i) and torch.equal(w, hf_w)
+
+
+def test_minimax_m2_routing_is_hfs_router():
+    """MiniMax-M2: HF's MiniMaxM2TopKRouter's experts and fp32 weights through FusedMoE.route,
+    to the bit, in bf16 (a bf16 router GEMM, then fp32 sigmoid scores) and fp32. The correction
+    bias lives on the MoE block, not the router, and steers the choice; scoring the bf16 logits
+    in bf16 would round the weights otherwise."""
+    from hf_dsinfer.kernels.moe_routing import sigmoid_group_topk
+
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = make_model("minimax_m2", dtype=dtype)
+        block = model.model.layers[1].mlp
+        with torch.no_grad():
+            block.e_score_correction_bias.normal_(0, 0.2, generator=gen)
+        fused = hf_dsinfer.init_inference(copy.deepcopy(model), strict=True)
+        moe = [m for p, m in get_report(fused).moe.items() if p.startswith("model.layers.1.")][0]
+        x = torch.randn(64, 64, generator=gen).to(dtype)
+        with torch.no_grad():
+            w, i = moe.route(x)
+            logits, hf_w, hf_i = block.gate(x, block.e_score_correction_bias)
+        assert w.dtype == torch.float32 and torch.equal(i, hf_i) and torch.equal(w, hf_w)
+        plain = sigmoid_group_topk(logits, torch.zeros(8), 3, 1, 1, True, 1.0)[1]
+        assert not torch.equal(plain.sort(-1).values, i.sort(-1).values)  # the bias steers
+        if dtype == torch.bfloat16:
+            low = logits.sigmoid().float().gather(1, i)
+            assert not torch.equal(low / low.sum(-1, keepdim=True), w)  # fp32 scores count

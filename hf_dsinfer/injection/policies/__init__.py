@@ -26,6 +26,7 @@ from hf_dsinfer.injection.policies import (
     helium,
     hunyuan_v1_dense,
     llama,
+    minimax_m2,
     mixtral,
     olmo2,
     olmoe,
@@ -46,7 +47,7 @@ POLICIES: tuple[Policy, ...] = (
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
-    glm4_moe.POLICY, ernie4_5_moe.POLICY,
+    glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY,
 )
 
 

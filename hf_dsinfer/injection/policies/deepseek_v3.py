@@ -29,7 +29,7 @@ POLICY = dataclasses.replace(
     moe=MoeLayout(classes=("DeepseekV3MoE",), num_experts="n_routed_experts",
                   renormalize=FromConfig("norm_topk_prob"), fp32_weights=True,
                   shared_expert="shared_experts", scoring="sigmoid_group",
-                  correction_bias="e_score_correction_bias", n_group=FromConfig("n_group"),
+                  correction_bias="gate.e_score_correction_bias", n_group=FromConfig("n_group"),
                   topk_group=FromConfig("topk_group"),
                   routed_scaling=FromConfig("routed_scaling_factor"), router_fp32=True),
 )

@@ -26,6 +26,6 @@ POLICY = dataclasses.replace(
     tp_plan={**ATTENTION_TP_PLAN, **MLP_TP_PLAN, **SHARED_EXPERTS_TP_PLAN},
     moe=MoeLayout(classes=("Ernie4_5_MoeSparseMoeBlock",), num_experts="num_experts",
                   shared_expert="shared_experts", scoring="softmax_biased",
-                  correction_bias="moe_statics.e_score_correction_bias",
+                  correction_bias="gate.moe_statics.e_score_correction_bias",
                   norm_min=FromConfig("moe_norm_min"), router_fp32=True),
 )
