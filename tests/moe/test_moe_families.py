@@ -285,7 +285,7 @@ def test_minimax_m2_routing_is_hfs_router():
         with torch.no_grad():
             block.e_score_correction_bias.normal_(0, 0.2, generator=gen)
         fused = hf_dsinfer.init_inference(copy.deepcopy(model), strict=True)
-        moe = [m for p, m in get_report(fused).moe.items() if p.startswith("model.layers.1.")][0]
+        moe = next(m for p, m in get_report(fused).moe.items() if p.startswith("model.layers.1."))
         x = torch.randn(64, 64, generator=gen).to(dtype)
         with torch.no_grad():
             w, i = moe.route(x)
