@@ -36,6 +36,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import gc
 import importlib.util
 import os
 import resource
@@ -327,7 +328,11 @@ def run(args: argparse.Namespace) -> list[Row]:
                     row.prefill.append(prefill)
                     row.decode.append(step)
             rows.extend(group)
+        # injected models hold reference cycles: without a collection here, each model's
+        # configurations stayed alive while the next model's were built (an AMX Xeon with
+        # 24 GiB was OOM-killed at the third model of three, 2026-11-28)
         del variants
+        gc.collect()
     return rows
 
 

@@ -12,6 +12,7 @@ from transformers import (
     Cohere2Config,
     CohereConfig,
     DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -29,6 +30,7 @@ from transformers import (
     GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
     InternLM3Config,
     LlamaConfig,
     MiniMaxM2Config,
@@ -356,8 +358,25 @@ MOE_CONFIGS["minimax_m2"] = lambda: MiniMaxM2Config(
     max_position_embeddings=128,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     **_COMMON)
+# dots.llm1: Qwen3's per-head q / k norms, sliding / full layers (window 4); layer 0 dense,
+# layer 1 DeepSeek-V3's MoE (8 experts in 4 groups, top-3 within the 2 best, a correction bias,
+# routed scaling 2.5, a shared expert)
+MOE_CONFIGS["dots1"] = lambda: Dots1Config(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+    n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+    **_COMMON)
+# HunYuan MoE: per-head q / k norms after RoPE, every layer sparse: 8 experts, k per layer
+# (3 then 2, HF's list form of moe_topk), softmax top-k renormalized, a shared MLP
+MOE_CONFIGS["hunyuan_v1_moe"] = lambda: HunYuanMoEV1Config(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=[3, 2],
+    max_position_embeddings=128, **_COMMON)
 MOE_VARIANTS = {
     "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
 }
 MOE_MODELS = list(MOE_CONFIGS)
-MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
+            "hunyuan_v1_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

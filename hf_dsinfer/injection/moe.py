@@ -116,7 +116,8 @@ def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activa
                       swiglu_limit=None if limit is None else float(limit))
     return MoeSpec(
         num_experts=int(n_exp),
-        top_k=int(getattr(config, layout.top_k)),
+        top_k=int(getattr(config, layout.top_k) if layout.top_k_module is None else
+                  functools.reduce(getattr, layout.top_k_module.split("."), module)),
         renormalize=bool(P.resolve(layout.renormalize, config)),
         fp32_weights=layout.fp32_weights,
         activation=resolve_activation(activation),
@@ -183,6 +184,9 @@ class FusedMoE:
         self.calls = 0
         self.hf_forward = type(module).forward.__get__(module)
         self.router = module.get_submodule(layout.router)
+        # the Linear holding the router's weight (and bias)
+        self.router_linear = (self.router if layout.router_linear is None
+                              else self.router.get_submodule(layout.router_linear))
         self.experts = module.get_submodule(layout.experts)
         self.quantized: nn.ModuleList | None = None  # [gate_up_0, down_0, gate_up_1, ...]
         self.parallel: ExpertParallel | None = None  # when ep_size > 1
@@ -238,11 +242,14 @@ class FusedMoE:
         return functools.reduce(getattr, self.layout.correction_bias.split("."), self.module)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # HF computes the router GEMM in the activations' dtype (DeepSeek-V3: in fp32); the
-        # softmax is fp32.
+        # HF computes the router GEMM in the router weight's dtype, the activations' unless a
+        # router is kept in fp32 (HunYuan's `wg` is built in fp32; MiniMax-M2 casts x to the
+        # weight's dtype too); DeepSeek-V3's in fp32 whatever the weight. The softmax is fp32.
         if self.spec.router_fp32:
-            return F.linear(x.float(), self.router.weight.float())  # [T, E]
-        return F.linear(x, self.router.weight, getattr(self.router, "bias", None))  # [T, E]
+            return F.linear(x.float(), self.router_linear.weight.float())  # [T, E]
+        weight = self.router_linear.weight
+        return F.linear(x.to(weight.dtype), weight,
+                        getattr(self.router_linear, "bias", None))  # [T, E]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""

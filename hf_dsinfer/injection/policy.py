@@ -111,10 +111,14 @@ class MoeLayout:
     classes: tuple[str, ...]              # HF sparse-MoE module class names
     num_experts: str                      # config attribute holding E
     top_k: str = "num_experts_per_tok"    # config attribute holding k
+    top_k_module: str | None = None       # else a dotted path under the MoE module holding it
+                                          # (HunYuan's router resolves a per-layer moe_topk)
     renormalize: Any = True               # divide the top-k probs by their sum (or FromConfig)
     fp32_weights: bool = False            # routing weights stay fp32 (Mixtral); else they are
                                           # cast to the router logits' dtype (Qwen2/3-MoE, OLMoE)
     router: str = "gate"                  # Linear-like module with `weight [E, H]`
+    router_linear: str | None = None      # or a dotted path under it to that Linear (HunYuan's
+                                          # gate.wg; HF records router logits on the router)
     router_args: tuple[str, ...] = ()     # what HF's MoE passes its router after the hidden
                                           # states (dotted paths under the MoE module;
                                           # MiniMax-M2: its correction bias)

@@ -296,3 +296,22 @@ def test_minimax_m2_routing_is_hfs_router():
         if dtype == torch.bfloat16:
             low = logits.sigmoid().float().gather(1, i)
             assert not torch.equal(low / low.sum(-1, keepdim=True), w)  # fp32 scores count
+
+
+def test_hunyuan_moe_routing_is_hfs_gate_per_layer():
+    """HunYuan MoE: each layer's k is its router's (HF resolves the list form of moe_topk
+    per layer: 3 then 2 here), and FusedMoE.route gives HF's HunYuanMoEV1Gate experts and
+    weights to the bit in a bf16 model, whose router Linear `gate.wg` HF keeps in fp32 (the
+    GEMM in fp32, fp32 weights)."""
+    model = make_model("hunyuan_v1_moe", dtype=torch.bfloat16)
+    assert model.model.layers[0].mlp.gate.wg.weight.dtype == torch.float32
+    fused = hf_dsinfer.init_inference(copy.deepcopy(model), strict=True)
+    moes = sorted(get_report(fused).moe.items())
+    assert [m.spec.top_k for _, m in moes] == [3, 2]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    for layer, (_, moe) in zip(model.model.layers, moes, strict=True):
+        with torch.no_grad():
+            w, i = moe.route(x)
+            _, hf_w, hf_i = layer.mlp.gate(x)
+        assert w.dtype == torch.float32 and torch.equal(i, hf_i) and torch.equal(w, hf_w)

@@ -99,19 +99,21 @@ def test_sliced_blocks_see_their_local_heads(name):
         assert spec.num_heads == 2 and attn.num_heads == 4
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "ernie4_5_moe_bias"])
+@pytest.mark.parametrize("name", ["glm4_moe", "ernie4_5_moe_bias", "dots1", "hunyuan_v1_moe"])
 def test_glm4_moe_and_ernie_moe_plans_keep_routed_experts_whole(name):
-    """GLM-4.5 and ERNIE 4.5 MoE: attention Megatron-style, the dense first layer's MLP and
-    the shared experts sliced, the router and the routed experts whole; a biased shared
-    expert's down bias (ERNIE's use_bias) stays whole, added once after the all-reduce."""
+    """GLM-4.5, ERNIE 4.5 MoE, dots.llm1 and HunYuan MoE: attention Megatron-style, the dense
+    first layer's MLP and the shared experts sliced, the router and the routed experts whole;
+    a biased shared expert's down bias (ERNIE's use_bias) stays whole, added once after the
+    all-reduce. HunYuan MoE has no dense layer and names its shared MLP `shared_mlp`."""
     model = make_model(name)
+    shared = "mlp.shared_mlp." if name == "hunyuan_v1_moe" else "mlp.shared_experts."
     for blocks in _plans(model, 2):
         for index, shard in enumerate(blocks):
             p = shard.params
             assert p["self_attn.o_proj.weight"].dim == 1
             assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight"} <= set(p)
             assert not [n for n in p if n.startswith(("mlp.experts", "mlp.gate."))]
-            prefix = "mlp." if index == 0 else "mlp.shared_experts."
+            prefix = "mlp." if index == 0 and name != "hunyuan_v1_moe" else shared
             weights = {n for n in p if n.startswith("mlp.") and n.endswith("weight")}
             assert weights == {f"{prefix}{n}.weight" for n in ("gate_proj", "up_proj",
                                                                "down_proj")}

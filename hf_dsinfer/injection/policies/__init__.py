@@ -8,6 +8,7 @@ from hf_dsinfer.injection.policies import (
     bloom,
     cohere,
     deepseek_v3,
+    dots1,
     ernie4_5,
     ernie4_5_moe,
     exaone4,
@@ -25,6 +26,7 @@ from hf_dsinfer.injection.policies import (
     granite_swa,
     helium,
     hunyuan_v1_dense,
+    hunyuan_v1_moe,
     llama,
     minimax_m2,
     mixtral,
@@ -47,7 +49,8 @@ POLICIES: tuple[Policy, ...] = (
     phi3.POLICY, gpt_oss.POLICY, deepseek_v3.POLICY, vaultgemma.POLICY, ernie4_5.POLICY,
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
-    glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY,
+    glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
+    hunyuan_v1_moe.POLICY,
 )
 
 
