@@ -16,6 +16,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -374,9 +375,17 @@ MOE_CONFIGS["hunyuan_v1_moe"] = lambda: HunYuanMoEV1Config(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=[3, 2],
     max_position_embeddings=128, **_COMMON)
+# FlexOlmo: OLMo 2's post-norms and whole-projection q / k norms, every layer OLMoE's MoE
+# (4 experts top-2, renormalized). No norm precedes its MoE, so the router reads the raw
+# residual stream; with 8 experts a third of the tokens were bf16 routing near-ties (their
+# 2nd and 3rd probabilities within the tests' margin), too many to test anything
+MOE_CONFIGS["flex_olmo"] = lambda: FlexOlmoConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+    max_position_embeddings=128, **_COMMON)
 MOE_VARIANTS = {
     "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
 }
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
-            "hunyuan_v1_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "hunyuan_v1_moe", "flex_olmo"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

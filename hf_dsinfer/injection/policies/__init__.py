@@ -12,6 +12,7 @@ from hf_dsinfer.injection.policies import (
     ernie4_5,
     ernie4_5_moe,
     exaone4,
+    flex_olmo,
     gemma,
     gemma2,
     gemma3,
@@ -50,7 +51,7 @@ POLICIES: tuple[Policy, ...] = (
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
-    hunyuan_v1_moe.POLICY,
+    hunyuan_v1_moe.POLICY, flex_olmo.POLICY,
 )
 
 
