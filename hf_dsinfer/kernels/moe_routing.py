@@ -2,8 +2,9 @@
 bias (also MiniMax-M2's, with one group), ERNIE 4.5's biased softmax (kernels/moe.py's
 topk_gating covers the plain softmax routers).
 
-sigmoid_group_topk(logits [T, E] (fp32, or the activations' dtype: scored in fp32), correction_bias [E], top_k, n_group, topk_group,
+sigmoid_group_topk(logits [T, E], correction_bias [E], top_k, n_group, topk_group,
                    renormalize, scaling) -> (weights [T, k] fp32, ids [T, k] int64)
+    (logits fp32, or the activations' dtype: they are scored in fp32 either way)
     scores = sigmoid(logits); the *choice* uses scores + correction_bias (a load-balancing bias
     that steers which experts are picked but not their weights): the experts are split into
     n_group groups, each group scored by the sum of its two best choice scores, the topk_group
