@@ -103,6 +103,11 @@ class MoeSpec:
         return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}{form}"
 
 
+def module_attr(module: nn.Module, path: str) -> Any:
+    """The attribute at a dotted path under a module (a MoeLayout path: a buffer, a value)."""
+    return functools.reduce(getattr, path.split("."), module)
+
+
 def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activation: str,
                      capacity_factor: float | None) -> MoeSpec:
     experts = module.get_submodule(layout.experts)
@@ -117,7 +122,7 @@ def resolve_moe_spec(module: nn.Module, layout: P.MoeLayout, config: Any, activa
     return MoeSpec(
         num_experts=int(n_exp),
         top_k=int(getattr(config, layout.top_k) if layout.top_k_module is None else
-                  functools.reduce(getattr, layout.top_k_module.split("."), module)),
+                  module_attr(module, layout.top_k_module)),
         renormalize=bool(P.resolve(layout.renormalize, config)),
         fp32_weights=layout.fp32_weights,
         activation=resolve_activation(activation),
@@ -239,7 +244,7 @@ class FusedMoE:
     def correction_bias(self) -> torch.Tensor:
         """The routing's correction bias (layout.correction_bias, a dotted path under the MoE
         module: DeepSeek-V3 keeps it on the router, MiniMax-M2 on the block)."""
-        return functools.reduce(getattr, self.layout.correction_bias.split("."), self.module)
+        return module_attr(self.module, self.layout.correction_bias)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         # HF computes the router GEMM in the router weight's dtype, the activations' unless a
@@ -254,8 +259,7 @@ class FusedMoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) exactly as the HF router, then capacity drops."""
         if recording("router_logits"):  # HF's output hooks on the router record its logits
-            out = self.router(x, *(functools.reduce(getattr, a.split("."), self.module)
-                                   for a in self.layout.router_args))
+            out = self.router(x, *(module_attr(self.module, a) for a in self.layout.router_args))
             logits = out[0] if isinstance(out, tuple) else out
         else:
             logits = self.router_logits(x)

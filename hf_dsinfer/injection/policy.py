@@ -153,6 +153,11 @@ class MoeLayout:
     def __post_init__(self) -> None:
         _check_names("MoeLayout", "classes", self.classes)
         _check_names("MoeLayout", "router_args", self.router_args, empty=True)
+        for field in ("top_k_module", "router_linear", "correction_bias"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise PolicyError(f"MoeLayout: {field} must be a dotted attribute path or None, "
+                                  f"got {value!r}")
         for field in ("num_experts", "top_k", "router", "experts"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise PolicyError(f"MoeLayout: {field} must be a config / module attribute "

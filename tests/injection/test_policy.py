@@ -58,6 +58,8 @@ def test_moe_layout_is_validated():
         dataclasses.replace(mixtral.POLICY.moe, classes=())
     with pytest.raises(PolicyError, match="router_args must be a tuple"):
         dataclasses.replace(mixtral.POLICY.moe, router_args="e_score_correction_bias")
+    with pytest.raises(PolicyError, match="top_k_module must be a dotted attribute path"):
+        dataclasses.replace(mixtral.POLICY.moe, top_k_module=("gate", "top_k"))
     for scoring in ("softmax_biased", "sigmoid_group"):
         with pytest.raises(PolicyError, match=f"scoring='{scoring}' reads a correction_bias"):
             dataclasses.replace(mixtral.POLICY.moe, scoring=scoring)
