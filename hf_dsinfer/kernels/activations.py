@@ -12,6 +12,8 @@ Activations (our names; `resolve_activation` maps Hugging Face config names onto
     gelu_tanh   0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) (F.gelu(approximate="tanh"))
     relu        max(x, 0)
     silu        x * sigmoid(x)
+    relu2       max(x, 0)^2                                          (Primer's squared ReLU:
+                                                                      Nemotron, Arcee AFM)
 
 Numerics: every eager op rounds to the input dtype; torch evaluates each activation internally
 in fp32 and rounds once. The kernels do the same: the bias add is rounded to x's dtype, the
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from hf_dsinfer.kernels import _dispatch
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "relu2")
 
 # Hugging Face `hidden_act` / `activation_function` names -> ours.
 _HF_NAMES = {
@@ -40,12 +42,13 @@ _HF_NAMES = {
     "bloom_gelu": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
     "relu": "relu",
+    "relu2": "relu2",
     "silu": "silu",
     "swish": "silu",
 }
 
 # Activation codes passed to the kernels as a constexpr.
-_ACT_CODE = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
+_ACT_CODE = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "relu2": 4}
 
 
 def resolve_activation(hf_name: str) -> str:
@@ -75,6 +78,8 @@ def _act_ref(x: torch.Tensor, act: str) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if act == "relu":
         return F.relu(x)
+    if act == "relu2":  # HF's ReLUSquaredActivation: relu (exact), then one rounded square
+        return torch.square(F.relu(x))
     return F.silu(x)
 
 
@@ -144,6 +149,9 @@ def _kernels() -> types.SimpleNamespace:
             y = x * tl.sigmoid(2.0 * z)
         elif ACT == 2:
             y = tl.maximum(x, 0.0)
+        elif ACT == 4:  # squared ReLU, rounded once as torch.square rounds
+            y = tl.maximum(x, 0.0)
+            y = y * y
         else:
             y = x * tl.sigmoid(x)
         if GATED:  # eager rounds act(gate) before the product

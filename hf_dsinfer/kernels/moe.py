@@ -247,13 +247,16 @@ def _kernels():
         dt = out_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         # ACT codes of activations._ACT_CODE, evaluated in fp32 (a nested @jit helper would
-        # not resolve from this closure, so the four formulas are inlined).
+        # not resolve from this closure, so the five formulas are inlined).
         if ACT == 0:  # erf GELU
             a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
         elif ACT == 1:  # tanh GELU = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))
             a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
         elif ACT == 2:
             a = tl.maximum(g, 0.0)
+        elif ACT == 4:  # squared ReLU
+            a = tl.maximum(g, 0.0)
+            a = a * a
         else:
             a = g * tl.sigmoid(g)
         a = a.to(dt).to(tl.float32)

@@ -13,7 +13,7 @@ from tests.kernels.conftest import DTYPE_TOL, INTERPRET_TOL, assert_close_tol, r
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCH, TOKENS, HIDDEN, INTER = 2, 7, 80, 48
 # HF names whose ACT2FN module is exactly the torch op our reference calls.
-EXACT_HF_NAMES = ("gelu", "gelu_pytorch_tanh", "relu", "silu", "swish")
+EXACT_HF_NAMES = ("gelu", "gelu_pytorch_tanh", "relu", "silu", "swish", "relu2")
 # HF names that spell tanh-GELU as a formula in the input dtype (a few roundings away).
 FORMULA_HF_NAMES = ("gelu_new", "gelu_fast")
 
@@ -26,7 +26,7 @@ def _x(dtype, *shape, seed=0):
 def test_resolve_activation_names():
     expected = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_fast": "gelu_tanh", "bloom_gelu": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                "relu": "relu", "silu": "silu", "swish": "silu"}
+                "relu": "relu", "silu": "silu", "swish": "silu", "relu2": "relu2"}
     assert {name: acts.resolve_activation(name) for name in expected} == expected
 
 
@@ -59,7 +59,8 @@ def test_ref_matches_hf_formula_gelus(dtype, hf_name):
 @pytest.mark.parametrize("act", acts.ACTIVATIONS)
 def test_gated_ref_is_llama_mlp_math_and_packed_equals_split(act):
     gate, up = _x(torch.float32, TOKENS, INTER), _x(torch.float32, TOKENS, INTER, seed=1)
-    hf_name = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
+    hf_name = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu",
+               "relu2": "relu2"}
     assert torch.equal(acts.gated_act_ref(gate, up, act), ACT2FN[hf_name[act]](gate) * up)
     packed = torch.cat([gate, up], dim=-1)
     # Not bit-equal: torch's vectorized and strided CPU loops differ in the last ulp.
@@ -106,7 +107,7 @@ def test_auto_on_cpu_runs_the_reference(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh", "relu2"])
 def test_bias_act_inplace_same_values_fewer_tensors(act):
     """inplace=True (a fused MLP's own fc1 output): the values of the out-of-place op, ReLU and
     SiLU written over x; without it x is left alone; a bias of a wider dtype is not forced in."""

@@ -134,7 +134,7 @@ def test_grouped_expert_mlp_matches_ref(triton_interpret, dtype, shape, backend)
 
 
 @requires_triton()
-@pytest.mark.parametrize("act", ("gelu", "gelu_pytorch_tanh", "relu"))
+@pytest.mark.parametrize("act", ("gelu", "gelu_pytorch_tanh", "relu", "relu2"))
 def test_grouped_expert_mlp_triton_activations(triton_interpret, act):
     args = _mlp_inputs(7, 80, 48, 3, 2, torch.float32)
     out = moe.grouped_expert_mlp(*args, act, backend="triton")
