@@ -24,6 +24,7 @@ from hf_dsinfer.kernels.abi import (
     LIN_INT8,
     LIN_INT8_TILED,
     MLPS,
+    MLPS_PLAIN,
     NORMS,
     ROPES,
     SLOTS,
@@ -210,7 +211,8 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     "bf16_pairs" / "fp32_pairs" (interleaved pairs (2j, 2j + 1) rotated by cos / sin [j], the
     first half of Llama's tables: Helium, GLM / ERNIE 4.5) or False / "none": positions enter
     before the layers (OPT's learned embeddings) or none (NoPE);
-    mlp "gated_silu", "relu" or "gated_gelu_tanh" (Gemma's GeGLU);
+    mlp "gated_silu", "gated_gelu_tanh" (Gemma's GeGLU), or a plain one (gate=fc1, up=None):
+    "relu", "relu2" (Nemotron, Arcee) or "gelu_tanh" (StarCoder2);
     q_scale: q is multiplied by it after its projection, as OPT does, and `scale` applies
     to q . k (1.0 for OPT); qk_norm: (q_norm, k_norm, q eps, k eps), RMSNorms over each
     head's head_dim before RoPE, Llama numerics (Qwen3); residual_multiplier: the
@@ -249,7 +251,7 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     if sorted(linears) != sorted(SLOTS):
         raise ValueError(f"build_decode_layer: linears must name exactly {SLOTS}, got "
                          f"{tuple(linears)}")
-    gated = mlp != "relu"
+    gated = mlp not in MLPS_PLAIN
     if (linears["up"] is None) == gated:
         raise NativeUnsupported(f"MLP {mlp!r} with {'no' if gated else 'an'} up projection")
     gate = linears["gate"]

@@ -12,7 +12,7 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 7  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 8  # hfd_api.h: HFD_ABI_VERSION
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4
@@ -24,7 +24,10 @@ SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
 # hfd_api.h: NORM_*, by the policies' norm names (injection/policy.py: RMS, "layer", RMS_FP32,
 # RMS_UNIT_OFFSET): the RMSNorm numerics of every norm of a layer
 NORMS = {"rms": 0, "layer": 1, "rms_fp32": 2, "rms_unit_offset": 3}
-MLPS = {"gated_silu": 0, "relu": 1, "gated_gelu_tanh": 2}  # hfd_api.h: MLP_*
+# hfd_api.h: MLP_*; the plain (ungated) ones read fc1 in the gate slot, no up (relu2 and
+# gelu_tanh: ABI 8)
+MLPS = {"gated_silu": 0, "relu": 1, "gated_gelu_tanh": 2, "relu2": 3, "gelu_tanh": 4}
+MLPS_PLAIN = ("relu", "relu2", "gelu_tanh")
 # hfd_api.h: ROPE_*, by the dtype of cos / sin and the rotation: rotate-half, or interleaved
 # pairs read from the first half of Llama's tables (ABI 7)
 ROPES = {"none": 0, "bf16": 1, "fp32": 2, "bf16_pairs": 3, "fp32_pairs": 4}

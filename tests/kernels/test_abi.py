@@ -42,8 +42,8 @@ def test_python_mirror_matches_the_header():
     assert slots["L_COUNT"] == len(abi.SLOTS)
     assert _enum("NORM_RMS", "NORM_LAYER") == {"NORM_RMS": abi.NORMS["rms"],
                                                "NORM_LAYER": abi.NORMS["layer"]}
-    assert _enum("MLP_GATED_SILU", "MLP_RELU") == {"MLP_GATED_SILU": abi.MLPS["gated_silu"],
-                                                   "MLP_RELU": abi.MLPS["relu"]}
+    mlps = _enum(*(f"MLP_{name.upper()}" for name in abi.MLPS))
+    assert mlps == {f"MLP_{name.upper()}": code for name, code in abi.MLPS.items()}
     ropes = _enum(*(f"ROPE_{name.upper()}" for name in abi.ROPES))
     assert ropes == {f"ROPE_{name.upper()}": code for name, code in abi.ROPES.items()}
     struct_fields = re.search(r"typedef struct \{(.*?)\} hfd_layer;", HEADER,

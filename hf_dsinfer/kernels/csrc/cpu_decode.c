@@ -1528,15 +1528,35 @@ static void gated_gelu_row(const float *g, const float *u, uint16_t *a, int64_t 
     }
 }
 
-/* The MLP's activation of one row: y fp32 [2 * I] (gate then up; fc1 alone for ReLU) -> a. */
+/* a[c] = bf16(act(bf16(y[c]))) for c < n: fc1's output (y fp32, with its bias) rounded as its
+   projection rounds, then squared ReLU (mlp MLP_RELU2, torch.square(relu(x)): one rounding) or
+   tanh GELU (MLP_GELU_TANH), evaluated in fp32 and rounded once. */
+static void plain_act_row(int64_t mlp, const float *y, uint16_t *a, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 mk = mask16(n - c);
+        __m512 v = bf16_round(_mm512_maskz_loadu_ps(mk, y + c));
+        if (mlp == MLP_RELU2) {
+            v = relu_ps(v);
+            v = _mm512_mul_ps(v, v);
+        } else {
+            v = gelu_tanh_ps(v);
+        }
+        store16_bf16(a + c, mk, v);
+    }
+}
+
+/* The MLP's activation of one row: y fp32 [2 * I] (gate then up; fc1 alone for the plain
+   MLPs) -> a. */
 static void mlp_act_row(const hfd_layer *L, const float *y, uint16_t *a) {
     const int64_t I = L->inter;
     if (L->mlp == MLP_GATED_SILU)
         gated_silu_row(y, y + I, a, I);
     else if (L->mlp == MLP_GATED_GELU_TANH)
         gated_gelu_row(y, y + I, a, I);
-    else
+    else if (L->mlp == MLP_RELU)
         relu_row(y, a, I);
+    else
+        plain_act_row(L->mlp, y, a, I);
 }
 
 /* out = x + branch, the branch y (fp32, a projection's output before rounding) as the layer
@@ -1577,7 +1597,7 @@ int hfd_decode_attn_out_slots(const hfd_layer *L, const uint16_t *x, const uint1
                               const int64_t *slots, uint16_t *out, int nthreads) {
     const int64_t H = L->hidden, d = L->head_dim, I = L->inter, rep = L->heads / L->kv_heads;
     const int64_t nq = L->heads * d;
-    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = MLP_IS_GATED(L->mlp);
     scratch s;
     int64_t kmax = I > H ? I : H; /* the widest input of a projection: I, H or heads * d */
     kmax = nq > kmax ? nq : kmax;
@@ -1927,11 +1947,21 @@ static void gated_gelu_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uin
     }
 }
 
-/* a = relu(a) in place for n bf16 elements (exact: fc1 already rounded with its bias). */
-static void relu_bf16(uint16_t *a, int64_t n) {
+/* a = act(a) in place for n bf16 elements, fc1's output already rounded with its bias: ReLU
+   (exact), squared ReLU or tanh GELU (evaluated in fp32, rounded once). */
+static void plain_act_bf16(int64_t mlp, uint16_t *a, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 mk = mask16(n - c);
-        store16_bf16(a + c, mk, relu_ps(load16(a, c, DT_BF16, mk)));
+        __m512 v = load16(a, c, DT_BF16, mk);
+        if (mlp == MLP_RELU) {
+            v = relu_ps(v);
+        } else if (mlp == MLP_RELU2) {
+            v = relu_ps(v);
+            v = _mm512_mul_ps(v, v);
+        } else {
+            v = gelu_tanh_ps(v);
+        }
+        store16_bf16(a + c, mk, v);
     }
 }
 
@@ -1970,7 +2000,7 @@ int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *
                               const uint16_t *a, uint16_t *out, const int64_t *bounds,
                               int nthreads) {
     const int64_t H = L->hidden, I = L->inter;
-    const int nt = nthreads > 0 ? nthreads : 1, gated = L->mlp != MLP_RELU;
+    const int nt = nthreads > 0 ? nthreads : 1, gated = MLP_IS_GATED(L->mlp);
     if (rows <= 0) return 0;
     uint16_t *act = (uint16_t *)malloc((size_t)(rows * I) * 2);  /* the MLP's activation */
     uint16_t *x1 = (uint16_t *)malloc((size_t)(rows * H) * 2);   /* x + attention */
@@ -2000,7 +2030,7 @@ int hfd_decode_post_attn_rows(const hfd_layer *L, int64_t rows, const uint16_t *
             }
         } else {
 #pragma omp parallel for num_threads(nt) schedule(static)
-            for (int64_t r = 0; r < rows; r++) relu_bf16(act + r * I, I);
+            for (int64_t r = 0; r < rows; r++) plain_act_bf16(L->mlp, act + r * I, I);
         }
         rc = lin_batch(&L->lin[L_DOWN], act, rows, h, nt, bounds);
     }

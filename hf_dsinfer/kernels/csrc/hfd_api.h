@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 7
+#define HFD_ABI_VERSION 8
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -50,12 +50,15 @@ enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_COUNT };
    multiply is in fp32 (OLMo 2: bf16(w * normalized); Gemma: bf16(normalized * (1 + w))), for
    every norm of the layer (q / k norms included); mlp: SiLU-gated (gate, up, down),
    fc1 -> ReLU -> fc2 (OPT: L_GATE is fc1, L_UP unused, L_DOWN is fc2) or tanh-GELU-gated
-   (Gemma's GeGLU); rope: none, rotate-half with bf16 cos / sin (each product rounded), or with
+   (Gemma's GeGLU), or (ABI 8) fc1 -> squared ReLU -> fc2 (Nemotron, Arcee) or fc1 -> tanh GELU
+   -> fc2 (StarCoder2); rope: none, rotate-half with bf16 cos / sin (each product rounded), or with
    fp32 cos / sin (OLMo 2: the rotation in fp32, rounded once); the _PAIRS ones (ABI 7) rotate
    interleaved pairs (2j, 2j + 1) by cos / sin [j], the first half of Llama's cat(freqs, freqs)
    tables as HF passes them (ERNIE 4.5 in fp32; Helium, GLM, GLM-4 in bf16). */
 enum { NORM_RMS = 0, NORM_LAYER = 1, NORM_RMS_FP32 = 2, NORM_RMS_UNIT = 3 };
-enum { MLP_GATED_SILU = 0, MLP_RELU = 1, MLP_GATED_GELU_TANH = 2 };
+enum { MLP_GATED_SILU = 0, MLP_RELU = 1, MLP_GATED_GELU_TANH = 2, MLP_RELU2 = 3, MLP_GELU_TANH = 4 };
+/* the MLPs with a gate and an up projection (the others: fc1 -> activation -> fc2) */
+#define MLP_IS_GATED(m) ((m) == MLP_GATED_SILU || (m) == MLP_GATED_GELU_TANH)
 enum { ROPE_NONE = 0, ROPE_BF16 = 1, ROPE_FP32 = 2, ROPE_BF16_PAIRS = 3, ROPE_FP32_PAIRS = 4 };
 
 typedef struct {
