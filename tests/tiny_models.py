@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    ArceeConfig,
     AutoModelForCausalLM,
     BloomConfig,
     Cohere2Config,
@@ -39,8 +40,10 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoConfig,
     OlmoeConfig,
     OPTConfig,
     Phi3Config,
@@ -53,7 +56,10 @@ from transformers import (
     Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
     VaultGemmaConfig,
+    XGLMConfig,
 )
 
 VOCAB = 101
@@ -163,17 +169,35 @@ CONFIGS = {
     "cohere2": lambda: Cohere2Config(
         **{**_LLAMA, "num_hidden_layers": 3}, logit_scale=0.5, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # LayerNorm families (norms randomized by make_model): StarCoder2, biased projections, a
+    # plain tanh-GELU MLP, window 4; Phi-2, GPT-J's parallel block, a quarter of each head
+    # rotated; StableLM, sequential with q / k / v biases, and parallel; Nemotron, LayerNorm1P
+    # (1 + w), squared ReLU, half of each head rotated
+    "starcoder2": lambda: Starcoder2Config(**_LLAMA, use_bias=True, sliding_window=4),
+    "phi": lambda: PhiConfig(**_LLAMA, partial_rotary_factor=0.25),
+    "stablelm": lambda: StableLmConfig(**_LLAMA, use_qkv_bias=True, partial_rotary_factor=0.5),
+    "stablelm_parallel": lambda: StableLmConfig(**_LLAMA, use_parallel_residual=True,
+                                                partial_rotary_factor=0.25),
+    "nemotron": lambda: NemotronConfig(**_LLAMA, partial_rotary_factor=0.5, attention_bias=True,
+                                       mlp_bias=True),
+    # OLMo (1): LayerNorms without parameters, q / k / v clamped to +-1.5
+    "olmo": lambda: OlmoConfig(**_LLAMA, clip_qkv=1.5),
+    # Arcee AFM: Llama's block with an up -> squared ReLU -> down MLP
+    "arcee": lambda: ArceeConfig(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
                  "olmo3", "gemma", "ministral", "seed_oss",
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
-                 "cohere", "cohere2"]  # test_family_quant.py covers these
-BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias")  # HF initializes biases to zero: make_model randomizes them
+                 "cohere", "cohere2", "starcoder2", "phi", "stablelm", "stablelm_parallel",
+                 "nemotron", "olmo", "arcee"]  # test_family_quant.py covers these
+BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias", "starcoder2",
+          "phi", "stablelm", "nemotron")  # HF initializes biases to zero: make_model randomizes them
+LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron")  # and these norms
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
-UNSUPPORTED = {"phi": lambda: PhiConfig(hidden_size=80, num_attention_heads=5, num_hidden_layers=2,
-                                        intermediate_size=144, **_COMMON),
+UNSUPPORTED = {"xglm": lambda: XGLMConfig(d_model=80, attention_heads=5, num_layers=2, ffn_dim=144,
+                                          max_position_embeddings=128, **_COMMON),
                # one the refusal names the lacking features of (Gated DeltaNet)
                "qwen3_next": lambda: Qwen3NextConfig(
                    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -208,6 +232,8 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
         _randomize_zero_inits(model, seed)
     if name in BIASED:
         _randomize_biases(model, seed)
+    if name in LAYER_NORMED:
+        _randomize_layer_norms(model, seed)
     return model.eval()
 
 
@@ -235,6 +261,18 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
             if type(module).__name__.endswith("RMSNorm"):
                 noise = 0.2 * torch.randn(module.weight.shape, generator=gen)
                 module.weight.add_(noise.to(module.weight.dtype))
+
+
+def _randomize_layer_norms(model: torch.nn.Module, seed: int) -> None:
+    """LayerNorms start at weight 1 (0 for Nemotron's 1 + w) and bias 0: noise on both makes a
+    norm read with the wrong numerics (or the wrong norm) count."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                for t in (module.weight, module.bias):
+                    if t is not None:
+                        t.add_((0.2 * torch.randn(t.shape, generator=gen)).to(t.dtype))
 
 
 def _randomize_biases(model: torch.nn.Module, seed: int) -> None:

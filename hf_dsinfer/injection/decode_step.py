@@ -66,7 +66,9 @@ ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", 
                       "Gemma3TextModel", "MinistralModel", "SeedOssModel", "VaultGemmaModel",
                       # Llama's forward, line for line (transformers 5.24)
                       "Ernie4_5Model", "HeliumModel", "GlmModel", "Glm4Model",
-                      "HunYuanDenseV1Model",
+                      "HunYuanDenseV1Model", "ArceeModel", "StableLmModel",
+                      # Mistral's, with an embedding dropout (identity: the step runs in eval)
+                      "Starcoder2Model",
                       # Ministral's forward (masks by layer type), line for line
                       "Exaone4Model")
 ROPE_PER_LAYER_TYPE = ("Gemma3TextModel",)  # rotary_emb(x, position_ids, layer_type)

@@ -33,13 +33,13 @@ from hf_dsinfer.injection.paths import PathRecord
 from hf_dsinfer.injection.quantize import QuantizedLinear
 from hf_dsinfer.kernels import _native
 from hf_dsinfer.kernels import decode as native_decode
+from hf_dsinfer.kernels.abi import MLPS_PLAIN, SLOTS
 from hf_dsinfer.kernels.abi import NORMS as NATIVE_NORMS
-from hf_dsinfer.kernels.abi import SLOTS
 from hf_dsinfer.kernels.activations import bias_act, gated_act, resolve_activation
 from hf_dsinfer.kernels.attention import attention as attention_op
 from hf_dsinfer.kernels.attention import attention_segments
 from hf_dsinfer.kernels.linear import CPU_AMX_MAX_ROWS, linear
-from hf_dsinfer.kernels.norms import layer_norm, layer_norm_fp32, rms_norm
+from hf_dsinfer.kernels.norms import layer_norm, layer_norm_fp32, layer_norm_plain, rms_norm
 from hf_dsinfer.kernels.rotary import apply_rotary
 
 # Sequences up to which a one-token step takes the native batched layer (its projections are
@@ -87,11 +87,15 @@ def _sub(module: nn.Module, name: str | None) -> nn.Module | None:
     return module if name == "" else module.get_submodule(name)
 
 
-def _norm_eps(norm: nn.Module) -> float:
+def _norm_eps(norm: nn.Module, default: float | None = None) -> float:
+    """A norm module's epsilon, or the policy's `norm_eps` for modules that keep none."""
     for attr in ("eps", "variance_epsilon", "epsilon"):
         if hasattr(norm, attr):
             return float(getattr(norm, attr))
-    raise AttributeError(f"cannot find the epsilon of {type(norm).__name__}")
+    if default is not None:
+        return default
+    raise AttributeError(f"cannot find the epsilon of {type(norm).__name__}; a policy names "
+                         "it with norm_eps when the module keeps none")
 
 
 def _out_features(linear_module: nn.Module, conv1d: bool) -> int:
@@ -208,7 +212,10 @@ class FusedBlock:
         self._qkv = [self._attn.get_submodule(n) for n in policy.qkv]
         self._out = self._attn.get_submodule(policy.out_proj)
         self._ln1 = _sub(block, policy.ln1)
-        self._ln2 = _sub(block, policy.ln2)
+        # a parallel block off one norm reads no second one (StableLM's parallel configs
+        # drop the module its sequential ones have)
+        self._ln2 = (None if self.spec.layout == P.PARALLEL_SHARED_LN
+                     else _sub(block, policy.ln2))
         self._post_attn = _sub(block, policy.post_attn_norm)  # SANDWICH's post-norms
         self._post_mlp = _sub(block, policy.post_mlp_norm)
         self._mlp_module = _sub(block, policy.mlp)
@@ -233,7 +240,7 @@ class FusedBlock:
         act, gated = self.spec.activation, self.policy.gated
         self._decode_mlp = ("gated_silu" if gated and act == "silu"
                             else "gated_gelu_tanh" if gated and act == "gelu_tanh"
-                            else "relu" if not gated and act == "relu" else None)
+                            else act if not gated and act in MLPS_PLAIN else None)
         self._decode_layout_why: str | None = self._decode_policy_why()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -460,7 +467,8 @@ class FusedBlock:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             qkv = [RowSlice(qkv[0], at, n)
                    for at, n in ((0, q), (q, kv), (q + kv, kv))]
-        mlp_in = list(self._mlp_in) if self._decode_mlp != "relu" else [self._mlp_in[0], None]
+        mlp_in = (list(self._mlp_in) if self._decode_mlp not in MLPS_PLAIN
+                  else [self._mlp_in[0], None])
         if len(mlp_in) == 1:  # [gate | up]
             inter = mlp_in[0].out_features // 2
             mlp_in = [RowSlice(mlp_in[0], at, inter) for at in (0, inter)]
@@ -617,12 +625,17 @@ class FusedBlock:
     def _norm_add(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                   x_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + (x + x_bias)), residual + (x + x_bias)) in one kernel."""
-        eps = _norm_eps(norm)
+        eps = _norm_eps(norm, self.policy.norm_eps)
         if self.spec.norm in P.RMS_STYLES:
             return rms_norm(x, norm.weight, eps, residual, x_bias, backend=self.backend,
                             style=P.RMS_STYLES[self.spec.norm])
         if self.spec.norm == P.LAYER_FP32:
             return layer_norm_fp32(x, norm.weight, eps, residual, x_bias)
+        if self.spec.norm == P.LAYER_PLAIN:
+            return layer_norm_plain(x, eps, residual, x_bias)
+        if self.spec.norm == P.LAYER_1P:  # the 1 + w sum in the weight's dtype, as HF's
+            return layer_norm(x, norm.weight + 1.0, norm.bias, eps, residual, x_bias,
+                              backend=self.backend)
         return layer_norm(x, norm.weight, norm.bias, eps, residual, x_bias, backend=self.backend)
 
     def _linear(self, module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:

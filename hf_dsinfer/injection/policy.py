@@ -63,6 +63,9 @@ RMS_STYLES = {RMS: "llama", RMS_FP32: "fp32", RMS_UNIT_OFFSET: "gemma"}
 # weight multiply in fp32, kernels.norms.layer_norm_fp32)
 LAYER = "layer"
 LAYER_FP32 = "layer_fp32"
+LAYER_1P = "layer_1p"        # Nemotron's LayerNorm1P: nn.LayerNorm with the weight read as 1 + w
+LAYER_PLAIN = "layer_plain"  # OLMo's LayerNorm: no weight or bias, in fp32, rounded once
+                             # (kernels.norms.layer_norm_plain)
 
 # Position sources.
 ROPE = "rope"                # (cos, sin) passed to the block as `position_embeddings`
@@ -76,18 +79,23 @@ QK_NORM_FULL = "full"        # OLMoE: over the whole q (k) projection, before th
 
 QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA)
 LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
-NORMS = (LAYER, LAYER_FP32, *RMS_STYLES)
+NORMS = (LAYER, LAYER_FP32, LAYER_1P, LAYER_PLAIN, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
 QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
 TP_STYLES = ("colwise", "rowwise")
 SCORINGS = ("softmax", "sigmoid_group", "softmax_biased")
 
 
+def _choices(value: Any) -> list:
+    """The values a policy field may take: its own, or those a FromConfig maps to."""
+    if isinstance(value, FromConfig):
+        return list(value.mapping.values()) if value.mapping else []
+    return [value]
+
+
 def _check_choice(where: str, field: str, value: Any, allowed: tuple) -> None:
     """`value` (or every value a FromConfig maps to) must be one of `allowed`."""
-    values = (list(value.mapping.values()) if isinstance(value, FromConfig) and value.mapping
-              else [] if isinstance(value, FromConfig) else [value])
-    for v in values:
+    for v in _choices(value):
         if v not in allowed:
             raise PolicyError(f"{where}: {field}={v!r} is not one of {list(allowed)}. Fix: use "
                               "one of the constants of hf_dsinfer.injection.policy.")
@@ -264,6 +272,8 @@ class Policy:
     # (config attribute, value, what the fused block lacks for it): a model whose config has
     # that value is refused with the reason (Cohere's use_qk_norm: per-head norm weights)
     unsupported_when: tuple[tuple[str, Any, str], ...] = ()
+    norm_eps: float | None = None         # the epsilon of norm modules that keep none (OLMo's
+                                          # LayerNorm hard-codes 1e-5)
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
     sinks_attr: str | None = None         # attention parameter [heads]: a learned logit per
                                           # head in each softmax's denominator (gpt-oss)
@@ -326,7 +336,7 @@ class Policy:
         if self.rope_fp32_math and self.positions != ROPE:
             raise PolicyError(f"{where}: rope_fp32_math rotates the model's cos / sin: it needs "
                               f"positions=ROPE, got {self.positions!r}")
-        if self.parallel_residual_first and self.layout != PARALLEL_SHARED_LN:
+        if self.parallel_residual_first and PARALLEL_SHARED_LN not in _choices(self.layout):
             raise PolicyError(f"{where}: parallel_residual_first orders the sum of "
                               f"layout=PARALLEL_SHARED_LN, got {self.layout!r}")
         for entry in self.unsupported_when:
@@ -334,6 +344,10 @@ class Policy:
                     and isinstance(entry[2], str)):
                 raise PolicyError(f"{where}: unsupported_when holds (config attribute, value, "
                                   f"reason) triples, got {entry!r}")
+        if self.norm_eps is not None and (isinstance(self.norm_eps, bool) or not isinstance(
+                self.norm_eps, (int, float)) or self.norm_eps <= 0):
+            raise PolicyError(f"{where}: norm_eps must be a positive number or None, got "
+                              f"{self.norm_eps!r}")
         if self.rope_sliding_only and not (self.sliding_attr and self.positions == ROPE):
             raise PolicyError(f"{where}: rope_sliding_only tells sliding layers by "
                               "sliding_attr: it needs sliding_attr and positions=ROPE")

@@ -17,6 +17,8 @@ Numerics (the Hugging Face eager ones):
                 mean, then the variance of `hf - mean` (two passes), `(hf - mean) *
                 rsqrt(var + eps)`, times `weight.float()`, rounded once to h's dtype. The weight
                 may be [heads, head_dim] over [..., heads, head_dim] (Cohere's q / k norms).
+    layer_norm_plain  OLMo's LayerNorm (no weight, no bias): `F.layer_norm(h.float())`, rounded
+                once to h's dtype.
     rms_norm    LlamaRMSNorm: `hf = h.float(); hf * rsqrt(mean(hf**2) + eps)`, rounded back to
                 h's dtype *before* the weight multiply, then `weight * that` (so the output dtype
                 is the promotion of weight's and h's dtypes, as in HF).
@@ -251,6 +253,14 @@ def layer_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float,
     centered = hf - hf.mean(-1, keepdim=True)
     variance = centered.pow(2).mean(-1, keepdim=True)
     return (weight.to(torch.float32) * (centered * torch.rsqrt(variance + eps))).to(h.dtype), h
+
+
+def layer_norm_plain(x: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                     x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(OLMo's LayerNorm(h), h) with h = residual + (x + x_bias): OlmoLayerNorm's forward (no
+    affine parameters, statistics and normalization in fp32, one rounding), on every backend."""
+    h = _residual_sum(x, residual, x_bias)
+    return F.layer_norm(h.to(torch.float32), (h.shape[-1],), None, None, eps).to(h.dtype), h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -60,11 +60,11 @@ def test_bad_dsinfer_argument_and_overrides():
 
 # -- unsupported models ------------------------------------------------------------------------------
 def test_unsupported_raises_naming_class_and_families():
-    model = make_model("phi")
+    model = make_model("xglm")
     with pytest.raises(hf_dsinfer.UnsupportedModelError) as info:
         hf_dsinfer.init_inference(model)
     text = str(info.value)
-    assert "PhiForCausalLM" in text and "llama" in text and "gpt_neox" in text
+    assert "XGLMForCausalLM" in text and "llama" in text and "gpt_neox" in text
     assert "strict=False" in text
     assert walker.get_report(model) is None
 
@@ -76,9 +76,9 @@ def test_unsupported_names_what_the_block_lacks():
     text = str(info.value)
     assert "Qwen3NextForCausalLM" in text and "Gated DeltaNet" in text
     assert "qwen3 (qwen3)" in text and "gemma2 (gemma2)" in text  # the 2026 families listed
-    phi = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
-                            make_model("phi")).value)
-    assert "No policy maps its decoder block" in phi
+    xglm = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
+                            make_model("xglm")).value)
+    assert "No policy maps its decoder block" in xglm
     ministral3 = str(pytest.raises(hf_dsinfer.UnsupportedModelError, hf_dsinfer.init_inference,
                                    make_model("ministral3")).value)
     assert "Ministral3ForCausalLM" in ministral3 and "llama_4_scaling_beta" in ministral3
@@ -96,7 +96,7 @@ def test_lacking_names_real_model_types_no_policy_covers():
 
 
 def test_unsupported_non_strict_runs_unmodified():
-    ref = make_model("phi")
+    ref = make_model("xglm")
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match="unmodified"):
         hf_dsinfer.init_inference(model, strict=False)

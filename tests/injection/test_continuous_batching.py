@@ -45,9 +45,11 @@ NO_PAGED_CACHE = () if RENAMED else ("bloom", "gptj")
 #   writes the expanded keys;
 # - OPT, BLOOM, GPT-NeoX (5.24): their model forwards call cache.get_seq_length(), which the
 #   PagedAttentionCache has not.
+# - StableLM, Nemotron (5.24): their decoder layers call the attention without the batch's
+#   kwargs, so the paged cache's update finds no cu_seq_lens_k.
 # The injected model completes every request where its own code stands in for the failing
 # part (GPT-NeoX), and otherwise raises with HF's error chained (test_hf_failures_raise).
-NO_HF_CB = ("deepseek_v3",) + (
+NO_HF_CB = ("deepseek_v3", "stablelm", "stablelm_parallel", "nemotron") + (
     ("opt", "opt_post_ln", "bloom", "gpt_neox", "gpt_neox_sequential") if RENAMED else ())
 # HF's generate_batch gives other tokens than its own generate for these (5.24, greedy, the
 # same prompts): the injected model's generate_batch is held to HF's generate instead.

@@ -2,7 +2,8 @@
 (issue 27): Qwen3, Phi-3 (partial rotary), OLMo 2 (fp32 cos / sin), SmolLM3 (NoPE layers),
 Gemma (its embedding scales itself), Granite (embedding multiplier), Seed-OSS (biases on
 q / k / v and the MLP, none on o_proj), ERNIE 4.5 (fp32 pairs RoPE), GLM (bf16 pairs over half
-of each head) and HunYuan (q / k norms after RoPE); Ministral's and EXAONE 4's sliding / full
+of each head), HunYuan (q / k norms after RoPE), Arcee (squared-ReLU MLP), StarCoder2 (tanh-GELU
+MLP, LayerNorms, biases everywhere) and StableLM (LayerNorms, partial rotary); Ministral's and EXAONE 4's sliding / full
 layers (EXAONE's full ones NoPE) as Gemma 2 / 3's.
 
 For each, the step must really run (its counters and the blocks' path record), and give
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    ArceeConfig,
     AutoModelForCausalLM,
     Ernie4_5Config,
     Exaone4Config,
@@ -31,6 +33,8 @@ from transformers import (
     Qwen3Config,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
     VaultGemmaConfig,
 )
 
@@ -59,11 +63,19 @@ CONFIGS = {
     "glm": lambda: GlmConfig(**_BASE, head_dim=32, attention_bias=True,
                              partial_rotary_factor=0.5),  # bf16 pairs over 16 of 32 dims
     "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_BASE, head_dim=32),
+    "arcee": lambda: ArceeConfig(**_BASE, head_dim=32),
+    "starcoder2": lambda: Starcoder2Config(**_BASE, head_dim=32, use_bias=True,
+                                           sliding_window=None),
+    # 64-wide heads (StableLM's head_dim is hidden / heads), 32 dims rotated
+    "stablelm": lambda: StableLmConfig(**{**_BASE, "num_attention_heads": 2,
+                                          "num_key_value_heads": 1}, partial_rotary_factor=0.5,
+                                       use_qkv_bias=True),
 }
 INNER = {"qwen3": "Qwen3Model", "phi3": "Phi3Model", "olmo2": "Olmo2Model",
          "smollm3": "SmolLM3Model", "gemma": "GemmaModel", "granite": "GraniteModel",
          "seed_oss": "SeedOssModel", "ernie4_5": "Ernie4_5Model", "glm": "GlmModel",
-         "hunyuan_v1_dense": "HunYuanDenseV1Model"}
+         "hunyuan_v1_dense": "HunYuanDenseV1Model", "arcee": "ArceeModel",
+         "starcoder2": "Starcoder2Model", "stablelm": "StableLmModel"}
 
 
 def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):
@@ -75,6 +87,10 @@ def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):
             if type(module).__name__.endswith("RMSNorm"):
                 noise = 0.3 * torch.randn(module.weight.shape, generator=gen)
                 module.weight.add_(noise.to(module.weight.dtype))
+            elif isinstance(module, torch.nn.LayerNorm):  # weight 1, bias 0 from HF
+                for t in (module.weight, module.bias):
+                    if t is not None:
+                        t.add_((0.3 * torch.randn(t.shape, generator=gen)).to(t.dtype))
             elif isinstance(module, torch.nn.Linear) and module.bias is not None:
                 noise = 0.1 * torch.randn(module.bias.shape, generator=gen)  # HF's are zeros
                 module.bias.add_(noise.to(module.bias.dtype))

@@ -30,9 +30,14 @@ def _dequantized_copy(ref: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.
             if isinstance(module, QuantizedLinear) and ".dsinfer_quantized." not in path:
                 dequantize = dequantize_int8 if module.bits == 8 else dequantize_int4
                 weight = dequantize(module.quantized, torch.bfloat16)
-                if out.get_submodule(path) is out.get_output_embeddings():
-                    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-                    out.set_output_embeddings(head.to(torch.bfloat16))
+                old = out.get_submodule(path)
+                if old is out.get_output_embeddings():  # untied, and its bias kept (Phi)
+                    bias = getattr(old, "bias", None)
+                    head = torch.nn.Linear(weight.shape[1], weight.shape[0],
+                                           bias=bias is not None).to(torch.bfloat16)
+                    if bias is not None:
+                        head.bias.copy_(bias)
+                    out.set_output_embeddings(head)
                 out.get_submodule(path).weight.copy_(weight)
     return out
 

@@ -41,6 +41,9 @@ def test_every_registered_policy_is_valid():
     ({"rope_sliding_only": True}, r"rope_sliding_only .* needs sliding_attr and positions=ROPE"),
     ({"rope_fp32_math": True, "positions": P.NO_POSITIONS}, r"rope_fp32_math .* needs positions"),
     ({"parallel_residual_first": True}, r"orders the sum of layout=PARALLEL_SHARED_LN"),
+    ({"parallel_residual_first": True,  # a FromConfig layout that is never parallel
+      "layout": P.FromConfig("x", {True: P.PARALLEL, False: P.SEQUENTIAL})}, r"orders the sum"),
+    ({"norm_eps": 0}, r"norm_eps must be a positive number or None"),
     ({"unsupported_when": (("use_qk_norm", True),)}, r"\(config attribute, value, reason\)"),
     ({"rope_sliding_only": True, "sliding_attr": "is_sliding", "positions": P.NO_POSITIONS},
      r"needs sliding_attr and positions=ROPE"),

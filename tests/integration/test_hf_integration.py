@@ -81,12 +81,12 @@ def test_pipeline_injected_model_and_streamer(gpt2_dir):
 
 
 def test_unsupported_model_error_surfaces_through_pipeline(tmp_path_factory):
-    phi_dir = save_tiny(tmp_path_factory, "phi")
-    with pytest.raises(hf_dsinfer.UnsupportedModelError, match="PhiForCausalLM"):
-        pipeline("text-generation", model=phi_dir, dtype=torch.bfloat16,
+    xglm_dir = save_tiny(tmp_path_factory, "xglm")
+    with pytest.raises(hf_dsinfer.UnsupportedModelError, match="XGLMForCausalLM"):
+        pipeline("text-generation", model=xglm_dir, dtype=torch.bfloat16,
                  model_kwargs={"dsinfer": True})
     # strict=False: loads and runs unmodified, and explain says so
-    pipe = pipeline("text-generation", model=phi_dir, model_kwargs={"dsinfer": {"strict": False}})
+    pipe = pipeline("text-generation", model=xglm_dir, model_kwargs={"dsinfer": {"strict": False}})
     assert "unmodified" in hf_dsinfer.explain(pipe.model)
 
 

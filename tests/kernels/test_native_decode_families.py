@@ -18,6 +18,7 @@ import pytest
 import torch
 from switches import switch
 from transformers import (
+    ArceeConfig,
     AutoModelForCausalLM,
     DynamicCache,
     Ernie4_5Config,
@@ -31,6 +32,8 @@ from transformers import (
     HunYuanDenseV1Config,
     Olmo2Config,
     SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
     VaultGemmaConfig,
 )
 
@@ -90,6 +93,19 @@ CONFIGS = {
     "exaone4": lambda: Exaone4Config(
         **_BASE, head_dim=32, sliding_window=WINDOW, initializer_range=0.1,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # the plain MLPs of ABI 8: Arcee's up -> squared ReLU -> down; StarCoder2's c_fc -> tanh
+    # GELU -> c_proj with LayerNorms and window 6, without and with its biases on every
+    # projection (the native layer adds o_proj's and the MLP's after the product's sum: an ulp
+    # here and there, see ernie4_5); and StableLM's LayerNorms, q / k / v biases, half of each
+    # 64-wide head rotated
+    "arcee": lambda: ArceeConfig(**_BASE, head_dim=32, initializer_range=0.1),
+    "starcoder2": lambda: Starcoder2Config(**_BASE, head_dim=32, use_bias=False,
+                                           sliding_window=WINDOW, initializer_range=0.1),
+    "starcoder2_biased": lambda: Starcoder2Config(**_BASE, head_dim=32, use_bias=True,
+                                                  sliding_window=WINDOW, initializer_range=0.1),
+    "stablelm": lambda: StableLmConfig(**{**_BASE, "num_attention_heads": 2,
+                                          "num_key_value_heads": 1}, use_qkv_bias=True,
+                                       partial_rotary_factor=0.5, initializer_range=0.1),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -103,6 +119,10 @@ def _model(name: str, seed: int = 0):
             if type(module).__name__.endswith("RMSNorm"):
                 noise = 0.3 * torch.randn(module.weight.shape, generator=gen)
                 module.weight.add_(noise.to(module.weight.dtype))
+            elif isinstance(module, torch.nn.LayerNorm):  # weight 1, bias 0 from HF
+                for t in (module.weight, module.bias):
+                    if t is not None:
+                        t.add_((0.3 * torch.randn(t.shape, generator=gen)).to(t.dtype))
             elif isinstance(module, torch.nn.Linear) and module.bias is not None:
                 noise = 0.1 * torch.randn(module.bias.shape, generator=gen)  # HF's are zero
                 module.bias.add_(noise.to(module.bias.dtype))
@@ -170,7 +190,8 @@ def test_the_interface_names_the_new_options():
         "NORM_RMS": abi.NORMS["rms"], "NORM_LAYER": abi.NORMS["layer"],
         "NORM_RMS_FP32": abi.NORMS["rms_fp32"], "NORM_RMS_UNIT": abi.NORMS["rms_unit_offset"],
         "MLP_GATED_SILU": abi.MLPS["gated_silu"], "MLP_RELU": abi.MLPS["relu"],
-        "MLP_GATED_GELU_TANH": abi.MLPS["gated_gelu_tanh"], "ROPE_NONE": abi.ROPES["none"],
+        "MLP_GATED_GELU_TANH": abi.MLPS["gated_gelu_tanh"], "MLP_RELU2": abi.MLPS["relu2"],
+        "MLP_GELU_TANH": abi.MLPS["gelu_tanh"], "ROPE_NONE": abi.ROPES["none"],
         "ROPE_BF16": abi.ROPES["bf16"], "ROPE_FP32": abi.ROPES["fp32"],
         "ROPE_BF16_PAIRS": abi.ROPES["bf16_pairs"], "ROPE_FP32_PAIRS": abi.ROPES["fp32_pairs"]}
 
@@ -250,6 +271,22 @@ def test_bf16_steps_of_the_other_families(name, monkeypatch):
     _bf16_bits(name, monkeypatch)
 
 
+@EVERY_TIER
+@pytest.mark.parametrize("name", ["arcee", "starcoder2"])
+def test_bf16_steps_of_the_plain_mlps(name, monkeypatch):
+    """The ABI 8 MLPs (squared ReLU, tanh GELU after fc1 and its bias): the torch path's bits
+    at every tier (within _close where torch's kernels sum in another order, _bf16_bits)."""
+    _bf16_bits(name, monkeypatch)
+
+
+def test_bf16_steps_of_the_layer_norm_families(monkeypatch):
+    """StableLM (LayerNorms with biases, q / k / v biases, partial rotary): the torch path's
+    bits; StarCoder2 with its biases on o_proj and the MLP: within _close."""
+    _bf16_bits("stablelm", monkeypatch)
+    native, torch_path = _native_against_torch_path(_model("starcoder2_biased"), monkeypatch)
+    _close(native, torch_path)
+
+
 @pytest.mark.parametrize(("name", "quant"), [("gemma3_text", "int8"), ("gemma3_text", "int4"),
                                              ("olmo2", "int4")])
 def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
@@ -264,7 +301,8 @@ def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3", "vaultgemma",
-                                  "ernie4_5", "glm", "hunyuan_v1_dense", "exaone4"])
+                                  "ernie4_5", "glm", "hunyuan_v1_dense", "exaone4", "arcee",
+                                  "starcoder2_biased"])
 def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     """generate(): the same greedy tokens, every decode step of every layer native (inference
     mode; no_grad for one family), and explain's path column says so."""
@@ -322,7 +360,9 @@ OPTIONS = [("gemma2", "softcap", 0.0, 0.03), ("gemma2", "ln3", None, 0.03),
            ("olmo2", "norm", abi.NORMS["rms"], 0.0),
            # halves instead of pairs; the q / k norms before RoPE instead of after
            ("ernie4_5", "rope", abi.ROPES["fp32"], 0.03), ("glm", "rope", abi.ROPES["bf16"], 0.03),
-           ("hunyuan_v1_dense", "qk_norm_after_rope", 0, 0.03)]
+           ("hunyuan_v1_dense", "qk_norm_after_rope", 0, 0.03),
+           # ReLU instead of its square; instead of tanh GELU
+           ("arcee", "mlp", abi.MLPS["relu"], 0.03), ("starcoder2", "mlp", abi.MLPS["relu"], 0.03)]
 
 
 def test_every_option_bites(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_dsinfer.injection.policies import (
+    arcee,
     bloom,
     cohere,
     deepseek_v3,
@@ -31,14 +32,19 @@ from hf_dsinfer.injection.policies import (
     llama,
     minimax_m2,
     mixtral,
+    nemotron,
+    olmo,
     olmo2,
     olmoe,
     opt,
+    phi,
     phi3,
     qwen2_moe,
     qwen3,
     qwen3_moe,
     smollm3,
+    stablelm,
+    starcoder2,
     vaultgemma,
 )
 from hf_dsinfer.injection.policy import Policy
@@ -51,7 +57,8 @@ POLICIES: tuple[Policy, ...] = (
     helium.POLICY, hunyuan_v1_dense.POLICY, glm.POLICY, glm4.POLICY, granite_swa.POLICY,
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
-    hunyuan_v1_moe.POLICY, flex_olmo.POLICY,
+    hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
+    olmo.POLICY, nemotron.POLICY, arcee.POLICY,
 )
 
 

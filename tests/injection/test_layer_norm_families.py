@@ -1,0 +1,116 @@
+"""The LayerNorm families' numerics, piece by piece against HF's own modules (the family grid in
+test_family_parity holds the whole models to HF eager within its tolerances; these hold the
+new options to HF's bits, so each would fail if the option were dropped):
+
+- OLMo's LayerNorm without parameters (`LAYER_PLAIN`: fp32, one rounding; its epsilon from
+  the policy, as the module keeps none);
+- Nemotron's LayerNorm1P (`LAYER_1P`: the weight read as 1 + w);
+- StableLM's parallel configs: no second norm (the block has none), (x + attention) + MLP;
+- Phi's and StableLM's `qk_layernorm` refused with the reason, or run unmodified."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import CONFIGS, make_model, prompts
+from transformers import AutoModelForCausalLM
+from transformers.models.nemotron import modeling_nemotron as hf_nemotron
+from transformers.models.olmo import modeling_olmo as hf_olmo
+
+import hf_dsinfer
+from hf_dsinfer.errors import UnsupportedModelError
+from hf_dsinfer.injection.walker import get_report
+from hf_dsinfer.kernels.norms import layer_norm_plain
+
+
+def _fused(name: str, dtype=torch.bfloat16):
+    ref = make_model(name, dtype=dtype)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    return ref, fused, list(get_report(fused).blocks.values())
+
+
+def _x(dtype, *shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(*shape, generator=gen) + 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_norm_plain_is_olmos(dtype):
+    x, residual = _x(dtype, 3, 5, 96), _x(dtype, 3, 5, 96, seed=1)
+    out, h = layer_norm_plain(x, 1e-5, residual)
+    assert torch.equal(h, residual + x)
+    assert torch.equal(out, hf_olmo.OlmoLayerNorm(96)(residual + x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_blocks_norms_are_hfs_to_the_bit(dtype):
+    """Each block's two norms through FusedBlock._norm_add (the residual add fused) equal the
+    HF module applied to the sum: OLMo's (eps from the policy) and Nemotron's 1 + w."""
+    for name, cls in (("olmo", hf_olmo.OlmoLayerNorm),
+                      ("nemotron", hf_nemotron.NemotronLayerNorm1P)):
+        _, _, blocks = _fused(name, dtype)
+        x, residual = _x(dtype, 2, 4, 96), _x(dtype, 2, 4, 96, seed=1)
+        for fused in blocks:
+            for norm in (fused._ln1, fused._ln2):
+                assert type(norm) is cls
+                with torch.no_grad():
+                    out, _ = fused._norm_add(norm, x, residual, None)
+                    assert torch.equal(out, norm(residual + x)), name
+
+
+def test_nemotrons_norm_reads_one_plus_w():
+    """Why LAYER_1P exists: the randomized weights (about 0) read as w give another norm."""
+    _, _, blocks = _fused("nemotron")
+    norm = blocks[0]._ln1
+    x = _x(torch.bfloat16, 2, 4, 96)
+    with torch.no_grad():
+        plain = torch.nn.functional.layer_norm(x, (96,), norm.weight, norm.bias, norm.eps)
+        assert (plain - blocks[0]._norm(norm, x)).abs().max() > 0.5
+
+
+def test_olmos_norms_need_the_policys_epsilon():
+    from hf_dsinfer.injection.fused import _norm_eps
+
+    norm = hf_olmo.OlmoLayerNorm(8)
+    with pytest.raises(AttributeError, match="norm_eps"):
+        _norm_eps(norm)
+    assert _norm_eps(norm, 1e-5) == 1e-5
+    _, _, blocks = _fused("olmo")
+    assert blocks[0].policy.norm_eps == 1e-5
+
+
+def test_stablelm_parallel_reads_one_norm_and_sums_x_plus_attention_first():
+    ref, fused, blocks = _fused("stablelm_parallel")
+    assert all(b.block.post_attention_layernorm is None and b._ln2 is None for b in blocks)
+    assert blocks[0].spec.layout == "parallel_shared_ln"
+    assert blocks[0].policy.parallel_residual_first
+    _, _, sequential = _fused("stablelm")
+    assert sequential[0].spec.layout == "sequential" and sequential[0]._ln2 is not None
+    ids, mask = prompts()
+    calls = sum(b.calls for b in blocks)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask).logits
+        b = fused(ids, attention_mask=mask).logits
+    assert sum(b_.calls for b_ in blocks) > calls
+    valid = mask.bool()
+    assert (a[valid] - b[valid]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize(("name", "what"), [("phi", "Phi's qk_layernorm"),
+                                            ("stablelm", "StableLM's qk_layernorm")])
+def test_qk_layernorm_is_refused_with_the_reason(name, what):
+    config = CONFIGS[name]()
+    config.qk_layernorm = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match=what):
+        hf_dsinfer.init_inference(model)
+    ids, mask = prompts()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    with pytest.warns(UserWarning, match="unmodified"):
+        hf_dsinfer.init_inference(model, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, want)
