@@ -55,6 +55,7 @@ from transformers import (
     LogitsProcessorList,
     OPTConfig,
     Qwen3Config,
+    Starcoder2Config,
 )
 
 from hf_dsinfer import settings
@@ -81,6 +82,13 @@ MODELS = {
                                           vocab_size=262144, sliding_window=512,
                                           query_pre_attn_scalar=256,
                                           max_position_embeddings=32768),
+    # StarCoder2-3B's shape: LayerNorms, a biased tanh-GELU MLP, biases on every projection
+    "starcoder2-3b": lambda: Starcoder2Config(hidden_size=3072, intermediate_size=12288,
+                                              num_hidden_layers=30, num_attention_heads=24,
+                                              num_key_value_heads=2, vocab_size=49152,
+                                              sliding_window=4096, use_bias=True,
+                                              max_position_embeddings=16384, bos_token_id=0,
+                                              eos_token_id=0),
     # the issue-27 MoE families, scaled down (the real ones are 21B / 671B parameters): each
     # family's block and routing at ~0.4-0.5B parameters
     "gpt-oss-mini": lambda: GptOssConfig(hidden_size=1024, intermediate_size=1024,

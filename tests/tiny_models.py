@@ -29,6 +29,7 @@ from transformers import (
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
@@ -421,9 +422,18 @@ MOE_CONFIGS["flex_olmo"] = lambda: FlexOlmoConfig(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
     intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
     max_position_embeddings=128, **_COMMON)
+# Granite MoE: Granite's multipliers, every layer sparse: 6 experts, top-2 of the router's
+# logits, then a softmax over those two. With 8 experts a bf16 router-logit tie (two logits
+# equal) in layer 0 flipped a token whose change reached the later tokens of its row through
+# layer 1's attention (0.06-0.08 of the logits' scale against the int4 test's 0.03)
+MOE_CONFIGS["granitemoe"] = lambda: GraniteMoeConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, embedding_multiplier=3.0,
+    residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=0.8,
+    max_position_embeddings=128, **_COMMON)
 MOE_VARIANTS = {
     "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
 }
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
-            "hunyuan_v1_moe", "flex_olmo"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "hunyuan_v1_moe", "flex_olmo", "granitemoe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -34,7 +34,8 @@ GEN = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_toke
 
 
 def _moe_calls(model) -> dict[str, int]:
-    return {p: c for p, c in hf_dsinfer.fused_call_counts(model).items() if p.endswith(".mlp")}
+    moe = get_report(model).moe  # the MoE modules (mlp, or Granite's block_sparse_moe)
+    return {p: c for p, c in hf_dsinfer.fused_call_counts(model).items() if p in moe}
 
 
 @pytest.fixture(scope="module", params=MOE_MODELS)

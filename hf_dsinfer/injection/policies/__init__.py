@@ -26,6 +26,7 @@ from hf_dsinfer.injection.policies import (
     gptj,
     granite,
     granite_swa,
+    granitemoe,
     helium,
     hunyuan_v1_dense,
     hunyuan_v1_moe,
@@ -58,7 +59,7 @@ POLICIES: tuple[Policy, ...] = (
     exaone4.POLICY, cohere.POLICY, cohere.POLICY_2,
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
     hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
-    olmo.POLICY, nemotron.POLICY, arcee.POLICY,
+    olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
 )
 
 
