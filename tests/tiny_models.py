@@ -12,6 +12,7 @@ from transformers import (
     BloomConfig,
     Cohere2Config,
     CohereConfig,
+    DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
     Ernie4_5_MoeConfig,
@@ -431,9 +432,26 @@ MOE_CONFIGS["granitemoe"] = lambda: GraniteMoeConfig(
     intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, embedding_multiplier=3.0,
     residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=0.8,
     max_position_embeddings=128, **_COMMON)
+# DeepSeek-V2-Lite's layout: MLA with a full-rank q_proj (no q_lora_rank), complex RoPE over
+# 8 dims, layer 0 dense, layer 1 sparse: softmax over 8 experts, greedy top-3, routed scaling
+# 1.5, a shared expert
+_DEEPSEEK_V2 = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+    intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=40, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
+    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+    max_position_embeddings=128, **_COMMON)
+MOE_CONFIGS["deepseek_v2"] = lambda: DeepseekV2Config(**_DEEPSEEK_V2, q_lora_rank=None,
+                                                      topk_method="greedy", n_group=1,
+                                                      topk_group=1)
 MOE_VARIANTS = {
+    # DeepSeek-V2 (236B)'s: a low-rank q, top-3 within the 2 best of 4 groups (each scored by
+    # its best probability)
+    "deepseek_v2_grouped": lambda: DeepseekV2Config(**_DEEPSEEK_V2, q_lora_rank=32,
+                                                    topk_method="group_limited_greedy",
+                                                    n_group=4, topk_group=2),
     "ernie4_5_moe_bias": lambda: Ernie4_5_MoeConfig(**_ERNIE_MOE, use_bias=True),
 }
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
-            "hunyuan_v1_moe", "flex_olmo", "granitemoe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -1,4 +1,4 @@
-"""Multi-head latent attention inside a FusedBlock (DeepSeek-V3): the attention option for blocks
+"""Multi-head latent attention inside a FusedBlock (DeepSeek-V2 / V3): the attention option for blocks
 whose policy has an `MlaLayout`.
 
 The attention module keeps its class and parameters; this computes its forward from them with
@@ -121,7 +121,13 @@ class MlaAttention:
     def _rotate(self, q_rot: torch.Tensor, k_rot: torch.Tensor, named: dict):
         """RoPE on the rotary dims. Interleaved pairs (x0, x1), (x2, x3) ... are first laid out
         as [evens | odds], then rotated by the rotate-half rule: HF's interleaved variant's
-        output, order of dims included (the cache holds rotated keys)."""
+        output, order of dims included (the cache holds rotated keys). DeepSeek-V2's complex
+        rotation is its apply_rotary_emb op for op (fp32 complex products, one rounding)."""
+        if self.layout.rope_complex:  # DeepSeek-V2: pairs times freqs_cis [B, S, dr / 2]
+            freqs = named["position_embeddings"].unsqueeze(1)
+            return tuple(torch.view_as_real(torch.view_as_complex(
+                t.float().reshape(*t.shape[:-1], -1, 2)) * freqs).flatten(3).type_as(t)
+                for t in (q_rot, k_rot))
         cos, sin = named["position_embeddings"]
         if self.spec.rope_interleave:
             q_rot, k_rot = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)

@@ -56,6 +56,7 @@ from hf_dsinfer.kernels.moe_routing import (
     sigmoid_group_topk,
     softmax_biased_margin,
     softmax_biased_topk,
+    softmax_group_topk,
 )
 
 if TYPE_CHECKING:  # annotations only: parallel/ sits above injection
@@ -98,6 +99,10 @@ class MoeSpec:
                         f"groups, x{self.routed_scaling}")
         elif self.scoring == "sigmoid_group":
             routing += f", sigmoid top-{self.top_k} with a correction bias, x{self.routed_scaling}"
+        elif self.scoring == "softmax_group":
+            groups = (f" in {self.topk_group} of {self.n_group} groups" if self.n_group > 1
+                      else "")
+            routing += f", softmax top-{self.top_k}{groups}, x{self.routed_scaling}"
         form = "" if self.canonical else (
             f" ({self.form.describe()}{', biased' if self.expert_bias else ''})")
         return f"{self.num_experts} experts top-{self.top_k}, {routing}{shared}{form}"
@@ -143,6 +148,12 @@ def _routing_fields(layout: P.MoeLayout, config: Any) -> dict[str, Any]:
     if layout.scoring == "softmax_biased":
         return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
                 "norm_min": float(P.resolve(layout.norm_min, config))}
+    if layout.scoring == "softmax_group":  # DeepSeek-V2 ("greedy": one group)
+        grouped = bool(P.resolve(layout.group_limited, config))
+        return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
+                "n_group": int(P.resolve(layout.n_group, config)) if grouped else 1,
+                "topk_group": int(P.resolve(layout.topk_group, config)) if grouped else 1,
+                "routed_scaling": float(P.resolve(layout.routed_scaling, config))}
     if layout.scoring != "sigmoid_group":
         raise ValueError(f"MoeLayout.scoring: expected one of {P.SCORINGS}, got "
                          f"{layout.scoring!r}")
@@ -268,6 +279,9 @@ class FusedMoE:
                 logits, self.correction_bias(), self.spec.top_k,
                 self.spec.n_group, self.spec.topk_group, self.spec.renormalize,
                 self.spec.routed_scaling)
+        elif self.spec.scoring == "softmax_group":  # DeepSeek-V2
+            weights, ids = softmax_group_topk(logits, self.spec.top_k, self.spec.n_group,
+                                              self.spec.topk_group, self.spec.routed_scaling)
         elif self.spec.scoring == "softmax_biased":  # ERNIE 4.5: weights in x's dtype
             weights, ids = softmax_biased_topk(logits, self.correction_bias(), self.spec.top_k,
                                                self.spec.norm_min)
@@ -358,6 +372,9 @@ class FusedMoE:
             return selection_margin(logits, self.correction_bias(),
                                     self.spec.top_k, self.spec.n_group, self.spec.topk_group
                                     ).view(hidden_states.shape[:-1])
+        if self.spec.scoring == "softmax_group":
+            return selection_margin(logits, None, self.spec.top_k, self.spec.n_group,
+                                    self.spec.topk_group).view(hidden_states.shape[:-1])
         if self.spec.scoring == "softmax_biased":
             return softmax_biased_margin(logits, self.correction_bias(), self.spec.top_k
                                          ).view(hidden_states.shape[:-1])

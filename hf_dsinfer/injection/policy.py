@@ -83,7 +83,7 @@ NORMS = (LAYER, LAYER_FP32, LAYER_1P, LAYER_PLAIN, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
 QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
 TP_STYLES = ("colwise", "rowwise")
-SCORINGS = ("softmax", "sigmoid_group", "softmax_biased")
+SCORINGS = ("softmax", "sigmoid_group", "softmax_biased", "softmax_group")
 
 
 def _choices(value: Any) -> list:
@@ -149,7 +149,12 @@ class MoeLayout:
     # "softmax_biased" (ERNIE 4.5): fp32 softmax, the choice by the probabilities plus the
     # correction bias, the chosen probabilities renormalized by max(sum, norm_min), then cast
     # to the activations' dtype.
+    # "softmax_group" (DeepSeek-V2): fp32 softmax, top-k within the topk_group groups of the
+    # best single probabilities (where group_limited; else over every expert), weights times
+    # routed_scaling, no correction bias.
     scoring: str = "softmax"
+    group_limited: Any = True             # softmax_group: groups apply (FromConfig of
+                                          # DeepSeek-V2's topk_method), else one group
     correction_bias: str | None = None    # a dotted path under the MoE module (DeepSeek-V3:
                                           # "gate.e_score_correction_bias"; MiniMax-M2: on the block)
     norm_min: Any = None                  # softmax_biased: the renormalization's floor
@@ -173,7 +178,7 @@ class MoeLayout:
         if self.shared_expert_gate is not None and self.shared_expert is None:
             raise PolicyError("MoeLayout: shared_expert_gate without a shared_expert")
         _check_choice("MoeLayout", "scoring", self.scoring, SCORINGS)
-        if self.scoring != "softmax" and self.correction_bias is None:
+        if self.scoring in ("sigmoid_group", "softmax_biased") and self.correction_bias is None:
             raise PolicyError(f"MoeLayout: scoring={self.scoring!r} reads a correction_bias "
                               "(the router attribute holding it)")
 
@@ -194,6 +199,9 @@ class MlaLayout:
     v_dim_attr: str = "v_head_dim"        # attention attribute
     nope_dim_attr: str = "qk_nope_head_dim"  # attention attribute
     rope_interleave: Any = False          # rotary dims in interleaved pairs (FromConfig)
+    rope_complex: bool = False            # position_embeddings is DeepSeek-V2's complex freqs_cis
+                                          # [B, S, dr / 2]: pairs rotated in fp32 as complex
+                                          # products, kept interleaved, rounded once
 
     def __post_init__(self) -> None:
         for field in ("q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm",

@@ -16,6 +16,11 @@ softmax_biased_topk(logits [T, E] fp32, correction_bias [E] or [1, E], top_k, no
     ERNIE 4.5's router: probs = softmax(logits) in fp32; the choice is torch.topk of probs +
     correction_bias (sorted, as HF calls it); weights are the chosen plain probabilities divided
     by max(their sum, norm_min). The caller casts them to the activations' dtype, as HF does.
+softmax_group_topk(logits [T, E] fp32, top_k, n_group, topk_group, scaling)
+    DeepSeek-V2's router: probs = softmax(logits) in fp32; with n_group > 1
+    ("group_limited_greedy") each group scored by its best probability, the experts outside the
+    topk_group best groups zeroed, then torch.topk (unsorted, as HF) of what is left; weights
+    are the chosen probabilities times `scaling`, not renormalized.
 softmax_biased_margin(...) -> [T]
     the gap between the k-th and the next biased choice score.
 selection_margin(...) -> [T]
@@ -29,21 +34,22 @@ from __future__ import annotations
 import torch
 
 
-def _group_scores(choice: torch.Tensor, n_group: int) -> torch.Tensor:
-    """[T, E] -> [T, n_group]: each group's two best choice scores, summed."""
+def _group_scores(choice: torch.Tensor, n_group: int, best: int = 2) -> torch.Tensor:
+    """[T, E] -> [T, n_group]: each group's `best` best choice scores, summed (DeepSeek-V3:
+    two; DeepSeek-V2: its best one)."""
     t, e = choice.shape
-    return choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    return choice.view(t, n_group, e // n_group).topk(best, dim=-1)[0].sum(dim=-1)
 
 
-def _masked_choice(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int
-                   ) -> torch.Tensor:
-    """Choice scores with the experts outside the topk_group best groups at -inf."""
+def _masked_choice(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
+                   fill: float = float("-inf")) -> torch.Tensor:
+    """Choice scores with the experts outside the topk_group best groups at `fill`."""
     t, e = choice.shape
     n_group = group_scores.shape[1]
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, n_group]
     score_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
-    return choice.masked_fill(~score_mask.bool(), float("-inf"))
+    return choice.masked_fill(~score_mask.bool(), fill)
 
 
 def sigmoid_group_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
@@ -68,6 +74,15 @@ def softmax_biased_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=norm_min), ids
 
 
+def softmax_group_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    if n_group > 1:  # group_limited_greedy: the others zeroed, as HF's masked_fill(0.0)
+        scores = _masked_choice(scores, _group_scores(scores, n_group, best=1), topk_group, 0.0)
+    weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * scaling, ids
+
+
 def softmax_biased_margin(logits: torch.Tensor, correction_bias: torch.Tensor,
                           top_k: int) -> torch.Tensor:
     choice = torch.softmax(logits.float(), dim=-1) + correction_bias.squeeze()
@@ -77,10 +92,15 @@ def softmax_biased_margin(logits: torch.Tensor, correction_bias: torch.Tensor,
     return top[:, top_k - 1] - top[:, top_k]
 
 
-def selection_margin(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+def selection_margin(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
                      n_group: int, topk_group: int) -> torch.Tensor:
-    choice = logits.float().sigmoid() + correction_bias
-    groups = _group_scores(choice, n_group)  # [T, n_group]
+    """DeepSeek-V3's sigmoid choice (correction_bias given) or DeepSeek-V2's softmax one
+    (None: groups scored by their best probability)."""
+    if correction_bias is None:
+        choice, best = torch.softmax(logits.float(), dim=-1), 1
+    else:
+        choice, best = logits.float().sigmoid() + correction_bias, 2
+    groups = _group_scores(choice, n_group, best)  # [T, n_group]
     margins = []
     if topk_group < n_group:
         top = torch.topk(groups, topk_group + 1, dim=-1).values

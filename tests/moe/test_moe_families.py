@@ -316,3 +316,47 @@ def test_hunyuan_moe_routing_is_hfs_gate_per_layer():
             w, i = moe.route(x)
             _, hf_w, hf_i = layer.mlp.gate(x)
         assert w.dtype == torch.float32 and torch.equal(i, hf_i) and torch.equal(w, hf_w)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v2_grouped"])
+def test_deepseek_v2_routing_is_hfs_router(name):
+    """DeepSeek-V2: HF's DeepseekV2TopkRouter's experts and fp32 weights through FusedMoE.route,
+    to the bit, in bf16 and fp32: greedy top-k over every expert (V2-Lite), and top-k within
+    the topk_group groups of the best single probabilities (V2); routed scaling applied, no
+    renormalization. The groups bite: top-k over every expert picks others."""
+    from hf_dsinfer.kernels.moe_routing import softmax_group_topk
+
+    gen = torch.Generator().manual_seed(6)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = make_model(name, dtype=dtype)
+        gate = model.model.layers[1].mlp.gate
+        fused = hf_dsinfer.init_inference(copy.deepcopy(model), strict=True)
+        (moe,) = get_report(fused).moe.values()
+        x = torch.randn(64, 64, generator=gen).to(dtype)
+        with torch.no_grad():
+            w, i = moe.route(x)
+            logits, hf_w, hf_i = gate(x)
+        assert w.dtype == torch.float32 and torch.equal(i, hf_i) and torch.equal(w, hf_w)
+        assert moe.spec.routed_scaling == 1.5
+        if name == "deepseek_v2_grouped":
+            greedy = softmax_group_topk(logits, 3, 1, 1, 1.5)[1]
+            assert not torch.equal(greedy.sort(-1).values, i.sort(-1).values)
+
+
+def test_deepseek_v2_grouped_matches_hf():
+    """The group-limited variant with a low-rank query (DeepSeek-V2's own layout): fp32 logits
+    and greedy tokens of HF eager, the fused MoE and the absorbed MLA decode counted."""
+    ref = make_model("deepseek_v2_grouped")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    report = get_report(fused)
+    assert all(b.mla.spec.low_rank_q for b in report.blocks.values())
+    before = [b.mla.absorbed_calls for b in report.blocks.values()]  # the parity gate's step
+    ids, mask = prompts()
+    a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
+    assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
+                           ref.generate(ids, attention_mask=mask, **gen))
+    assert all(m.calls > 0 for m in report.moe.values())
+    assert [b.mla.absorbed_calls - n for b, n in zip(report.blocks.values(), before)] == [5, 5]

@@ -8,6 +8,7 @@ from hf_dsinfer.injection.policies import (
     arcee,
     bloom,
     cohere,
+    deepseek_v2,
     deepseek_v3,
     dots1,
     ernie4_5,
@@ -60,6 +61,7 @@ POLICIES: tuple[Policy, ...] = (
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
     hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
+    deepseek_v2.POLICY,
 )
 
 
