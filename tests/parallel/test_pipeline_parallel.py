@@ -57,7 +57,7 @@ ACCELERATE = {"pp2": Path(__file__).resolve().parents[2] / "examples" / "acceler
               "pp2_one_node.yaml"}
 TIMEOUT_S = 1.0  # pp_worker.TIMEOUT_S
 # layer 0 dense, the others MoE: their 4 layers do not split in halves
-UNEVEN = {"deepseek_v3", "glm4_moe", "ernie4_5_moe", "dots1"}
+UNEVEN = {"deepseek_v3", "deepseek_v2", "glm4_moe", "ernie4_5_moe", "dots1"}
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHES))
