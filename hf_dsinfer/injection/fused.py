@@ -171,6 +171,16 @@ def _check_sinks(attn: nn.Module, policy: P.Policy, num_heads: int) -> bool:
     return True
 
 
+def head_norm_count(norm: nn.Module) -> int | None:
+    """How many heads a q / k norm module has parameters for (None: one set for every head):
+    StableLM's ModuleList of per-head norms, Cohere's [heads, head_dim] weight."""
+    norms = getattr(norm, "norms", None)
+    if isinstance(norms, nn.ModuleList):
+        return len(norms)
+    weight = getattr(norm, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
 class FusedBlock:
     """Callable installed as `block.forward`; falls back to the HF forward when asked for what
     fused blocks do not compute (attention weights, by keyword or through the config; training;
@@ -280,6 +290,7 @@ class FusedBlock:
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
              "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
             (spec.clip_qkv is None, "q/k/v clipping"),
+            (spec.qk_norm != P.QK_NORM_MODULE, "q / k LayerNorms"),
             (not p.rope_half_table, "a half-width cos / sin table"),
             (p.mla is None, "multi-head latent attention"),
             (not spec.sinks, "attention sinks"),
@@ -666,12 +677,22 @@ class FusedBlock:
         then q, k, v clamped to +-clip_qkv. q, k, v are [B, S, heads * D]."""
         if self.sharded_qk_norm is not None:
             q, k = self.sharded_qk_norm(q, k)
+        elif self.spec.qk_norm == P.QK_NORM_MODULE:
+            q, k = self._module_norm(q, self._q_norm), self._module_norm(k, self._k_norm)
         elif self.spec.qk_norm is not None and not self.policy.qk_norm_after_rope:
             q, k = self._rms_last(q, self._q_norm), self._rms_last(k, self._k_norm)
         if self.spec.clip_qkv is not None:
             c = self.spec.clip_qkv
             q, k, v = [t.clamp(-c, c) for t in (q, k, v)]
         return q, k, v
+
+    def _module_norm(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """The attention's own q / k norm module on [B, S, heads * D], laid out as HF hands it
+        the heads ([B, heads, S, D] where qk_norm_heads_first, else [B, S, heads, D])."""
+        heads = t.unflatten(-1, (-1, self.spec.head_dim))  # [B, S, h, D]
+        if self.policy.qk_norm_heads_first:
+            return norm(heads.transpose(1, 2)).transpose(1, 2).flatten(-2)
+        return norm(heads).flatten(-2)
 
     def _rms_last(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """RMSNorm of [B, S, heads * D] over D (per head) or over the whole last dim."""

@@ -76,12 +76,15 @@ NO_POSITIONS = "none"        # learned absolute positions added before the block
 # q/k normalization inside attention (RMSNorm modules `q_norm` / `k_norm` on the attention).
 QK_NORM_HEAD = "per_head"    # Qwen3(-MoE): over each head's head_dim, before RoPE
 QK_NORM_FULL = "full"        # OLMoE: over the whole q (k) projection, before the head split
+QK_NORM_MODULE = "module"    # the attention's own q / k norm modules, called on the heads as HF
+                             # calls them (LayerNorms: Phi's shared one, StableLM's one per head,
+                             # Cohere's [heads, head_dim] weight), before RoPE
 
 QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA)
 LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
 NORMS = (LAYER, LAYER_FP32, LAYER_1P, LAYER_PLAIN, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
-QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL)
+QK_NORMS = (None, QK_NORM_HEAD, QK_NORM_FULL, QK_NORM_MODULE)
 TP_STYLES = ("colwise", "rowwise")
 SCORINGS = ("softmax", "sigmoid_group", "softmax_biased", "softmax_group")
 
@@ -247,6 +250,8 @@ class Policy:
     tp_plan: dict[str, str] | None = None
     qk_norm: str | None = None            # QK_NORM_HEAD / QK_NORM_FULL
     qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")  # the attention's norm modules
+    qk_norm_heads_first: bool = False     # QK_NORM_MODULE: the modules take [B, heads, S, D]
+                                          # (Phi, StableLM), not [B, S, heads, D] (Cohere)
     qk_norm_after_rope: bool = False      # per-head q / k norms of the rotated q, k (HunYuan),
                                           # not before RoPE (Qwen3)
     clip_qkv: Any = None                  # OLMoE: clamp q, k, v to +-clip_qkv (FromConfig)
@@ -327,6 +332,10 @@ class Policy:
                                   f"{self.layout!r}")
         if self.ln1 is None and not sandwich:
             raise PolicyError(f"{where}: ln1=None (no pre-norm) only with layout=SANDWICH")
+        if self.qk_norm_heads_first and QK_NORM_MODULE not in _choices(self.qk_norm):
+            raise PolicyError(f"{where}: qk_norm_heads_first lays out the heads for the q / k "
+                              f"norm modules: it needs qk_norm=QK_NORM_MODULE, got "
+                              f"{self.qk_norm!r}")
         if self.qk_norm_after_rope and self.qk_norm != QK_NORM_HEAD:
             raise PolicyError(f"{where}: qk_norm_after_rope norms each rotated head: it needs "
                               f"qk_norm=QK_NORM_HEAD, got {self.qk_norm!r}")

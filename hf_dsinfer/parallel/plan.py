@@ -32,7 +32,7 @@ from torch import nn
 
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection import policy as P
-from hf_dsinfer.injection.fused import resolve_spec
+from hf_dsinfer.injection.fused import head_norm_count, resolve_spec
 from hf_dsinfer.injection.mla import resolve_mla_spec
 from hf_dsinfer.parallel.slicing import (
     HeadShard,
@@ -143,6 +143,15 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
     styles, _ = linear_styles(policy, config)
     styles = {path: style for path, style in styles.items() if _has(block, path)}
     full = resolve_spec(block, policy, config, index)  # full head counts (real or meta weights)
+    if tp > 1 and full.qk_norm == P.QK_NORM_MODULE:
+        attn = block.get_submodule(policy.attn)
+        for name in policy.qk_norm_attrs:
+            count = head_norm_count(attn.get_submodule(name))
+            if count is not None:
+                raise TensorParallelError(
+                    f"{policy.family}: {type(attn.get_submodule(name)).__name__} holds q / k norm "
+                    f"parameters per head ({count}), which this plan does not slice with the "
+                    "heads. Fix: use tp_size=1 for this model (its config's q / k norms on).")
     heads = head_shard(full.num_heads, full.num_kv_heads, tp, rank)
     if (policy.qkv_layout not in (P.SEPARATE, P.PACKED_GQA)
             and full.num_kv_heads != full.num_heads):

@@ -7,7 +7,7 @@ new options to HF's bits, so each would fail if the option were dropped):
 - RoPE in fp32 from bf16 tables (`rope_fp32_math`), over pairs from HF's interleaved tables;
 - the parallel block's sum as (x + attention) + MLP (`parallel_residual_first`);
 - Cohere 2's full layers NoPE and without a window;
-- `use_qk_norm` (per-head norm weights) refused with the reason, or run unmodified."""
+- `use_qk_norm` (per-head norm weights): the attention's own norms, inside the fused block."""
 
 from __future__ import annotations
 
@@ -95,7 +95,47 @@ def test_cohere2_full_layers_are_nope_without_a_window():
     assert [b.spec.window for b in blocks] == [4, None, 4]
 
 
-def test_use_qk_norm_is_refused_with_the_reason():
+def test_use_qk_norm_runs_cohere_s_own_norms():
+    """Command R+'s use_qk_norm: the attention's CohereLayerNorms ([heads, head_dim] weights)
+    run on [B, S, heads, D] inside the fused block (QK_NORM_MODULE): fp32 logits of HF eager,
+    and the norms bite (HF without them gives other logits)."""
+    config = CONFIGS["cohere"]()
+    config.use_qk_norm = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.add_(0.3 * torch.randn(norm.weight.shape, generator=gen))
+    fused = hf_dsinfer.init_inference(copy.deepcopy(model))
+    blocks = list(get_report(fused).blocks.values())
+    assert all(b.spec.qk_norm == "module" for b in blocks)
+    ids, mask = prompts()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        got = fused(ids, attention_mask=mask).logits
+        for layer in model.model.layers:
+            layer.self_attn.use_qk_norm = False
+        without = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert sum(b.calls for b in blocks) > 0
+    assert (got - want)[valid].abs().max() <= 1e-4
+    assert (without - want)[valid].abs().max() > 1e-2
+
+
+def test_unsupported_when_refuses_with_the_reason(monkeypatch):
+    """A config value a policy names in unsupported_when is refused with the reason (no
+    shipped policy needs it now that Cohere's use_qk_norm runs), or runs unmodified."""
+    import dataclasses
+
+    from hf_dsinfer.injection import policies
+
+    refusing = dataclasses.replace(
+        policies.cohere.POLICY,
+        unsupported_when=(("use_qk_norm", True, "q / k norms with a weight per head"),))
+    monkeypatch.setattr(policies, "POLICIES", tuple(
+        refusing if p is policies.cohere.POLICY else p for p in policies.POLICIES))
     config = CONFIGS["cohere"]()
     config.use_qk_norm = True
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ new options to HF's bits, so each would fail if the option were dropped):
   the policy, as the module keeps none);
 - Nemotron's LayerNorm1P (`LAYER_1P`: the weight read as 1 + w);
 - StableLM's parallel configs: no second norm (the block has none), (x + attention) + MLP;
-- Phi's and StableLM's `qk_layernorm` refused with the reason, or run unmodified."""
+- Phi's and StableLM's `qk_layernorm`: the attention's own norms, inside the fused block."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from transformers.models.nemotron import modeling_nemotron as hf_nemotron
 from transformers.models.olmo import modeling_olmo as hf_olmo
 
 import hf_dsinfer
-from hf_dsinfer.errors import UnsupportedModelError
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels.norms import layer_norm_plain
 
@@ -98,19 +97,76 @@ def test_stablelm_parallel_reads_one_norm_and_sums_x_plus_attention_first():
     assert (a[valid] - b[valid]).abs().max() < 0.1
 
 
-@pytest.mark.parametrize(("name", "what"), [("phi", "Phi's qk_layernorm"),
-                                            ("stablelm", "StableLM's qk_layernorm")])
-def test_qk_layernorm_is_refused_with_the_reason(name, what):
+def _qk_layernorm_model(name: str, dtype=torch.float32):
     config = CONFIGS[name]()
     config.qk_layernorm = True
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(UnsupportedModelError, match=what):
-        hf_dsinfer.init_inference(model)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights 1, biases 0 from HF: noise makes every head's own count
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                for t in (module.weight, module.bias):
+                    if t is not None:
+                        t.add_((0.3 * torch.randn(t.shape, generator=gen)).to(t.dtype))
+    return model
+
+
+@pytest.mark.parametrize("name", ["phi", "stablelm"])
+def test_qk_layernorm_runs_the_attentions_own_norms(name):
+    """Phi's shared and StableLM's per-head q / k LayerNorms run inside the fused block on
+    [B, heads, S, D] (QK_NORM_MODULE): fp32 logits of HF eager, greedy tokens equal, and the
+    norms bite (HF without them gives other logits)."""
+    model = _qk_layernorm_model(name)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(model))
+    blocks = list(get_report(fused).blocks.values())
+    assert all(b.spec.qk_norm == "module" for b in blocks)
+    ids, mask = prompts()
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).logits
+        got = fused(ids, attention_mask=mask).logits
+        assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
+                           model.generate(ids, attention_mask=mask, **gen))
+        for layer in model.model.layers:
+            layer.self_attn.qk_layernorm = False
+        without = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert sum(b.calls for b in blocks) > 0
+    assert (got - want)[valid].abs().max() <= 1e-4
+    assert (without - want)[valid].abs().max() > 1e-2
+
+
+def test_qk_layernorm_bf16_and_explain():
+    model = _qk_layernorm_model("stablelm", torch.bfloat16)
+    fused = hf_dsinfer.init_inference(copy.deepcopy(model))
     ids, mask = prompts()
     with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
-    with pytest.warns(UserWarning, match="unmodified"):
-        hf_dsinfer.init_inference(model, strict=False)
-    with torch.no_grad():
-        assert torch.equal(model(ids, attention_mask=mask).logits, want)
+        a = model(ids, attention_mask=mask).logits.float()
+        b = fused(ids, attention_mask=mask).logits.float()
+    valid = mask.bool()
+    assert (a[valid] - b[valid]).norm() / a[valid].norm() <= 3e-2
+    with torch.inference_mode():
+        fused.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert "q / k LayerNorms" in hf_dsinfer.explain(fused)  # why the native layer does not run
+
+
+@pytest.mark.parametrize("name", ["stablelm", "cohere"])
+def test_per_head_qk_norms_refuse_tensor_parallelism_before_slicing(name):
+    """StableLM's per-head LayerNorms and Cohere's [heads, head_dim] weights are not sliced
+    with the heads: the plan refuses tp > 1 for such configs, naming the fix; Phi's shared
+    norm is sliceable (one weight for every head)."""
+    from hf_dsinfer.errors import TensorParallelError
+    from hf_dsinfer.injection.policies import find_policy
+    from hf_dsinfer.parallel.plan import plan_block
+
+    config = CONFIGS[name]()
+    setattr(config, "qk_layernorm" if name == "stablelm" else "use_qk_norm", True)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    policy = find_policy(model)
+    block = model.model.layers[0]
+    with pytest.raises(TensorParallelError, match="tp_size=1"):
+        plan_block(block, policy, config, 0, 2, 0)
+    plan_block(block, policy, config, 0, 1, 0)  # one rank: nothing sliced
+    phi = _qk_layernorm_model("phi")
+    plan_block(phi.model.layers[0], find_policy(phi), phi.config, 0, 2, 0)

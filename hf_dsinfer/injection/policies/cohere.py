@@ -6,15 +6,16 @@ the model's bf16 tables (`rope_fp32_math`). The logit scale is HF's own code in 
 head. Cohere 2 adds sliding / full `layer_types`: its attention's `sliding_window` is None on
 full layers, which rotate nothing (NoPE: `rope_attr`).
 
-Cohere's `use_qk_norm` (Command R+) norms q and k with a weight per head ([heads, head_dim]);
-the fused block's q / k norms share one [head_dim] weight, so such a config is refused with
-that reason. The native decode layer computes pre-norm blocks only: these blocks take torch
+Cohere's `use_qk_norm` (Command R+) norms q and k with a weight per head ([heads, head_dim]):
+the attention's own CohereLayerNorms run on [B, S, heads, D] (`QK_NORM_MODULE`); tensor
+parallelism, which would slice the heads but not those weights, is refused for such configs.
+The native decode layer computes pre-norm blocks only: these blocks take torch
 ops at batch-1 decode, and explain names the reason."""
 
 import dataclasses
 
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
-from hf_dsinfer.injection.policy import LAYER_FP32, PARALLEL_SHARED_LN
+from hf_dsinfer.injection.policy import LAYER_FP32, PARALLEL_SHARED_LN, QK_NORM_MODULE, FromConfig
 
 POLICY = dataclasses.replace(
     LLAMA,
@@ -27,8 +28,7 @@ POLICY = dataclasses.replace(
     ln2=None,
     rotary_interleaved=True,
     rope_fp32_math=True,
-    unsupported_when=(("use_qk_norm", True,
-                       "q / k norms with a weight per head (Cohere's use_qk_norm)"),),
+    qk_norm=FromConfig("use_qk_norm", {True: QK_NORM_MODULE, False: None}, False),
     notes="",
 )
 
@@ -38,5 +38,5 @@ POLICY_2 = dataclasses.replace(
     model_types=("cohere2",),
     block_classes=("Cohere2DecoderLayer",),
     rope_attr="sliding_window",
-    unsupported_when=(),
+    qk_norm=None,
 )

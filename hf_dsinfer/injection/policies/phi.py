@@ -4,13 +4,13 @@ output projection `dense`, partial rotary (the first partial_rotary_factor of ea
 rotate-half) and a plain biased MLP `fc1` -> tanh GELU -> `fc2`. The final LayerNorm and the
 biased LM head are HF's model-level code and run unchanged.
 
-Phi's `qk_layernorm` (a LayerNorm over each head's dims, off in the released checkpoints) is
-refused with that reason: the fused block's q / k norms are RMSNorms."""
+Phi's `qk_layernorm` (one LayerNorm over each head's dims, off in the released checkpoints)
+runs as the attention's own modules on [B, heads, S, D] (`QK_NORM_MODULE`)."""
 
 import dataclasses
 
 from hf_dsinfer.injection.policies.llama import POLICY as LLAMA
-from hf_dsinfer.injection.policy import LAYER, PARALLEL_SHARED_LN
+from hf_dsinfer.injection.policy import LAYER, PARALLEL_SHARED_LN, QK_NORM_MODULE, FromConfig
 
 POLICY = dataclasses.replace(
     LLAMA,
@@ -24,7 +24,8 @@ POLICY = dataclasses.replace(
     mlp_in=("fc1",),
     mlp_out="fc2",
     gated=False,
-    unsupported_when=(("qk_layernorm", True,
-                       "LayerNorms of q and k over each head's dims (Phi's qk_layernorm)"),),
+    qk_norm=FromConfig("qk_layernorm", {True: QK_NORM_MODULE, False: None}, False),
+    qk_norm_attrs=("q_layernorm", "k_layernorm"),
+    qk_norm_heads_first=True,
     notes="",
 )
