@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    ApertusConfig,
     ArceeConfig,
     AutoModelForCausalLM,
     BloomConfig,
@@ -186,6 +187,9 @@ CONFIGS = {
     "olmo": lambda: OlmoConfig(**_LLAMA, clip_qkv=1.5),
     # Arcee AFM: Llama's block with an up -> squared ReLU -> down MLP
     "arcee": lambda: ArceeConfig(**_LLAMA),
+    # Apertus: per-head q / k RMSNorms, an up -> xIELU -> down MLP (the activation's learned
+    # parameters made distinct per layer by make_model), llama3 RoPE scaling
+    "apertus": lambda: ApertusConfig(**_LLAMA),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
@@ -193,7 +197,7 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
                  "cohere", "cohere2", "starcoder2", "phi", "stablelm", "stablelm_parallel",
-                 "nemotron", "olmo", "arcee"]  # test_family_quant.py covers these
+                 "nemotron", "olmo", "arcee", "apertus"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias", "starcoder2",
           "phi", "stablelm", "nemotron")  # HF initializes biases to zero: make_model randomizes them
 LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron")  # and these norms
@@ -236,6 +240,12 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
         _randomize_biases(model, seed)
     if name in LAYER_NORMED:
         _randomize_layer_norms(model, seed)
+    if name == "apertus":  # every layer's xIELU starts alike: distinct ones make each count
+        gen = torch.Generator().manual_seed(seed + 4)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for p in (layer.mlp.act_fn.alpha_p, layer.mlp.act_fn.alpha_n):
+                    p.add_((0.5 * torch.randn(p.shape, generator=gen)).to(p.dtype))
     return model.eval()
 
 

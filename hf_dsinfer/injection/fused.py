@@ -103,6 +103,9 @@ def _out_features(linear_module: nn.Module, conv1d: bool) -> int:
     return w.shape[1] if conv1d else w.shape[0]
 
 
+MODULE_ACTIVATION = "module"  # BlockSpec.activation of a policy's activation_module
+
+
 def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) -> BlockSpec:
     attn = block.get_submodule(policy.attn)
     head_dim = int(getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None)
@@ -128,7 +131,8 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
     return BlockSpec(
         layout=P.resolve(policy.layout, config),
         norm=policy.norm,
-        activation=resolve_activation(P.resolve(policy.activation, config)),
+        activation=(MODULE_ACTIVATION if policy.activation_module is not None
+                    else resolve_activation(P.resolve(policy.activation, config))),
         num_heads=q_out // head_dim,
         num_kv_heads=kv_out // head_dim,
         head_dim=head_dim,
@@ -236,6 +240,8 @@ class FusedBlock:
         mlp_in = () if self.is_moe else policy.mlp_in
         self._mlp_in = [self._mlp_module.get_submodule(n) for n in mlp_in]
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
+        self._act_module = (None if self.is_moe or policy.activation_module is None
+                            else self._mlp_module.get_submodule(policy.activation_module))
         if self.spec.qk_norm is not None:
             self._q_norm, self._k_norm = (self._attn.get_submodule(n) for n in policy.qk_norm_attrs)
         self.mla = None if policy.mla is None else _mla_attention(self)
@@ -288,7 +294,8 @@ class FusedBlock:
              ("positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
               "nor added before the blocks")),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
-             "not separate q/k/v with a SiLU-gated, GELU-gated or ReLU MLP"),
+             "not separate q/k/v with an MLP the C layer computes (SiLU- or GELU-gated; ReLU, "
+             "squared ReLU or tanh GELU)"),
             (spec.clip_qkv is None, "q/k/v clipping"),
             (spec.qk_norm != P.QK_NORM_MODULE, "q / k LayerNorms"),
             (not p.rope_half_table, "a half-width cos / sin table"),
@@ -836,6 +843,8 @@ class FusedBlock:
         if self.policy.gated:  # one projection: its output is [gate | up]
             gate, up = (*(self._linear(m, x) for m in self._mlp_in), None)[:2]
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)
+        elif self._act_module is not None:  # Apertus's xIELU: HF's module, its parameters
+            h = self._act_module(self._linear(self._mlp_in[0], x))
         else:
             fc1 = self._mlp_in[0]
             h = bias_act(self._linear(fc1, x, with_bias=False), fc1.bias, self.spec.activation,

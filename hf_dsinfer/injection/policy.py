@@ -285,6 +285,9 @@ class Policy:
     # (config attribute, value, what the fused block lacks for it): a model whose config has
     # that value is refused with the reason (Cohere's use_qk_norm: per-head norm weights)
     unsupported_when: tuple[tuple[str, Any, str], ...] = ()
+    activation_module: str | None = None  # a plain MLP's activation as its own module under
+                                          # the MLP, called as HF calls it (Apertus's xIELU
+                                          # has learned parameters); `activation` is then unread
     norm_eps: float | None = None         # the epsilon of norm modules that keep none (OLMo's
                                           # LayerNorm hard-codes 1e-5)
     mla: MlaLayout | None = None          # the attention is multi-head latent attention
@@ -361,6 +364,11 @@ class Policy:
                     and isinstance(entry[2], str)):
                 raise PolicyError(f"{where}: unsupported_when holds (config attribute, value, "
                                   f"reason) triples, got {entry!r}")
+        if self.activation_module is not None and (self.gated or not isinstance(
+                self.activation_module, str) or not self.activation_module):
+            raise PolicyError(f"{where}: activation_module names the activation module of a "
+                              f"plain MLP (gated=False), got {self.activation_module!r} with "
+                              f"gated={self.gated}")
         if self.norm_eps is not None and (isinstance(self.norm_eps, bool) or not isinstance(
                 self.norm_eps, (int, float)) or self.norm_eps <= 0):
             raise PolicyError(f"{where}: norm_eps must be a positive number or None, got "

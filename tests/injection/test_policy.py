@@ -44,6 +44,7 @@ def test_every_registered_policy_is_valid():
     ({"parallel_residual_first": True,  # a FromConfig layout that is never parallel
       "layout": P.FromConfig("x", {True: P.PARALLEL, False: P.SEQUENTIAL})}, r"orders the sum"),
     ({"norm_eps": 0}, r"norm_eps must be a positive number or None"),
+    ({"activation_module": "act_fn"}, r"activation_module names the activation module of a plain"),
     ({"qk_norm_heads_first": True}, r"qk_norm_heads_first .* needs qk_norm=QK_NORM_MODULE"),
     ({"unsupported_when": (("use_qk_norm", True),)}, r"\(config attribute, value, reason\)"),
     ({"rope_sliding_only": True, "sliding_attr": "is_sliding", "positions": P.NO_POSITIONS},

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_dsinfer.injection.policies import (
+    apertus,
     arcee,
     bloom,
     cohere,
@@ -61,7 +62,7 @@ POLICIES: tuple[Policy, ...] = (
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
     hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
-    deepseek_v2.POLICY,
+    deepseek_v2.POLICY, apertus.POLICY,
 )
 
 
