@@ -294,8 +294,8 @@ class FusedBlock:
              ("positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
               "nor added before the blocks")),
             (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
-             "not separate q/k/v with an MLP the C layer computes (SiLU- or GELU-gated; ReLU, "
-             "squared ReLU or tanh GELU)"),
+             ("not separate q/k/v with an MLP the C layer computes (SiLU- or GELU-gated; "
+              "ReLU, squared ReLU or tanh GELU)")),
             (spec.clip_qkv is None, "q/k/v clipping"),
             (spec.qk_norm != P.QK_NORM_MODULE, "q / k LayerNorms"),
             (not p.rope_half_table, "a half-width cos / sin table"),

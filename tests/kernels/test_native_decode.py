@@ -767,8 +767,8 @@ def test_opt_layouts_the_kernel_does_not_compute_take_the_torch_path(monkeypatch
     gelu = _inject(_opt(activation_function="gelu"))
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     for model, why in ((post_ln, "not a pre-norm block"),
-                       (gelu, "not separate q/k/v with an MLP the C layer computes (SiLU- or "
-                              "GELU-gated; ReLU, squared ReLU or tanh GELU)")):
+                       (gelu, ("not separate q/k/v with an MLP the C layer computes (SiLU- or "
+                               "GELU-gated; ReLU, squared ReLU or tanh GELU)"))):
         _step_logits(model, ids, mask, True, monkeypatch, steps=2)
         assert _native_calls(model) == 0
         assert all(layer.forward.decode_why == why for layer in _layers(model))
