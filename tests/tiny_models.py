@@ -32,6 +32,8 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    GraniteMoeSWAConfig,
     GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
@@ -234,7 +236,7 @@ def make_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                                              attn_implementation=attn_implementation)
     if name in FAMILIES_2026 or name in MOE_2026:
         _randomize_norms(model, seed)
-    if name in MOE_2026 or name == "granite_swa":  # gpt-oss's and Granite SWA's sinks
+    if name in MOE_2026 or name == "granite_swa":  # gpt-oss's and the Granite SWAs' sinks
         _randomize_zero_inits(model, seed)
     if name in BIASED:
         _randomize_biases(model, seed)
@@ -454,7 +456,24 @@ _DEEPSEEK_V2 = dict(
 MOE_CONFIGS["deepseek_v2"] = lambda: DeepseekV2Config(**_DEEPSEEK_V2, q_lora_rank=None,
                                                       topk_method="greedy", n_group=1,
                                                       topk_group=1)
+# Granite MoE shared: Granite MoE's with a SiLU-gated shared MLP beside the experts. Granite
+# MoE SWA: that, plus Granite SWA's sinks, sliding (window 4) / full layers, the full one NoPE
+_GRANITE_MOE = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+    num_local_experts=6, num_experts_per_tok=2, embedding_multiplier=3.0,
+    residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=0.8,
+    shared_intermediate_size=96, max_position_embeddings=128, **_COMMON)
+MOE_CONFIGS["granitemoeshared"] = lambda: GraniteMoeSharedConfig(**_GRANITE_MOE,
+                                                                 num_hidden_layers=2)
+_GRANITEMOE_SWA = lambda: GraniteMoeSWAConfig(  # in MOE_VARIANTS below
+    **_GRANITE_MOE, num_hidden_layers=3, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    layer_rope_theta=[10000.0, 0, 10000.0])
 MOE_VARIANTS = {
+    # outside the bf16 grid: its three sparse layers of 6 experts meet bf16 router-logit near
+    # ties whose flips reach later tokens through attention (0.04-0.2 of the logits' scale
+    # on a few tokens the tie exclusion does not mark); fp32 in test_moe_families
+    "granitemoe_swa": _GRANITEMOE_SWA,
     # DeepSeek-V2 (236B)'s: a low-rank q, top-3 within the 2 best of 4 groups (each scored by
     # its best probability)
     "deepseek_v2_grouped": lambda: DeepseekV2Config(**_DEEPSEEK_V2, q_lora_rank=32,
@@ -464,4 +483,4 @@ MOE_VARIANTS = {
 }
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
-            "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2", "granitemoeshared"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -240,6 +240,9 @@ class FusedBlock:
         mlp_in = () if self.is_moe else policy.mlp_in
         self._mlp_in = [self._mlp_module.get_submodule(n) for n in mlp_in]
         self._mlp_out = None if self.is_moe else self._mlp_module.get_submodule(policy.mlp_out)
+        # Granite MoE shared's MLP beside the experts (None: the layer has none)
+        self._moe_shared = (getattr(block, policy.moe_shared_mlp, None)
+                            if self.is_moe and policy.moe_shared_mlp else None)
         self._act_module = (None if self.is_moe or policy.activation_module is None
                             else self._mlp_module.get_submodule(policy.activation_module))
         if self.spec.qk_norm is not None:
@@ -314,6 +317,9 @@ class FusedBlock:
             names = [(attn, n) for n in self.mla.linear_names()]
         if not self.is_moe:  # MoE experts are quantized by hf_dsinfer.injection.moe
             names += [(mlp, n) for n in (*policy.mlp_in, policy.mlp_out)]
+        elif self._moe_shared is not None:  # the linears of the MLP beside the experts
+            names += [(self._moe_shared, n) for n, m in self._moe_shared.named_children()
+                      if isinstance(m, nn.Linear)]
         return [(parent, n, parent.get_submodule(n)) for parent, n in names]
 
     def linear_in_features(self) -> list[int]:
@@ -839,7 +845,10 @@ class FusedBlock:
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:  # the MoE module's forward is a FusedMoE
             out = self._mlp_module(x)  # gpt-oss's MoE returns (hidden, router scores)
-            return (out[0] if isinstance(out, tuple) else out), None
+            out = out[0] if isinstance(out, tuple) else out
+            if self._moe_shared is not None:  # HF's moe + shared_mlp(x), its module as is
+                out = out + self._moe_shared(x)
+            return out, None
         if self.policy.gated:  # one projection: its output is [gate | up]
             gate, up = (*(self._linear(m, x) for m in self._mlp_in), None)[:2]
             h = gated_act(gate, up, self.spec.activation, backend=self.backend)

@@ -256,6 +256,10 @@ class Policy:
                                           # not before RoPE (Qwen3)
     clip_qkv: Any = None                  # OLMoE: clamp q, k, v to +-clip_qkv (FromConfig)
     moe: MoeLayout | None = None          # the MLP is (sometimes) a sparse MoE block
+    moe_shared_mlp: str | None = None     # a block attribute holding an MLP module that HF adds
+                                          # to the MoE's output (Granite MoE shared: shared_mlp,
+                                          # None where shared_intermediate_size is 0), called
+                                          # as HF calls it; whole on every tensor-parallel rank
     # Model features beyond Llama's block, each an option computed by the one FusedBlock:
     post_attn_norm: str | None = None     # SANDWICH: norm of the attention output (block attr)
     post_mlp_norm: str | None = None      # SANDWICH: norm of the MLP output (block attr)
@@ -381,6 +385,11 @@ class Policy:
                               "of the cos / sin tables; a policy takes one")
         for path, style in (self.tp_plan or {}).items():
             _check_choice(f"{where} tp_plan[{path!r}]", "style", style, TP_STYLES)
+        if self.moe_shared_mlp is not None and (self.moe is None or not isinstance(
+                self.moe_shared_mlp, str) or not self.moe_shared_mlp):
+            raise PolicyError(f"{where}: moe_shared_mlp names a block attribute added to a MoE's "
+                              f"output: it needs moe, got {self.moe_shared_mlp!r} with "
+                              f"moe={self.moe!r}")
         if self.moe is not None and not isinstance(self.moe, MoeLayout):
             raise PolicyError(f"{where}: moe must be a MoeLayout, got {type(self.moe).__name__}")
 

@@ -360,3 +360,25 @@ def test_deepseek_v2_grouped_matches_hf():
                            ref.generate(ids, attention_mask=mask, **gen))
     assert all(m.calls > 0 for m in report.moe.values())
     assert [b.mla.absorbed_calls - n for b, n in zip(report.blocks.values(), before)] == [5, 5]
+
+
+def test_granitemoe_swa_matches_hf_in_fp32():
+    """Granite MoE SWA (sinks, sliding / full layers with the full one NoPE, Granite's
+    multipliers, a MoE with a shared MLP beside its experts in every layer): fp32 logits of HF
+    eager, greedy tokens, every block and MoE fused; without the shared MLP the logits move."""
+    ref = make_model("granitemoe_swa")
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
+    report = get_report(fused)
+    assert all(b._moe_shared is b.block.shared_mlp and b.spec.sinks
+               for b in report.blocks.values())
+    ids, mask = prompts()
+    a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
+    assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
+                           ref.generate(ids, attention_mask=mask, **gen))
+    assert all(m.calls > 0 for m in report.moe.values())
+    for block in report.blocks.values():
+        block._moe_shared = None
+    assert (_logits(fused, ids, mask) - a)[mask.bool()].abs().max() > 1e-2

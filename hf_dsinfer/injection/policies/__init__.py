@@ -29,6 +29,7 @@ from hf_dsinfer.injection.policies import (
     granite,
     granite_swa,
     granitemoe,
+    granitemoeshared,
     helium,
     hunyuan_v1_dense,
     hunyuan_v1_moe,
@@ -62,7 +63,7 @@ POLICIES: tuple[Policy, ...] = (
     glm4_moe.POLICY, ernie4_5_moe.POLICY, minimax_m2.POLICY, dots1.POLICY,
     hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
-    deepseek_v2.POLICY, apertus.POLICY,
+    deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
 )
 
 
