@@ -175,16 +175,6 @@ def _check_sinks(attn: nn.Module, policy: P.Policy, num_heads: int) -> bool:
     return True
 
 
-def head_norm_count(norm: nn.Module) -> int | None:
-    """How many heads a q / k norm module has parameters for (None: one set for every head):
-    StableLM's ModuleList of per-head norms, Cohere's [heads, head_dim] weight."""
-    norms = getattr(norm, "norms", None)
-    if isinstance(norms, nn.ModuleList):
-        return len(norms)
-    weight = getattr(norm, "weight", None)
-    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
-
-
 class FusedBlock:
     """Callable installed as `block.forward`; falls back to the HF forward when asked for what
     fused blocks do not compute (attention weights, by keyword or through the config; training;

@@ -32,7 +32,7 @@ from torch import nn
 
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection import policy as P
-from hf_dsinfer.injection.fused import head_norm_count, resolve_spec
+from hf_dsinfer.injection.fused import resolve_spec
 from hf_dsinfer.injection.mla import resolve_mla_spec
 from hf_dsinfer.parallel.slicing import (
     HeadShard,
@@ -138,6 +138,16 @@ def _linear_specs(module: nn.Module, ranges: Ranges, style: str,
     return specs
 
 
+def _head_norm_count(norm: nn.Module) -> int | None:
+    """How many heads a q / k norm module has parameters for (None: one set for every head):
+    StableLM's ModuleList of per-head norms, Cohere's [heads, head_dim] weight."""
+    norms = getattr(norm, "norms", None)
+    if isinstance(norms, nn.ModuleList):
+        return len(norms)
+    weight = getattr(norm, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
 def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: int,
                rank: int) -> BlockShard:
     styles, _ = linear_styles(policy, config)
@@ -146,7 +156,7 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
     if tp > 1 and full.qk_norm == P.QK_NORM_MODULE:
         attn = block.get_submodule(policy.attn)
         for name in policy.qk_norm_attrs:
-            count = head_norm_count(attn.get_submodule(name))
+            count = _head_norm_count(attn.get_submodule(name))
             if count is not None:
                 raise TensorParallelError(
                     f"{policy.family}: {type(attn.get_submodule(name)).__name__} holds q / k norm "

@@ -343,14 +343,16 @@ def test_deepseek_v2_routing_is_hfs_router(name):
             assert not torch.equal(greedy.sort(-1).values, i.sort(-1).values)
 
 
-def test_deepseek_v2_grouped_matches_hf():
-    """The group-limited variant with a low-rank query (DeepSeek-V2's own layout): fp32 logits
-    and greedy tokens of HF eager, the fused MoE and the absorbed MLA decode counted."""
-    ref = make_model("deepseek_v2_grouped")
+def _variant(name: str):
+    """(HF model, fused copy, injection report) of a MoE variant outside the grid."""
+    ref = make_model(name)
     fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
-    report = get_report(fused)
-    assert all(b.mla.spec.low_rank_q for b in report.blocks.values())
-    before = [b.mla.absorbed_calls for b in report.blocks.values()]  # the parity gate's step
+    return ref, fused, get_report(fused)
+
+
+def _fp32_and_greedy_match(ref, fused, report):
+    """fp32 logits of HF eager (to FP32_LOGIT_ATOL) and its greedy tokens on a left-padded
+    batch, every MoE fused; returns (ids, mask, HF's logits)."""
     ids, mask = prompts()
     a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
     assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
@@ -359,6 +361,16 @@ def test_deepseek_v2_grouped_matches_hf():
         assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
                            ref.generate(ids, attention_mask=mask, **gen))
     assert all(m.calls > 0 for m in report.moe.values())
+    return ids, mask, a
+
+
+def test_deepseek_v2_grouped_matches_hf():
+    """The group-limited variant with a low-rank query (DeepSeek-V2's own layout): fp32 logits
+    and greedy tokens of HF eager, the fused MoE and the absorbed MLA decode counted."""
+    ref, fused, report = _variant("deepseek_v2_grouped")
+    assert all(b.mla.spec.low_rank_q for b in report.blocks.values())
+    before = [b.mla.absorbed_calls for b in report.blocks.values()]  # the parity gate's step
+    _fp32_and_greedy_match(ref, fused, report)
     assert [b.mla.absorbed_calls - n for b, n in zip(report.blocks.values(), before)] == [5, 5]
 
 
@@ -366,19 +378,10 @@ def test_granitemoe_swa_matches_hf_in_fp32():
     """Granite MoE SWA (sinks, sliding / full layers with the full one NoPE, Granite's
     multipliers, a MoE with a shared MLP beside its experts in every layer): fp32 logits of HF
     eager, greedy tokens, every block and MoE fused; without the shared MLP the logits move."""
-    ref = make_model("granitemoe_swa")
-    fused = hf_dsinfer.init_inference(copy.deepcopy(ref), strict=True)
-    report = get_report(fused)
+    ref, fused, report = _variant("granitemoe_swa")
     assert all(b._moe_shared is b.block.shared_mlp and b.spec.sinks
                for b in report.blocks.values())
-    ids, mask = prompts()
-    a, b = _logits(ref, ids, mask), _logits(fused, ids, mask)
-    assert (a - b)[mask.bool()].abs().max() <= FP32_LOGIT_ATOL
-    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    with torch.inference_mode():
-        assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
-                           ref.generate(ids, attention_mask=mask, **gen))
-    assert all(m.calls > 0 for m in report.moe.values())
+    ids, mask, a = _fp32_and_greedy_match(ref, fused, report)
     for block in report.blocks.values():
         block._moe_shared = None
     assert (_logits(fused, ids, mask) - a)[mask.bool()].abs().max() > 1e-2
