@@ -148,18 +148,14 @@ def _routing_fields(layout: P.MoeLayout, config: Any) -> dict[str, Any]:
     if layout.scoring == "softmax_biased":
         return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
                 "norm_min": float(P.resolve(layout.norm_min, config))}
-    if layout.scoring == "softmax_group":  # DeepSeek-V2 ("greedy": one group)
-        grouped = bool(P.resolve(layout.group_limited, config))
-        return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
-                "n_group": int(P.resolve(layout.n_group, config)) if grouped else 1,
-                "topk_group": int(P.resolve(layout.topk_group, config)) if grouped else 1,
-                "routed_scaling": float(P.resolve(layout.routed_scaling, config))}
-    if layout.scoring != "sigmoid_group":
+    if layout.scoring not in ("sigmoid_group", "softmax_group"):
         raise ValueError(f"MoeLayout.scoring: expected one of {P.SCORINGS}, got "
                          f"{layout.scoring!r}")
+    # DeepSeek-V2's softmax_group takes its groups only where group_limited ("greedy": one)
+    grouped = layout.scoring == "sigmoid_group" or bool(P.resolve(layout.group_limited, config))
     return {"scoring": layout.scoring, "router_fp32": layout.router_fp32,
-            "n_group": int(P.resolve(layout.n_group, config)),
-            "topk_group": int(P.resolve(layout.topk_group, config)),
+            "n_group": int(P.resolve(layout.n_group, config)) if grouped else 1,
+            "topk_group": int(P.resolve(layout.topk_group, config)) if grouped else 1,
             "routed_scaling": float(P.resolve(layout.routed_scaling, config))}
 
 
