@@ -23,6 +23,7 @@ import hf_dsinfer
 from hf_dsinfer.errors import UnsupportedModelError
 from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels.norms import layer_norm_fp32
+from tests.injection.test_layer_norm_families import assert_qk_norm_modules_run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -97,8 +98,7 @@ def test_cohere2_full_layers_are_nope_without_a_window():
 
 def test_use_qk_norm_runs_cohere_s_own_norms():
     """Command R+'s use_qk_norm: the attention's CohereLayerNorms ([heads, head_dim] weights)
-    run on [B, S, heads, D] inside the fused block (QK_NORM_MODULE): fp32 logits of HF eager,
-    and the norms bite (HF without them gives other logits)."""
+    run on [B, S, heads, D] inside the fused block (QK_NORM_MODULE)."""
     config = CONFIGS["cohere"]()
     config.use_qk_norm = True
     torch.manual_seed(0)
@@ -108,20 +108,7 @@ def test_use_qk_norm_runs_cohere_s_own_norms():
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.add_(0.3 * torch.randn(norm.weight.shape, generator=gen))
-    fused = hf_dsinfer.init_inference(copy.deepcopy(model))
-    blocks = list(get_report(fused).blocks.values())
-    assert all(b.spec.qk_norm == "module" for b in blocks)
-    ids, mask = prompts()
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
-        got = fused(ids, attention_mask=mask).logits
-        for layer in model.model.layers:
-            layer.self_attn.use_qk_norm = False
-        without = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    assert sum(b.calls for b in blocks) > 0
-    assert (got - want)[valid].abs().max() <= 1e-4
-    assert (without - want)[valid].abs().max() > 1e-2
+    assert_qk_norm_modules_run(model, "use_qk_norm")
 
 
 def test_unsupported_when_refuses_with_the_reason(monkeypatch):

@@ -112,12 +112,10 @@ def _qk_layernorm_model(name: str, dtype=torch.float32):
     return model
 
 
-@pytest.mark.parametrize("name", ["phi", "stablelm"])
-def test_qk_layernorm_runs_the_attentions_own_norms(name):
-    """Phi's shared and StableLM's per-head q / k LayerNorms run inside the fused block on
-    [B, heads, S, D] (QK_NORM_MODULE): fp32 logits of HF eager, greedy tokens equal, and the
-    norms bite (HF without them gives other logits)."""
-    model = _qk_layernorm_model(name)
+def assert_qk_norm_modules_run(model, switch: str) -> None:
+    """An fp32 model whose q / k norms run as the attention's own modules (QK_NORM_MODULE):
+    the fused copy gives HF eager's logits (1e-4) and greedy tokens, its blocks ran, and the
+    norms bite (HF with each attention's `switch` flag off gives other logits)."""
     fused = hf_dsinfer.init_inference(copy.deepcopy(model))
     blocks = list(get_report(fused).blocks.values())
     assert all(b.spec.qk_norm == "module" for b in blocks)
@@ -129,12 +127,18 @@ def test_qk_layernorm_runs_the_attentions_own_norms(name):
         assert torch.equal(fused.generate(ids, attention_mask=mask, **gen),
                            model.generate(ids, attention_mask=mask, **gen))
         for layer in model.model.layers:
-            layer.self_attn.qk_layernorm = False
+            setattr(layer.self_attn, switch, False)
         without = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     assert sum(b.calls for b in blocks) > 0
     assert (got - want)[valid].abs().max() <= 1e-4
     assert (without - want)[valid].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["phi", "stablelm"])
+def test_qk_layernorm_runs_the_attentions_own_norms(name):
+    """Phi's shared and StableLM's per-head q / k LayerNorms, on [B, heads, S, D]."""
+    assert_qk_norm_modules_run(_qk_layernorm_model(name), "qk_layernorm")
 
 
 def test_qk_layernorm_bf16_and_explain():
