@@ -13,6 +13,7 @@ from transformers import (
     BloomConfig,
     Cohere2Config,
     CohereConfig,
+    CwmConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -25,6 +26,7 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GlmConfig,
     GPT2Config,
     GPTJConfig,
@@ -38,7 +40,9 @@ from transformers import (
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
+    HyperCLOVAXConfig,
     InternLM3Config,
+    Jais2Config,
     LlamaConfig,
     MiniMaxM2Config,
     Ministral3Config,
@@ -61,10 +65,12 @@ from transformers import (
     Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
     StableLmConfig,
     Starcoder2Config,
     VaultGemmaConfig,
     XGLMConfig,
+    YoutuConfig,
 )
 
 VOCAB = 101
@@ -192,6 +198,28 @@ CONFIGS = {
     # Apertus: per-head q / k RMSNorms, an up -> xIELU -> down MLP (the activation's learned
     # parameters made distinct per layer by make_model), llama3 RoPE scaling
     "apertus": lambda: ApertusConfig(**_LLAMA),
+    # Code World Model: Llama's block, full / sliding (window 4) / sliding layers, llama3 RoPE
+    "cwm": lambda: CwmConfig(**{**_LLAMA, "num_hidden_layers": 3}, sliding_window=4,
+                             layer_types=["full_attention", "sliding_attention",
+                                          "sliding_attention"],
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 1e6,
+                                              "factor": 4.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 32}),
+    # Jais 2: biased projections, LayerNorms, an up -> squared ReLU -> down MLP
+    "jais2": lambda: Jais2Config(**_LLAMA, attention_bias=True, mlp_bias=True),
+    # HyperCLOVA X: Granite's multipliers (logits multiplied, not divided) with post-norms of
+    # both branches before the residual multiplier (Peri-LN)
+    "hyperclovax": lambda: HyperCLOVAXConfig(**_LLAMA, embedding_multiplier=3.0,
+                                             residual_multiplier=0.6, attention_multiplier=0.2,
+                                             logits_scaling=0.8, use_post_norm=True),
+    # Youtu-LLM: dense Llama blocks with DeepSeek-V3's MLA (low-rank q, latent 40 + rope 8,
+    # interleaved RoPE)
+    "youtu": lambda: YoutuConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                 num_hidden_layers=2, intermediate_size=96, q_lora_rank=32,
+                                 kv_lora_rank=40, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                 v_head_dim=24, rope_interleave=True,
+                                 max_position_embeddings=128, **_COMMON),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
@@ -199,10 +227,12 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
                  "internlm3", "vaultgemma", "ernie4_5", "helium",
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
                  "cohere", "cohere2", "starcoder2", "phi", "stablelm", "stablelm_parallel",
-                 "nemotron", "olmo", "arcee", "apertus"]  # test_family_quant.py covers these
+                 "nemotron", "olmo", "arcee", "apertus", "cwm", "jais2", "hyperclovax",
+                 "youtu"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias", "starcoder2",
-          "phi", "stablelm", "nemotron")  # HF initializes biases to zero: make_model randomizes them
-LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron")  # and these norms
+          "phi", "stablelm", "nemotron", "jais2")  # HF initializes biases to zero: make_model randomizes them
+LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron",
+                "jais2")  # and these norms
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"xglm": lambda: XGLMConfig(d_model=80, attention_heads=5, num_layers=2, ffn_dim=144,
                                           max_position_embeddings=128, **_COMMON),
@@ -456,6 +486,22 @@ _DEEPSEEK_V2 = dict(
 MOE_CONFIGS["deepseek_v2"] = lambda: DeepseekV2Config(**_DEEPSEEK_V2, q_lora_rank=None,
                                                       topk_method="greedy", n_group=1,
                                                       topk_group=1)
+# GLM-4.7-Flash: DeepSeek-V3's MLA and MoE (as above) under GLM's names, layer 0 dense by
+# mlp_layer_types
+MOE_CONFIGS["glm4_moe_lite"] = lambda: Glm4MoeLiteConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+    intermediate_size=96, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=40,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+    routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse"],
+    max_position_embeddings=128, **_COMMON)
+# Solar Open: Llama's attention, every layer GLM-4.5's MoE (8 experts in 4 groups, top-3
+# within the 2 best, a correction bias, routed scaling 2.5, a shared expert)
+MOE_CONFIGS["solar_open"] = lambda: SolarOpenConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+    n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+    max_position_embeddings=128, **_COMMON)
 # Granite MoE shared: Granite MoE's with a SiLU-gated shared MLP beside the experts. Granite
 # MoE SWA: that, plus Granite SWA's sinks, sliding (window 4) / full layers, the full one NoPE
 _GRANITE_MOE = dict(
@@ -483,4 +529,5 @@ MOE_VARIANTS = {
 }
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
-            "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2", "granitemoeshared"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2", "granitemoeshared",
+            "glm4_moe_lite", "solar_open"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -366,7 +366,9 @@ class FusedBlock:
     def _sandwich(self, x: torch.Tensor, named: dict, attn=None) -> torch.Tensor:
         """Norms after attention and after the MLP, before each residual add (OLMo 2, Gemma
         2/3), and optional pre-norms (Gemma's input / pre-feedforward norms; OLMo 2 has none).
-        attn: the attention's (output, bias) when the native layer computed it already."""
+        A residual multiplier scales each post-norm's output (HyperCLOVA X's Peri-LN:
+        `x + post_norm(branch) * m`). attn: the attention's (output, bias) when the native
+        layer computed it already."""
         if attn is None and self._decode_layout_why is None:
             out = self._decode_step(x, named)
             if out is not None:
@@ -374,11 +376,17 @@ class FusedBlock:
         if attn is None:
             h = x if self._ln1 is None else self._norm(self._ln1, x)
             attn = self._attention(h, named)
-        attn_out, attn_bias = self._branch(*attn)
-        h = x + self._norm_add(self._post_attn, attn_out, None, attn_bias)[0]
+        h = x + self._post_branch(self._post_attn, *attn)
         mlp_in = h if self._ln2 is None else self._norm(self._ln2, h)
-        mlp_out, mlp_bias = self._branch(*self._mlp(mlp_in))
-        return h + self._norm_add(self._post_mlp, mlp_out, None, mlp_bias)[0]
+        return h + self._post_branch(self._post_mlp, *self._mlp(mlp_in))
+
+    def _post_branch(self, norm: nn.Module, out: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """A sandwich block's branch as it reaches the residual add: its post-norm of
+        (output + bias), times the residual multiplier where the block has one."""
+        y = self._norm_add(norm, out, None, bias)[0]
+        m = self.spec.residual_multiplier
+        return y if m is None else y * m
 
     def _branch(self, out: torch.Tensor, bias: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

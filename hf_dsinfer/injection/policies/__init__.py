@@ -22,6 +22,7 @@ from hf_dsinfer.injection.policies import (
     glm,
     glm4,
     glm4_moe,
+    glm4_moe_lite,
     gpt2,
     gpt_neox,
     gpt_oss,
@@ -33,6 +34,8 @@ from hf_dsinfer.injection.policies import (
     helium,
     hunyuan_v1_dense,
     hunyuan_v1_moe,
+    hyperclovax,
+    jais2,
     llama,
     minimax_m2,
     mixtral,
@@ -47,9 +50,11 @@ from hf_dsinfer.injection.policies import (
     qwen3,
     qwen3_moe,
     smollm3,
+    solar_open,
     stablelm,
     starcoder2,
     vaultgemma,
+    youtu,
 )
 from hf_dsinfer.injection.policy import Policy
 
@@ -64,6 +69,7 @@ POLICIES: tuple[Policy, ...] = (
     hunyuan_v1_moe.POLICY, flex_olmo.POLICY, starcoder2.POLICY, phi.POLICY, stablelm.POLICY,
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
     deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
+    jais2.POLICY, hyperclovax.POLICY, solar_open.POLICY, glm4_moe_lite.POLICY, youtu.POLICY,
 )
 
 

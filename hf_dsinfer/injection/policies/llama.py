@@ -1,15 +1,18 @@
 """Llama family: Llama, Mistral, Qwen2 (GQA, optional attention bias, any HF rope_scaling,
 sliding window via the masks HF builds per layer), and the families that are these blocks under
 another name: Ministral (Qwen2's block without biases, sliding / full `layer_types`), Seed-OSS
-(biases on q / k / v and, apart, on o_proj and the MLP) and InternLM3 (HF runs it as Llama)."""
+(biases on q / k / v and, apart, on o_proj and the MLP), InternLM3 (HF runs it as Llama) and
+Meta's Code World Model (`cwm`: Qwen2's attention without biases, sliding / full `layer_types`
+3:1, llama3 RoPE scaling)."""
 
 from hf_dsinfer.injection.policy import ROPE, SEPARATE, SEQUENTIAL, FromConfig, Policy
 
 POLICY = Policy(
     family="llama",
-    model_types=("llama", "mistral", "qwen2", "ministral", "seed_oss", "internlm3"),
+    model_types=("llama", "mistral", "qwen2", "ministral", "seed_oss", "internlm3",
+                 "cwm"),
     block_classes=("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-                   "MinistralDecoderLayer", "SeedOssDecoderLayer"),
+                   "MinistralDecoderLayer", "SeedOssDecoderLayer", "CwmDecoderLayer"),
     layers="model.layers",
     layout=SEQUENTIAL,
     norm="rms",
