@@ -66,17 +66,23 @@ ROPE_MODEL_CLASSES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", 
                       "Gemma3TextModel", "MinistralModel", "SeedOssModel", "VaultGemmaModel",
                       # Llama's forward, line for line (transformers 5.24)
                       "Ernie4_5Model", "HeliumModel", "GlmModel", "Glm4Model",
-                      "HunYuanDenseV1Model", "ArceeModel", "StableLmModel",
+                      "HunYuanDenseV1Model", "ArceeModel", "StableLmModel", "Jais2Model",
                       # Mistral's, with an embedding dropout (identity: the step runs in eval)
                       "Starcoder2Model",
                       # Ministral's forward (masks by layer type), line for line
-                      "Exaone4Model")
+                      "Exaone4Model",
+                      # Ministral's, but the layers get no use_cache and the output always
+                      # the cache (the step runs only with use_cache on: the same outputs)
+                      "CwmModel",
+                      # Granite's forward, line for line
+                      "HyperCLOVAXModel")
 ROPE_PER_LAYER_TYPE = ("Gemma3TextModel",)  # rotary_emb(x, position_ids, layer_type)
 # inner models whose forward the step does not reproduce, and why (their blocks still run the
 # native layer one by one)
 REFUSED_MODEL_CLASSES: dict[str, str] = {}
 # inner model class -> its attribute the embeddings are multiplied by (HF: inputs_embeds * m)
-EMBEDDING_MULTIPLIERS = {"GraniteModel": "embedding_multiplier"}
+EMBEDDING_MULTIPLIERS = {"GraniteModel": "embedding_multiplier",
+                         "HyperCLOVAXModel": "embedding_multiplier"}
 # OPT's decoder: embed, project_in, + learned positions (HF's cumsum of the mask, offset 2), the
 # layers on one causal mask, final_layer_norm, project_out (transformers 5.x)
 OPT_MODEL_CLASSES = ("OPTDecoder",)

@@ -166,12 +166,10 @@ def _check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
 
 
 def _options(struct: _Layer, norm: str, post_norms: tuple | None, softcap: float | None,
-             window: int | None, residual_multiplier: float | None) -> Watched:
+             window: int | None) -> Watched:
     """The layer's post-norms (sandwich), soft-cap and sliding window into the struct."""
     watched: Watched = []
-    if post_norms is not None:
-        if residual_multiplier is not None:
-            raise NativeUnsupported("post-norms together with a residual multiplier")
+    if post_norms is not None:  # a residual multiplier then scales each post-norm's output
         if norm == "layer":
             raise NativeUnsupported("LayerNorm post-norms")
         attn_norm, mlp_norm, eps3, eps4 = post_norms
@@ -219,7 +217,8 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
     attention and MLP outputs are multiplied by it (rounded) before each residual add
     (Granite); qk_norm_full: the q / k norms are over the whole projection (OLMo 2), not per
     head; post_norms: (post-attention norm, post-MLP norm, their eps), applied to each branch
-    before its residual add (sandwich: Gemma 2/3, OLMo 2); softcap: attention logits
+    before its residual add (sandwich: Gemma 2/3, OLMo 2), where the residual multiplier
+    then scales its output (HyperCLOVA X's Peri-LN); softcap: attention logits
     s -> softcap * tanh(s / softcap) (Gemma 2); window: each query attends only its last
     `window` keys (a sliding-window layer; HF's mask says the same); rotary_dim: only the
     first rotary_dim dims of each q / k head rotate, the rest pass through (partial rotary:
@@ -279,7 +278,7 @@ def build_decode_layer(ln1: nn.Module, ln2: nn.Module, eps: tuple[float, float],
         struct.qk_norm_after_rope = int(qk_norm_after_rope)
     elif qk_norm_after_rope:
         raise ValueError("build_decode_layer: qk_norm_after_rope without qk_norm")
-    watched += _options(struct, norm, post_norms, softcap, window, residual_multiplier)
+    watched += _options(struct, norm, post_norms, softcap, window)
     if residual_multiplier is not None:
         if residual_multiplier == 0:
             raise NativeUnsupported("a residual multiplier of 0")

@@ -12,7 +12,7 @@ import ctypes
 
 from hf_dsinfer.errors import NativeABIError
 
-ABI_VERSION = 8  # hfd_api.h: HFD_ABI_VERSION
+ABI_VERSION = 9  # hfd_api.h: HFD_ABI_VERSION (9: a residual multiplier after post-norms)
 
 # Kinds of linear (hfd_api.h: LIN_*); the _TILED ones store their weight as row tiles.
 LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8_TILED, LIN_INT4_TILED = 0, 1, 2, 3, 4

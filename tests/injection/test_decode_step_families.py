@@ -3,8 +3,10 @@
 Gemma (its embedding scales itself), Granite (embedding multiplier), Seed-OSS (biases on
 q / k / v and the MLP, none on o_proj), ERNIE 4.5 (fp32 pairs RoPE), GLM (bf16 pairs over half
 of each head), HunYuan (q / k norms after RoPE), Arcee (squared-ReLU MLP), StarCoder2 (tanh-GELU
-MLP, LayerNorms, biases everywhere) and StableLM (LayerNorms, partial rotary); Ministral's and EXAONE 4's sliding / full
-layers (EXAONE's full ones NoPE) as Gemma 2 / 3's.
+MLP, LayerNorms, biases everywhere), StableLM (LayerNorms, partial rotary), Jais 2 (LayerNorms,
+biases, squared ReLU) and HyperCLOVA X (Granite's multipliers after post-norms); Ministral's,
+EXAONE 4's and Code World Model's sliding / full layers (EXAONE's full ones NoPE) as
+Gemma 2 / 3's.
 
 For each, the step must really run (its counters and the blocks' path record), and give
 exactly what HF's own layer loop gives with the same native layers (same kernels: the same
@@ -19,6 +21,7 @@ import torch
 from transformers import (
     ArceeConfig,
     AutoModelForCausalLM,
+    CwmConfig,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
@@ -27,6 +30,8 @@ from transformers import (
     GlmConfig,
     GraniteConfig,
     HunYuanDenseV1Config,
+    HyperCLOVAXConfig,
+    Jais2Config,
     MinistralConfig,
     Olmo2Config,
     Phi3Config,
@@ -70,12 +75,19 @@ CONFIGS = {
     "stablelm": lambda: StableLmConfig(**{**_BASE, "num_attention_heads": 2,
                                           "num_key_value_heads": 1}, partial_rotary_factor=0.5,
                                        use_qkv_bias=True),
+    # Jais 2: LayerNorms, biases, squared ReLU; HyperCLOVA X: Granite's multipliers with
+    # Peri-LN (post-norms before the residual multiplier)
+    "jais2": lambda: Jais2Config(**_BASE, head_dim=32, attention_bias=True, mlp_bias=True),
+    "hyperclovax": lambda: HyperCLOVAXConfig(**_BASE, residual_multiplier=0.4,
+                                             attention_multiplier=0.1, embedding_multiplier=2.0,
+                                             logits_scaling=0.5, use_post_norm=True),
 }
 INNER = {"qwen3": "Qwen3Model", "phi3": "Phi3Model", "olmo2": "Olmo2Model",
          "smollm3": "SmolLM3Model", "gemma": "GemmaModel", "granite": "GraniteModel",
          "seed_oss": "SeedOssModel", "ernie4_5": "Ernie4_5Model", "glm": "GlmModel",
          "hunyuan_v1_dense": "HunYuanDenseV1Model", "arcee": "ArceeModel",
-         "starcoder2": "Starcoder2Model", "stablelm": "StableLmModel"}
+         "starcoder2": "Starcoder2Model", "stablelm": "StableLmModel", "jais2": "Jais2Model",
+         "hyperclovax": "HyperCLOVAXModel"}
 
 
 def _hf(name: str, dtype=torch.bfloat16, seed: int = 0, config=None):
@@ -186,6 +198,10 @@ SLIDING = {  # window 6: a 6-token prompt and 5 steps run past it
     "Exaone4Model": lambda: Exaone4Config(
         **_BASE, head_dim=32, sliding_window=6,
         layer_types=["sliding_attention", "full_attention"]),
+    # Code World Model: Ministral's forward, Llama's block
+    "CwmModel": lambda: CwmConfig(**_BASE, head_dim=32, sliding_window=6,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 

@@ -30,6 +30,8 @@ from transformers import (
     GlmConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HyperCLOVAXConfig,
+    Jais2Config,
     Olmo2Config,
     SmolLM3Config,
     StableLmConfig,
@@ -106,6 +108,15 @@ CONFIGS = {
     "stablelm": lambda: StableLmConfig(**{**_BASE, "num_attention_heads": 2,
                                           "num_key_value_heads": 1}, use_qkv_bias=True,
                                        partial_rotary_factor=0.5, initializer_range=0.1),
+    # Jais 2: LayerNorms, a squared-ReLU plain MLP, biases on q / k / v only here (o_proj's
+    # and the MLP's add after the product's sum: see ernie4_5); HyperCLOVA X (ABI 9): Granite's
+    # multipliers with a post-norm before each residual multiplier (Peri-LN)
+    "jais2": lambda: Jais2Config(**_BASE, head_dim=32, attention_bias=False, mlp_bias=False,
+                                 initializer_range=0.1),
+    "hyperclovax": lambda: HyperCLOVAXConfig(**_BASE, head_dim=32, residual_multiplier=0.4,
+                                             attention_multiplier=0.1, embedding_multiplier=2.0,
+                                             logits_scaling=0.5, use_post_norm=True,
+                                             initializer_range=0.1),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -272,11 +283,18 @@ def test_bf16_steps_of_the_other_families(name, monkeypatch):
 
 
 @EVERY_TIER
-@pytest.mark.parametrize("name", ["arcee", "starcoder2"])
+@pytest.mark.parametrize("name", ["arcee", "starcoder2", "jais2"])
 def test_bf16_steps_of_the_plain_mlps(name, monkeypatch):
     """The ABI 8 MLPs (squared ReLU, tanh GELU after fc1 and its bias): the torch path's bits
     at every tier (within _close where torch's kernels sum in another order, _bf16_bits)."""
     _bf16_bits(name, monkeypatch)
+
+
+@EVERY_TIER
+def test_bf16_steps_of_post_norms_before_the_residual_multiplier(monkeypatch):
+    """HyperCLOVA X's Peri-LN (ABI 9): x + bf16(post_norm(branch) * m), the torch path's bits
+    at every tier (within _close where torch's kernels sum in another order, _bf16_bits)."""
+    _bf16_bits("hyperclovax", monkeypatch)
 
 
 def test_bf16_steps_of_the_layer_norm_families(monkeypatch):
@@ -302,7 +320,7 @@ def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3", "vaultgemma",
                                   "ernie4_5", "glm", "hunyuan_v1_dense", "exaone4", "arcee",
-                                  "starcoder2_biased"])
+                                  "starcoder2_biased", "jais2", "hyperclovax"])
 def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     """generate(): the same greedy tokens, every decode step of every layer native (inference
     mode; no_grad for one family), and explain's path column says so."""
@@ -362,7 +380,9 @@ OPTIONS = [("gemma2", "softcap", 0.0, 0.03), ("gemma2", "ln3", None, 0.03),
            ("ernie4_5", "rope", abi.ROPES["fp32"], 0.03), ("glm", "rope", abi.ROPES["bf16"], 0.03),
            ("hunyuan_v1_dense", "qk_norm_after_rope", 0, 0.03),
            # ReLU instead of its square; instead of tanh GELU
-           ("arcee", "mlp", abi.MLPS["relu"], 0.03), ("starcoder2", "mlp", abi.MLPS["relu"], 0.03)]
+           ("arcee", "mlp", abi.MLPS["relu"], 0.03), ("starcoder2", "mlp", abi.MLPS["relu"], 0.03),
+           # Peri-LN's multiplier: dropped (the post-norms' outputs added whole)
+           ("hyperclovax", "resid_mult", 0.0, 0.03)]
 
 
 def test_every_option_bites(monkeypatch):

@@ -1559,9 +1559,12 @@ static void mlp_act_row(const hfd_layer *L, const float *y, uint16_t *a) {
         plain_act_row(L->mlp, y, a, I);
 }
 
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out);
+
 /* out = x + branch, the branch y (fp32, a projection's output before rounding) as the layer
    adds it: bf16(y) through the post-norm `which` (3: after attention, 4: after the MLP) where
-   the layer has one (sandwich: out = bf16(x + norm(bf16(y)))), else residual_bf16's.
+   the layer has one (sandwich: out = bf16(x + norm(bf16(y))); with a residual multiplier,
+   HyperCLOVA X's Peri-LN: bf16(x + bf16(norm(bf16(y)) * resid_mult))), else residual_bf16's.
    tmp: hidden bf16 of scratch. */
 static void branch_residual(const hfd_layer *L, int which, const uint16_t *x, const float *y,
                             uint16_t *tmp, uint16_t *out) {
@@ -1572,10 +1575,7 @@ static void branch_residual(const hfd_layer *L, int which, const uint16_t *x, co
     }
     round_row(y, tmp, H);
     norm_bf16(L, which, tmp, tmp);
-    for (int64_t c = 0; c < H; c += 16) {
-        __mmask16 mk = mask16(H - c);
-        store16_bf16(out + c, mk, _mm512_add_ps(load16(x, c, DT_BF16, mk), load16(tmp, c, DT_BF16, mk)));
-    }
+    add_bf16(x, tmp, H, L->resid_mult, out);
 }
 
 /* The rest of the layer for one token: out [hidden] (bf16) from the layer input x, the rotated
@@ -1799,8 +1799,6 @@ int hfd_int4_a8_rows(const void *x, int x_dt, int64_t M, const uint8_t *w, const
 #define INT8_AMX_MIN_ROWS 4
 
 static void round_then_bias(const float *f, const hfd_lin *L, int64_t rows, uint16_t *y, int nt);
-static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, float m, uint16_t *out);
-
 /* y [rows, n] = bf16(x W^T + bias) for a bf16 weight (AMX-BF16) or int8 row tiles (AMX-INT8,
    or the GEMV under 4 rows); y = bf16(bf16(x W^T) + bias) for 4-bit codes (hfd_int4_linear up
    to bounds[1] rows, then hfd_int4_amx on AMX-BF16 tiles): what the torch path's linear

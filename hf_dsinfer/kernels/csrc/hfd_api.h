@@ -14,7 +14,7 @@
  * signature below. kernels/abi.py holds the same number and refuses a library whose hfd_abi()
  * reports another, or other struct sizes (a stale or foreign build). */
 #ifndef HFD_ABI_VERSION
-#define HFD_ABI_VERSION 8
+#define HFD_ABI_VERSION 9
 #endif
 
 /* Fills info[0 .. n) with: HFD_ABI_VERSION, sizeof(hfd_lin), sizeof(hfd_layer), L_COUNT,
@@ -71,7 +71,8 @@ typedef struct {
     hfd_lin lin[L_COUNT];
     const uint16_t *q_norm, *k_norm; /* per-head RMSNorm weights, bf16 [head_dim], or NULL */
     float q_eps, k_eps;
-    float resid_mult; /* Granite: x + bf16(branch * resid_mult); 0: x + branch */
+    float resid_mult; /* Granite: x + bf16(branch * resid_mult); 0: x + branch; after a
+                         post-norm (ABI 9, Peri-LN): x + bf16(norm(branch) * resid_mult) */
     /* ABI 2 */
     const uint16_t *ln3, *ln4; /* sandwich (Gemma 2/3, OLMo 2): norms of the attention and the
                                   MLP output before each residual add, bf16 [hidden], or NULL */
