@@ -20,6 +20,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneMoeConfig,
     FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -502,6 +503,16 @@ MOE_CONFIGS["solar_open"] = lambda: SolarOpenConfig(
     num_hidden_layers=2, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
     n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
     max_position_embeddings=128, **_COMMON)
+# K-EXAONE: EXAONE 4's attention (per-head q / k norms, sliding (window 4) / full layers, the
+# full one NoPE) in a pre-norm block; layer 0 dense, layer 1 DeepSeek-V3's MoE (8 experts in
+# 4 groups, top-3 within the 2 best, a correction bias, routed scaling 2.5, a shared expert)
+MOE_CONFIGS["exaone_moe"] = lambda: ExaoneMoeConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+    num_shared_experts=1, routed_scaling_factor=2.5, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+    **_COMMON)
 # Granite MoE shared: Granite MoE's with a SiLU-gated shared MLP beside the experts. Granite
 # MoE SWA: that, plus Granite SWA's sinks, sliding (window 4) / full layers, the full one NoPE
 _GRANITE_MOE = dict(
@@ -530,4 +541,4 @@ MOE_VARIANTS = {
 MOE_MODELS = list(MOE_CONFIGS)
 MOE_2026 = ["gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "minimax_m2", "dots1",
             "hunyuan_v1_moe", "flex_olmo", "granitemoe", "deepseek_v2", "granitemoeshared",
-            "glm4_moe_lite", "solar_open"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)
+            "glm4_moe_lite", "solar_open", "exaone_moe"]  # the issue-27 MoE families (tests/moe/test_moe_families.py)

@@ -15,6 +15,7 @@ from hf_dsinfer.injection.policies import (
     ernie4_5,
     ernie4_5_moe,
     exaone4,
+    exaone_moe,
     flex_olmo,
     gemma,
     gemma2,
@@ -70,6 +71,7 @@ POLICIES: tuple[Policy, ...] = (
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
     deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
     jais2.POLICY, hyperclovax.POLICY, solar_open.POLICY, glm4_moe_lite.POLICY, youtu.POLICY,
+    exaone_moe.POLICY,
 )
 
 
