@@ -45,6 +45,7 @@ from transformers import (
     InternLM3Config,
     Jais2Config,
     LlamaConfig,
+    MiniCPM3Config,
     MiniMaxM2Config,
     Ministral3Config,
     MinistralConfig,
@@ -221,6 +222,14 @@ CONFIGS = {
                                  kv_lora_rank=40, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                  v_head_dim=24, rope_interleave=True,
                                  max_position_embeddings=128, **_COMMON),
+    # MiniCPM3: Youtu's MLA with rotate-half RoPE, a residual scale of 0.8 / sqrt(2) per block,
+    # embeddings times 3, logits divided by 64 / 32
+    "minicpm3": lambda: MiniCPM3Config(hidden_size=64, num_attention_heads=4,
+                                       num_key_value_heads=4, num_hidden_layers=2,
+                                       intermediate_size=96, q_lora_rank=32, kv_lora_rank=40,
+                                       qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+                                       scale_emb=3, scale_depth=0.8, dim_model_base=32,
+                                       max_position_embeddings=128, **_COMMON),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
@@ -229,7 +238,7 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
                  "cohere", "cohere2", "starcoder2", "phi", "stablelm", "stablelm_parallel",
                  "nemotron", "olmo", "arcee", "apertus", "cwm", "jais2", "hyperclovax",
-                 "youtu"]  # test_family_quant.py covers these
+                 "youtu", "minicpm3"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias", "starcoder2",
           "phi", "stablelm", "nemotron", "jais2")  # HF initializes biases to zero: make_model randomizes them
 LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron",

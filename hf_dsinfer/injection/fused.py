@@ -143,7 +143,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         clip_qkv=P.resolve(policy.clip_qkv, config),
         rope=rope,
         attn_softcap=None if policy.softcap_attr is None else getattr(attn, policy.softcap_attr),
-        residual_multiplier=P.resolve(policy.residual_multiplier, config),
+        residual_multiplier=P.resolve_in_block(policy.residual_multiplier, config, block),
         sinks=_check_sinks(attn, policy, q_out // head_dim),
         mla=policy.mla is not None,
         window=window if sliding else None,

@@ -36,6 +36,19 @@ def resolve(value: Any, config: Any) -> Any:
     return value.resolve(config) if isinstance(value, FromConfig) else value
 
 
+@dataclasses.dataclass(frozen=True)
+class FromBlock:
+    """A policy value read from each decoder block: `block.<attr>` (MiniCPM3's layers compute
+    their residual scale, scale_depth / sqrt(num_hidden_layers), in __init__)."""
+
+    attr: str
+
+
+def resolve_in_block(value: Any, config: Any, block: Any) -> Any:
+    """resolve(), where a FromBlock reads the block's attribute."""
+    return getattr(block, value.attr) if isinstance(value, FromBlock) else resolve(value, config)
+
+
 # Q/K/V layouts.
 SEPARATE = "separate"        # q_proj, k_proj, v_proj: three nn.Linear
 PACKED = "packed"            # one projection whose output is [q | k | v] (GPT-2's Conv1D c_attn)
@@ -267,7 +280,7 @@ class Policy:
     softcap_attr: str | None = None       # attention attribute: tanh cap of the attention
                                           # logits, or None on the module (Gemma 2)
     residual_multiplier: Any = None       # attention / MLP outputs scaled before the residual
-                                          # add (Granite; FromConfig)
+                                          # add (Granite: FromConfig; MiniCPM3: FromBlock)
     rope_half_table: bool = False         # cos / sin hold the D/2 frequencies once (gpt-oss),
                                           # not cat(freqs, freqs): rotate-half over all of D
     rope_pairs_table: bool = False        # HF's cos / sin are Llama's cat(freqs, freqs), read

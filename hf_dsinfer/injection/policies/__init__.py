@@ -38,6 +38,7 @@ from hf_dsinfer.injection.policies import (
     hyperclovax,
     jais2,
     llama,
+    minicpm3,
     minimax_m2,
     mixtral,
     nemotron,
@@ -71,7 +72,7 @@ POLICIES: tuple[Policy, ...] = (
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
     deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
     jais2.POLICY, hyperclovax.POLICY, solar_open.POLICY, glm4_moe_lite.POLICY, youtu.POLICY,
-    exaone_moe.POLICY,
+    exaone_moe.POLICY, minicpm3.POLICY,
 )
 
 
