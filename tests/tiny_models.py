@@ -30,6 +30,7 @@ from transformers import (
     Glm4MoeLiteConfig,
     GlmConfig,
     GPT2Config,
+    GPTBigCodeConfig,
     GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
@@ -102,6 +103,10 @@ CONFIGS = {
     "gpt_neox_sequential": lambda: GPTNeoXConfig(
         hidden_size=80, num_attention_heads=5, num_hidden_layers=2, intermediate_size=144,
         rotary_pct=0.25, max_position_embeddings=128, use_parallel_residual=False, **_COMMON),
+    # StarCoder 1 / SantaCoder: GPT-2's block, nn.Linear weights, multi-query attention
+    "gpt_bigcode": lambda: GPTBigCodeConfig(n_embd=80, n_head=5, n_layer=2, n_positions=128,
+                                            multi_query=True,
+                                            activation_function="gelu_pytorch_tanh", **_COMMON),
     "gptj": lambda: GPTJConfig(n_embd=80, n_head=5, n_layer=2, rotary_dim=8, n_positions=128,
                                **_COMMON),
     "llama": lambda: LlamaConfig(**_LLAMA),

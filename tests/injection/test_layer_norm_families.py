@@ -174,3 +174,17 @@ def test_per_head_qk_norms_refuse_tensor_parallelism_before_slicing(name):
     plan_block(block, policy, config, 0, 1, 0)  # one rank: nothing sliced
     phi = _qk_layernorm_model("phi")
     plan_block(phi.model.layers[0], find_policy(phi), phi.config, 0, 2, 0)
+
+
+def test_gpt_bigcode_without_multi_query_is_refused_with_the_reason():
+    """GPTBigCode packs q / k / v as [q | k | v] under multi_query (StarCoder 1, SantaCoder: the
+    grid's model) and per head otherwise, a packing its policy does not read: such a config is
+    refused naming it, and strict=False leaves the model HF's."""
+    config = CONFIGS["gpt_bigcode"]()
+    config.multi_query = False
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(hf_dsinfer.UnsupportedModelError, match="packed per head"):
+        hf_dsinfer.init_inference(copy.deepcopy(model))
+    kept = hf_dsinfer.init_inference(model, strict=False)
+    assert sum(hf_dsinfer.fused_call_counts(kept).values()) == 0
+    assert "packed per head" in hf_dsinfer.explain(kept)

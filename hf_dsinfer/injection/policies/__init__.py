@@ -25,6 +25,7 @@ from hf_dsinfer.injection.policies import (
     glm4_moe,
     glm4_moe_lite,
     gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     gptj,
@@ -72,7 +73,7 @@ POLICIES: tuple[Policy, ...] = (
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
     deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
     jais2.POLICY, hyperclovax.POLICY, solar_open.POLICY, glm4_moe_lite.POLICY, youtu.POLICY,
-    exaone_moe.POLICY, minicpm3.POLICY,
+    exaone_moe.POLICY, minicpm3.POLICY, gpt_bigcode.POLICY,
 )
 
 
@@ -104,6 +105,16 @@ LACKING: dict[str, str] = {
     "lfm2_moe": "gated short-convolution layers (LFM2's ShortConv, a rolling conv state)",
     **{t: _MAMBA for t in ("falcon_h1", "granitemoehybrid", "nemotron_h", "jamba", "bamba",
                            "zamba2")},
+    **{t: ("chunked local attention (attention_chunk_size), queries scaled by position on "
+           "NoPE layers (attn_temperature_tuning), an L2 norm of q and k, and a MoE whose "
+           "router scores multiply the experts' inputs") for t in ("llama4", "llama4_text")},
+    "phimoe": "SparseMixer routing (top-2 picked one by one, each softmax masked by jitter_eps)",
+    "minimax": "lightning attention layers (linear attention with a decayed recurrent state)",
+    "deepseek_v32": ("DeepSeek sparse attention: an indexer picks the top-k keys each query "
+                     "attends to"),
+    "diffllama": "differential attention (two softmax maps subtracted, with a learned lambda)",
+    "bitnet": ("RMSNorms inside the attention (before o_proj) and the MLP (before "
+               "down_proj): BitNet's sub-norms"),
 }
 
 
