@@ -32,12 +32,23 @@ from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes
 WORKER = Path(__file__).with_name("tp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 WORLDS = [2, 3]
+# tp=3 splits 5 or 6 heads unevenly; three processes on CI's two cores make it the suite's
+# slowest launch (189 s of a 1197 s suite, 2026-11-28). These families' blocks are sliced by
+# the same plan and layout as the family beside them (their policies add no option that TP
+# reads), so they run at tp=2 only, and tp=3 reaches their layout through that family.
+TP3_SLICED_AS = {"cwm": "llama", "hyperclovax": "granite", "jais2": "starcoder2",
+                 "youtu": "deepseek_v3", "minicpm3": "deepseek_v3",
+                 "glm4_moe_lite": "deepseek_v3", "solar_open": "glm4_moe", "exaone_moe": "dots1",
+                 "gpt_bigcode": "phi3"}
+FAMILIES_AT = {2: FAMILIES + MOE_2026,
+               3: [f for f in FAMILIES + MOE_2026 if f not in TP3_SLICED_AS]}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tp{request.param}")
-    proc = torchrun(request.param, str(WORKER), str(out / "result.json"), str(out))
+    proc = torchrun(request.param, str(WORKER), str(out / "result.json"), str(out),
+                    *FAMILIES_AT[request.param])
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = json.loads((out / "result.json").read_text())["ranks"]
     for rank in ranks:
@@ -45,9 +56,22 @@ def run(request, tmp_path_factory):
     return ranks
 
 
+def _skip_unless_launched(run, name: str) -> None:
+    if name not in run[0]["families"]:
+        assert len(run) == 3 and name in TP3_SLICED_AS, (len(run), name)
+        pytest.skip(f"tp=3 slices {name} as {TP3_SLICED_AS[name]}: tested at tp=2")
+
+
+def test_tp3_sliced_as_names_families_it_runs():
+    """Each family run at tp=2 only names one that tp=3 runs."""
+    assert set(TP3_SLICED_AS) <= set(FAMILIES + MOE_2026)
+    assert all(f in FAMILIES_AT[3] for f in TP3_SLICED_AS.values())
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", FAMILIES + MOE_2026)
 def test_logits_match_single_process(run, name):
+    _skip_unless_launched(run, name)
     for rank in run:
         fam = rank["families"][name]
         assert fam["fused_ran"]
@@ -59,6 +83,7 @@ def test_logits_match_single_process(run, name):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", FAMILIES + MOE_2026)
 def test_tokens_identical_on_every_rank(run, name):
+    _skip_unless_launched(run, name)
     first = run[0]["families"][name]
     for rank in run:
         fam = rank["families"][name]
@@ -84,7 +109,7 @@ def test_sinks_and_latent_attention_are_sliced_by_heads(run):
     the ranks' heads add up to the model's, gpt-oss's sink logits follow them, and DeepSeek-V3's
     decode steps ran the absorbed attention over the (replicated) latent cache."""
     world = len(run)
-    for name in MOE_2026:  # 4 query heads each (GLM-4.5 and ERNIE MoE too), in every layer
+    for name in run[0]["families"].keys() & set(MOE_2026):  # 4 query heads each, every layer
         local = [rank["families"][name]["local"] for rank in run]
         assert sum(part["num_heads"][0] for part in local) == 4
         assert all(part["num_heads"] == [split_sizes(4, world)[r]] * len(part["num_heads"])
