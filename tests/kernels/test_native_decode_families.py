@@ -329,7 +329,11 @@ def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     # bit-equal q / k / v (attention or the MLP). The two paths' scores differ in other
     # families' generate runs too (Gemma 2: seeds 1, 3, 4 and 6 of 1-6, 12 tokens, no tie
     # near); HunYuan's seeds 2-6 keep the tokens (2026-11-28, Zen 4)
-    seed = 2 if name == "hunyuan_v1_dense" else 1
+    # HyperCLOVA X's seed-1 prompt under AVX2 torch: the torch path's two best logits at the
+    # second step are equal (218 and 171, a gap of 0.0) and the native path's 0.0098 apart, so
+    # argmax picks another token (2026-11-28, the Xeon with ONEDNN_MAX_CPU_ISA=AVX2); seeds 2-6
+    # keep the tokens there and at the CPU's own tier
+    seed = 2 if name in ("hunyuan_v1_dense", "hyperclovax") else 1
     model = _model(name, seed=seed)
     ids, _ = _prompt(seed=seed + 3)
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
