@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from tiny_models import FAMILIES, ROPE_SCALINGS, make_model, prompts
+from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
 
@@ -178,3 +179,27 @@ def test_bf16(name):
     fused_seq = fused.generate(ids, attention_mask=mask, do_sample=False, **GEN)
     assert _calls(fused) > before
     _first_divergence_is_near_tie(ref_out, fused_seq, ids.shape[1], BF16_LOGIT_RTOL * scale)
+
+
+def test_hyperclovax_without_post_norms_is_granites_block():
+    """HyperCLOVA X's layout is a FromConfig of use_post_norm: without post-norms (its layers
+    hold nn.Identity there) the block is Granite's sequential one, fp32 logits within 1e-4 and
+    the same greedy tokens."""
+    from tiny_models import CONFIGS
+
+    from hf_dsinfer.injection import policy as P
+    from hf_dsinfer.injection.walker import get_report
+
+    config = CONFIGS["hyperclovax"]()
+    config.use_post_norm = False
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    assert {f.spec.layout for f in get_report(fused).blocks.values()} == {P.SEQUENTIAL}
+    ids, mask = prompts()
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask).logits
+        b = fused(ids, attention_mask=mask).logits
+    assert (a - b)[mask.bool()].abs().max().item() <= FP32_LOGIT_ATOL
+    x, y = _generate_both(ref, fused, ids[:1], mask[:1], do_sample=False)
+    assert torch.equal(x, y)
