@@ -20,7 +20,7 @@ import pytest
 import torch
 from launch import torchrun
 from safetensors.torch import save_file
-from tiny_models import FAMILIES, MOE_2026, make_model
+from tiny_models import CONFIGS, FAMILIES, MOE_2026, MOE_CONFIGS, make_model
 
 import hf_dsinfer
 from hf_dsinfer.errors import TensorParallelError
@@ -32,16 +32,21 @@ from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes
 WORKER = Path(__file__).with_name("tp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
 WORLDS = [2, 3]
-# tp=3 splits 5 or 6 heads unevenly; three processes on CI's two cores make it the suite's
-# slowest launch (189 s of a 1197 s suite, 2026-11-28). These families' blocks are sliced by
-# the same plan and layout as the family beside them (their policies add no option that TP
-# reads), so they run at tp=2 only, and tp=3 reaches their layout through that family.
-TP3_SLICED_AS = {"cwm": "llama", "hyperclovax": "granite", "jais2": "starcoder2",
-                 "youtu": "deepseek_v3", "minicpm3": "deepseek_v3",
-                 "glm4_moe_lite": "deepseek_v3", "solar_open": "glm4_moe", "exaone_moe": "dots1",
-                 "gpt_bigcode": "phi3"}
+
+
+def _split_unevenly_by_3(name: str) -> bool:
+    """Its query or KV heads do not divide by 3 (the tiny Llama-shaped models have 6 / 3)."""
+    config = {**CONFIGS, **MOE_CONFIGS}[name]()
+    heads = config.num_attention_heads
+    return bool(heads % 3 or (getattr(config, "num_key_value_heads", None) or heads) % 3)
+
+
+# tp=3 is here for uneven splits (heads, KV heads, replicated KV), and three processes on CI's
+# two cores make it the suite's slowest launch (189 s of a 1197 s suite, 2026-11-28). It runs
+# Llama and the families whose heads 3 ranks split unevenly; the others split evenly at 3
+# ranks as at 2 and run at tp=2 only.
 FAMILIES_AT = {2: FAMILIES + MOE_2026,
-               3: [f for f in FAMILIES + MOE_2026 if f not in TP3_SLICED_AS]}
+               3: [f for f in FAMILIES + MOE_2026 if f == "llama" or _split_unevenly_by_3(f)]}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")
@@ -58,14 +63,14 @@ def run(request, tmp_path_factory):
 
 def _skip_unless_launched(run, name: str) -> None:
     if name not in run[0]["families"]:
-        assert len(run) == 3 and name in TP3_SLICED_AS, (len(run), name)
-        pytest.skip(f"tp=3 slices {name} as {TP3_SLICED_AS[name]}: tested at tp=2")
+        assert len(run) == 3 and name not in FAMILIES_AT[3], (len(run), name)
+        pytest.skip(f"3 ranks split {name}'s heads evenly, as 2 do: tested at tp=2")
 
 
-def test_tp3_sliced_as_names_families_it_runs():
-    """Each family run at tp=2 only names one that tp=3 runs."""
-    assert set(TP3_SLICED_AS) <= set(FAMILIES + MOE_2026)
-    assert all(f in FAMILIES_AT[3] for f in TP3_SLICED_AS.values())
+def test_tp3_runs_uneven_splits():
+    """tp=3 keeps what it is for: 5-head, GQA-2, MQA and 4-head MoE / MLA models."""
+    assert {"gpt2", "mistral", "qwen3", "phi3", "gpt_oss", "deepseek_v3"} <= set(FAMILIES_AT[3])
+    assert "gemma2" not in FAMILIES_AT[3] and len(FAMILIES_AT[3]) < len(FAMILIES_AT[2])
 
 
 @pytest.mark.multiprocess
