@@ -21,6 +21,7 @@ from transformers import (
     Ernie4_5Config,
     Exaone4Config,
     ExaoneMoeConfig,
+    FalconConfig,
     FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -235,6 +236,16 @@ CONFIGS = {
                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
                                        scale_emb=3, scale_depth=0.8, dim_model_base=32,
                                        max_position_embeddings=128, **_COMMON),
+    # Falcon-40B's block: the new decoder architecture, q / k / v packed per KV head (3 query
+    # heads each), ln_attn and ln_mlp in parallel; biases on (the 40B has none) so they count
+    "falcon": lambda: FalconConfig(hidden_size=96, num_attention_heads=6, num_kv_heads=2,
+                                   new_decoder_architecture=True, num_hidden_layers=2,
+                                   ffn_hidden_size=160, bias=True, max_position_embeddings=128,
+                                   **_COMMON),
+    # Falcon-7B's: multi-query attention off one LayerNorm
+    "falcon_7b": lambda: FalconConfig(hidden_size=96, num_attention_heads=6, multi_query=True,
+                                      num_hidden_layers=2, ffn_hidden_size=160,
+                                      max_position_embeddings=128, **_COMMON),
 }
 FAMILIES = list(CONFIGS)
 FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text", "phi3",
@@ -243,11 +254,11 @@ FAMILIES_2026 = ["qwen3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text"
                  "hunyuan_v1_dense", "glm", "glm4", "granite_swa", "exaone4", "exaone4_full",
                  "cohere", "cohere2", "starcoder2", "phi", "stablelm", "stablelm_parallel",
                  "nemotron", "olmo", "arcee", "apertus", "cwm", "jais2", "hyperclovax",
-                 "youtu", "minicpm3"]  # test_family_quant.py covers these
+                 "youtu", "minicpm3", "falcon", "falcon_7b"]  # test_family_quant.py covers these
 BIASED = ("seed_oss", "internlm3", "ernie4_5", "glm", "glm4", "ernie4_5_moe_bias", "starcoder2",
-          "phi", "stablelm", "nemotron", "jais2")  # HF initializes biases to zero: make_model randomizes them
+          "phi", "stablelm", "nemotron", "jais2", "falcon")  # HF initializes biases to zero: make_model randomizes them
 LAYER_NORMED = ("starcoder2", "phi", "stablelm", "stablelm_parallel", "nemotron",
-                "jais2")  # and these norms
+                "jais2", "falcon", "falcon_7b")  # and these norms
 # An architecture hf_dsinfer has no policy for (to test the unsupported-model path).
 UNSUPPORTED = {"xglm": lambda: XGLMConfig(d_model=80, attention_heads=5, num_layers=2, ffn_dim=144,
                                           max_position_embeddings=128, **_COMMON),

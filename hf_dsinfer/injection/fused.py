@@ -69,6 +69,7 @@ class BlockSpec:
     mla: bool = False  # DeepSeek-V3: multi-head latent attention (injection.mla)
     window: int | None = None  # a sliding layer's window (HF's mask says the same); None: full
     qk_norm: str | None = None  # the policy's q / k norm for this config (GLM-4.5: use_qk_norm)
+    pre_norms: tuple[str | None, str | None] = (None, None)  # policy.ln1 / ln2 for this config
 
     def describe(self) -> str:
         extras = [name for name, on in (
@@ -116,7 +117,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
     elif policy.qkv_layout == P.SEPARATE:
         q_out = _out_features(projections[0], policy.conv1d)
         kv_out = _out_features(projections[1], policy.conv1d)
-    elif policy.qkv_layout == P.PACKED_GQA:  # [q | k | v] with the config's head counts
+    elif policy.qkv_layout in (P.PACKED_GQA, P.GROUPED_GQA):  # the config's head counts
         q_out = config.num_attention_heads * head_dim
         kv_out = (_out_features(projections[0], policy.conv1d) - q_out) // 2
     else:  # packed / head-interleaved: three equal parts
@@ -148,6 +149,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
         mla=policy.mla is not None,
         window=window if sliding else None,
         qk_norm=P.resolve(policy.qk_norm, config),
+        pre_norms=(P.resolve(policy.ln1, config), P.resolve(policy.ln2, config)),
     )
 
 
@@ -215,11 +217,11 @@ class FusedBlock:
         self._attn = block.get_submodule(policy.attn)
         self._qkv = [self._attn.get_submodule(n) for n in policy.qkv]
         self._out = self._attn.get_submodule(policy.out_proj)
-        self._ln1 = _sub(block, policy.ln1)
+        ln1, ln2 = self.spec.pre_norms
+        self._ln1 = _sub(block, ln1)
         # a parallel block off one norm reads no second one (StableLM's parallel configs
         # drop the module its sequential ones have)
-        self._ln2 = (None if self.spec.layout == P.PARALLEL_SHARED_LN
-                     else _sub(block, policy.ln2))
+        self._ln2 = None if self.spec.layout == P.PARALLEL_SHARED_LN else _sub(block, ln2)
         self._post_attn = _sub(block, policy.post_attn_norm)  # SANDWICH's post-norms
         self._post_mlp = _sub(block, policy.post_mlp_norm)
         self._mlp_module = _sub(block, policy.mlp)
@@ -286,7 +288,7 @@ class FusedBlock:
              or p.positions == P.NO_POSITIONS,
              ("positions are neither rotate-half RoPE, interleaved pairs from Llama's tables "
               "nor added before the blocks")),
-            (p.qkv_layout in (P.SEPARATE, P.PACKED_GQA) and not self.is_moe and mlp is not None,
+            (self._qkv_rows and not self.is_moe and mlp is not None,
              ("not separate q/k/v with an MLP the C layer computes (SiLU- or GELU-gated; "
               "ReLU, squared ReLU or tanh GELU)")),
             (spec.clip_qkv is None, "q/k/v clipping"),
@@ -480,12 +482,21 @@ class FusedBlock:
         pa, pm = self._post_attn, self._post_mlp
         return pa, pm, _norm_eps(pa), _norm_eps(pm)
 
+    @property
+    def _qkv_rows(self) -> bool:
+        """q, k and v are row ranges of their projections, as the C layer reads them: separate
+        projections, or one [q | k | v] (Phi-3's packing; Falcon's and GPTBigCode's per-KV-head
+        packing with one KV head is the same rows)."""
+        layout = self.policy.qkv_layout
+        return layout in (P.SEPARATE, P.PACKED_GQA) or (
+            layout == P.GROUPED_GQA and self.spec.num_kv_heads == 1)
+
     def _decode_linears(self) -> dict:
         """q, k, v, o, gate, up, down (OPT: fc1, None, fc2) as kernels.decode takes them: the
         parts of a fused qkv_proj / gate_up_proj (Phi-3) as row slices of it."""
         spec, d = self.spec, self.spec.head_dim
         qkv = list(self._qkv)
-        if self.policy.qkv_layout == P.PACKED_GQA:
+        if self.policy.qkv_layout != P.SEPARATE:  # [q | k | v] (_qkv_rows)
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             qkv = [RowSlice(qkv[0], at, n)
                    for at, n in ((0, q), (q, kv), (q + kv, kv))]
@@ -677,6 +688,10 @@ class FusedBlock:
             kv = self.spec.num_kv_heads * d
             q, k, v = self._linear(self._qkv[0], x).split(
                 [self.spec.num_heads * d, kv, kv], dim=-1)
+        elif self.policy.qkv_layout == P.GROUPED_GQA:  # per KV head [q x group, k, v]
+            group = self.spec.num_heads // self.spec.num_kv_heads
+            qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_kv_heads, group + 2, d)
+            q, k, v = [t.reshape(b, s, -1) for t in qkv.split([group, 1, 1], dim=3)]
         else:  # HEAD_INTERLEAVED: per head [q, k, v]
             qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_heads, 3 * d)
             q, k, v = [t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1)]

@@ -21,15 +21,28 @@ from hf_dsinfer.hf import cache_args
 
 @dataclasses.dataclass(frozen=True)
 class FromConfig:
-    """A policy value read from the model config: `mapping[config.<attr>]` (or the raw value)."""
+    """A policy value read from the model config: `mapping[config.<attr>]` (or the raw value).
 
-    attr: str
+    `attr` may name several attributes: the mapping's keys are then tuples of their values
+    (Falcon's block wiring follows three config flags)."""
+
+    attr: str | tuple[str, ...]
     mapping: dict[Any, Any] | None = None
     default: Any = None
 
     def resolve(self, config: Any) -> Any:
-        value = getattr(config, self.attr, self.default)
-        return value if self.mapping is None else self.mapping[value]
+        if isinstance(self.attr, tuple):
+            value = tuple(getattr(config, a, self.default) for a in self.attr)
+        else:
+            value = getattr(config, self.attr, self.default)
+        if self.mapping is None:
+            return value
+        if value not in self.mapping:
+            raise PolicyError(
+                f"config {self.attr} = {value!r}: the policy maps only {list(self.mapping)} "
+                "(a combination transformers' own modeling code does not build either, or one "
+                "this family's policy does not describe yet)")
+        return self.mapping[value]
 
 
 def resolve(value: Any, config: Any) -> Any:
@@ -54,6 +67,9 @@ SEPARATE = "separate"        # q_proj, k_proj, v_proj: three nn.Linear
 PACKED = "packed"            # one projection whose output is [q | k | v] (GPT-2's Conv1D c_attn)
 HEAD_INTERLEAVED = "head_interleaved"  # one projection whose output is per head [q, k, v]
                                        # (GPT-NeoX / BLOOM `query_key_value`)
+GROUPED_GQA = "grouped_gqa"  # one projection whose output is per KV head [q x (heads / KV
+                             # heads), k, v] (Falcon's `query_key_value`: one group with
+                             # multi_query, a group per head (HEAD_INTERLEAVED) without it)
 PACKED_GQA = "packed_gqa"    # one projection whose output is [q | k | v], q of
                              # config.num_attention_heads heads, k and v of
                              # config.num_key_value_heads each (Phi-3's `qkv_proj`)
@@ -93,7 +109,7 @@ QK_NORM_MODULE = "module"    # the attention's own q / k norm modules, called on
                              # calls them (LayerNorms: Phi's shared one, StableLM's one per head,
                              # Cohere's [heads, head_dim] weight), before RoPE
 
-QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA)
+QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA, GROUPED_GQA)
 LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
 NORMS = (LAYER, LAYER_FP32, LAYER_1P, LAYER_PLAIN, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)
@@ -235,8 +251,8 @@ class Policy:
     layers: str                           # dotted path from the *ForCausalLM to the block list
     layout: Any                           # SEQUENTIAL / PARALLEL / ... or FromConfig
     norm: str                             # "layer", or an RMSNorm kind: RMS / RMS_FP32 / ...
-    ln1: str | None                       # attribute names inside the block (pre-norms)
-    ln2: str | None
+    ln1: Any                              # attribute names inside the block (pre-norms),
+    ln2: Any                              # or FromConfig (Falcon: by its wiring)
     attn: str
     qkv_layout: str
     qkv: tuple[str, ...]                  # ("q_proj", "k_proj", "v_proj") or ("c_attn",)

@@ -163,7 +163,7 @@ def plan_block(block: nn.Module, policy: P.Policy, config: Any, index: int, tp: 
                     f"parameters per head ({count}), which this plan does not slice with the "
                     "heads. Fix: use tp_size=1 for this model (its config's q / k norms on).")
     heads = head_shard(full.num_heads, full.num_kv_heads, tp, rank)
-    if (policy.qkv_layout not in (P.SEPARATE, P.PACKED_GQA)
+    if (policy.qkv_layout not in (P.SEPARATE, P.PACKED_GQA, P.GROUPED_GQA)
             and full.num_kv_heads != full.num_heads):
         raise TensorParallelError(f"{policy.family}: a fused QKV layout with GQA is not sliceable")
     d = full.head_dim

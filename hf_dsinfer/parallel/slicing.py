@@ -106,7 +106,9 @@ def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int,
     separate: one entry each for q, k, v; packed [q|k|v] and head-interleaved per-head [q, k, v]:
     one entry for the single fused projection (MHA only, as in GPT-2 / GPT-NeoX / BLOOM);
     packed_gqa [q | k | v] with num_kv_heads k and v heads (Phi-3): one entry, this rank's q
-    heads, then its KV heads' rows of k and of v."""
+    heads, then its KV heads' rows of k and of v; grouped_gqa, per KV head [q x group, k, v]
+    (Falcon): one entry, per local KV head its local q heads' rows, then its k and v rows (the
+    local projection is grouped again, with the local counts)."""
     from hf_dsinfer.injection import policy as P  # policies are data; import kept local
 
     q_heads = list(range(*heads.q))
@@ -117,6 +119,16 @@ def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int,
         k_at, v_at = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
         return [_merge(head_ranges(q_heads, head_dim) + head_ranges(heads.kv, head_dim, k_at)
                        + head_ranges(heads.kv, head_dim, v_at))]
+    if layout == P.GROUPED_GQA:
+        group = num_heads // num_kv_heads
+        per = heads.num_q // len(heads.kv)  # local q heads per local KV head (HeadShard)
+        rows: list[tuple[int, int]] = []
+        for i, kv in enumerate(heads.kv):
+            first = heads.q[0] + i * per - kv * group  # within its group
+            at = kv * (group + 2) * head_dim
+            rows += head_ranges(range(first, first + per), head_dim, at)
+            rows += head_ranges((group, group + 1), head_dim, at)  # k, v
+        return [_merge(rows)]
     if layout == P.PACKED:
         width = num_heads * head_dim
         return [_merge([r for part in range(3)

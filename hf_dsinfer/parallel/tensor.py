@@ -25,7 +25,13 @@ from hf_dsinfer import state
 from hf_dsinfer.errors import TensorParallelError
 from hf_dsinfer.injection.fused import FusedBlock, _norm_eps, resolve_spec
 from hf_dsinfer.injection.layers import iter_layers
-from hf_dsinfer.injection.policy import PACKED_GQA, QK_NORM_FULL, RMS_STYLES, Policy
+from hf_dsinfer.injection.policy import (
+    GROUPED_GQA,
+    PACKED_GQA,
+    QK_NORM_FULL,
+    RMS_STYLES,
+    Policy,
+)
 from hf_dsinfer.injection.walker import InjectionReport
 from hf_dsinfer.kernels.norms import rms_weight
 from hf_dsinfer.parallel.groups import RankGroup, tensor_parallel_group
@@ -242,7 +248,7 @@ def _wire_blocks(model: nn.Module, report: InjectionReport, plan: ModelPlan, tp:
     for index, (path, fused) in enumerate(report.blocks.items()):
         fused.bind()
         fused.spec = resolve_spec(fused.block, fused.policy, model.config, index)
-        if fused.policy.qkv_layout == PACKED_GQA or fused.mla is not None:
+        if fused.policy.qkv_layout in (PACKED_GQA, GROUPED_GQA) or fused.mla is not None:
             # the config (MLA: the module's num_heads) counts all heads: the shard's
             heads = plan.blocks[path].heads
             fused.spec = dataclasses.replace(fused.spec, num_heads=heads.num_q,

@@ -43,14 +43,14 @@ NO_PAGED_CACHE = () if RENAMED else ("bloom", "gptj")
 # HF's own generate_batch fails every request of these:
 # - DeepSeek-V3 (5.23, 5.24), DeepSeek-V2 (5.24): the paged cache is sized by head_dim =
 #   qk_rope_head_dim, MLA writes the expanded keys (V2: its latent);
-# - OPT, BLOOM, GPT-NeoX (5.24): their model forwards call cache.get_seq_length(), which the
-#   PagedAttentionCache has not.
+# - OPT, BLOOM, GPT-NeoX (5.24), Falcon: their model forwards call cache.get_seq_length(),
+#   which the PagedAttentionCache has not.
 # - StableLM, Nemotron (5.24): their decoder layers call the attention without the batch's
 #   kwargs, so the paged cache's update finds no cu_seq_lens_k.
 # The injected model completes every request where its own code stands in for the failing
 # part (GPT-NeoX), and otherwise raises with HF's error chained (test_hf_failures_raise).
 NO_HF_CB = ("deepseek_v3", "deepseek_v2", "stablelm", "stablelm_parallel", "nemotron", "youtu",
-            "glm4_moe_lite", "minicpm3") + (
+            "glm4_moe_lite", "minicpm3", "falcon", "falcon_7b") + (
     ("opt", "opt_post_ln", "bloom", "gpt_neox", "gpt_neox_sequential") if RENAMED else ())
 # HF's generate_batch gives other tokens than its own generate for these (5.24, greedy, the
 # same prompts): the injected model's generate_batch is held to HF's generate instead.

@@ -176,15 +176,22 @@ def test_per_head_qk_norms_refuse_tensor_parallelism_before_slicing(name):
     plan_block(phi.model.layers[0], find_policy(phi), phi.config, 0, 2, 0)
 
 
-def test_gpt_bigcode_without_multi_query_is_refused_with_the_reason():
+def test_gpt_bigcode_without_multi_query_reads_q_k_v_per_head():
     """GPTBigCode packs q / k / v as [q | k | v] under multi_query (StarCoder 1, SantaCoder: the
-    grid's model) and per head otherwise, a packing its policy does not read: such a config is
-    refused naming it, and strict=False leaves the model HF's."""
+    grid's model) and as [q, k, v] per head otherwise: both are GROUPED_GQA (one group, or a
+    group per head). The per-head packing: fp32 logits within 1e-4 of HF, 5 KV heads, the same
+    greedy tokens, fused calls counted."""
     config = CONFIGS["gpt_bigcode"]()
     config.multi_query = False
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(hf_dsinfer.UnsupportedModelError, match="packed per head"):
-        hf_dsinfer.init_inference(copy.deepcopy(model))
-    kept = hf_dsinfer.init_inference(model, strict=False)
-    assert sum(hf_dsinfer.fused_call_counts(kept).values()) == 0
-    assert "packed per head" in hf_dsinfer.explain(kept)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    fused = hf_dsinfer.init_inference(copy.deepcopy(ref))
+    assert [b.spec.num_kv_heads for b in get_report(fused).blocks.values()] == [5, 5]
+    ids, mask = prompts()
+    with torch.inference_mode():
+        want, got = ref(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=0)
+    calls = sum(hf_dsinfer.fused_call_counts(fused).values())
+    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(fused.generate(ids, **kw), ref.generate(ids, **kw))
+    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls

@@ -28,6 +28,7 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     GlmConfig,
+    GPTBigCodeConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     HyperCLOVAXConfig,
@@ -40,6 +41,7 @@ from transformers import (
 )
 
 import hf_dsinfer
+from hf_dsinfer.injection.walker import get_report
 from hf_dsinfer.kernels import _native, abi
 from tests.kernels.conftest import pin_crossovers
 
@@ -117,6 +119,14 @@ CONFIGS = {
                                              attention_multiplier=0.1, embedding_multiplier=2.0,
                                              logits_scaling=0.5, use_post_norm=True,
                                              initializer_range=0.1),
+    # StarCoder 1 / SantaCoder: multi-query [q | k | v] in one c_attn (GROUPED_GQA with one KV
+    # head, read as row slices), LayerNorms, tanh GELU, learned positions, biases (o_proj's and
+    # the MLP's add after the product's sum: within _close, see ernie4_5)
+    "gpt_bigcode": lambda: GPTBigCodeConfig(vocab_size=VOCAB, n_embd=128, n_head=4, n_layer=3,
+                                            n_inner=256, n_positions=256, multi_query=True,
+                                            activation_function="gelu_pytorch_tanh",
+                                            initializer_range=0.1, pad_token_id=0,
+                                            bos_token_id=1, eos_token_id=2),
 }
 QUANTS = {"bf16": None, "int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 32}}
 
@@ -141,7 +151,8 @@ def _model(name: str, seed: int = 0):
 
 
 def _blocks(model):
-    return [layer.forward for layer in model.model.layers]
+    """The fused blocks, in layer order (model.model.layers, GPTBigCode's transformer.h)."""
+    return list(get_report(model).blocks.values())
 
 
 def _native_calls(model) -> int:
@@ -215,7 +226,7 @@ def _native_against_torch_path(model, monkeypatch) -> tuple[torch.Tensor, torch.
     torch_path = _step_logits(model, ids, mask, False, monkeypatch)
     assert _native_calls(model) == 0
     native = _step_logits(model, ids, mask, True, monkeypatch)
-    assert _native_calls(model) == 3 * len(model.model.layers)  # every step, every layer
+    assert _native_calls(model) == 3 * len(_blocks(model))  # every step, every layer
     # each block's own call, or the model's one-call step (Llama-pattern forwards: OLMo 2, Gemma)
     assert all(sum(b.paths.counts[p] for p in ("native", "step_loop", "step_chain")) == 3
                for b in _blocks(model))
@@ -299,10 +310,11 @@ def test_bf16_steps_of_post_norms_before_the_residual_multiplier(monkeypatch):
 
 def test_bf16_steps_of_the_layer_norm_families(monkeypatch):
     """StableLM (LayerNorms with biases, q / k / v biases, partial rotary): the torch path's
-    bits; StarCoder2 with its biases on o_proj and the MLP: within _close."""
+    bits; StarCoder2 and GPTBigCode with their biases on o_proj and the MLP: within _close."""
     _bf16_bits("stablelm", monkeypatch)
-    native, torch_path = _native_against_torch_path(_model("starcoder2_biased"), monkeypatch)
-    _close(native, torch_path)
+    for name in ("starcoder2_biased", "gpt_bigcode"):
+        native, torch_path = _native_against_torch_path(_model(name), monkeypatch)
+        _close(native, torch_path)
 
 
 @pytest.mark.parametrize(("name", "quant"), [("gemma3_text", "int8"), ("gemma3_text", "int4"),
@@ -320,7 +332,7 @@ def test_quantized_steps_match_the_torch_path(name, quant, monkeypatch):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "olmo2", "smollm3", "vaultgemma",
                                   "ernie4_5", "glm", "hunyuan_v1_dense", "exaone4", "arcee",
-                                  "starcoder2_biased", "jais2", "hyperclovax"])
+                                  "starcoder2_biased", "jais2", "hyperclovax", "gpt_bigcode"])
 def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
     """generate(): the same greedy tokens, every decode step of every layer native (inference
     mode; no_grad for one family), and explain's path column says so."""
@@ -343,7 +355,7 @@ def test_greedy_tokens_equal_the_torch_path(name, monkeypatch):
         calls = _native_calls(model)
         switch(monkeypatch, native=False)
         torch_path = model.generate(ids, **kwargs)
-    assert calls == 7 * len(model.model.layers)  # 8 tokens: a prefill and 7 decode steps
+    assert calls == 7 * len(_blocks(model))  # 8 tokens: a prefill and 7 decode steps
     assert torch.equal(native, torch_path)
     text = hf_dsinfer.explain(model)  # the path column: the blocks' calls, or the step's
     # the step's loop where a layer slides (injection/decode_step.py)
@@ -368,7 +380,7 @@ def test_left_padding_and_windows_of_padded_prompts(monkeypatch):
     ids, mask = _prompt(padding=3)
     torch_path = _step_logits(model, ids, mask, False, monkeypatch)
     native = _step_logits(model, ids, mask, True, monkeypatch)
-    assert _native_calls(model) == 3 * len(model.model.layers)
+    assert _native_calls(model) == 3 * len(_blocks(model))
     _close(native, torch_path)
 
 
@@ -462,7 +474,7 @@ def test_sliding_layers_in_a_static_cache(cache, monkeypatch):
         calls = _native_calls(model)
         switch(monkeypatch, native=False)
         torch_path = model.generate(ids, **kwargs)
-    assert calls == 5 * len(model.model.layers)
+    assert calls == 5 * len(_blocks(model))
     assert torch.equal(native, torch_path)
 
 

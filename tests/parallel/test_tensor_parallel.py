@@ -24,10 +24,11 @@ from tiny_models import CONFIGS, FAMILIES, MOE_2026, MOE_CONFIGS, make_model
 
 import hf_dsinfer
 from hf_dsinfer.errors import TensorParallelError
+from hf_dsinfer.injection import policy as P
 from hf_dsinfer.injection.policies import gpt2
 from hf_dsinfer.parallel.loading import CheckpointReader
 from hf_dsinfer.parallel.plan import linear_styles
-from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, split_sizes
+from hf_dsinfer.parallel.slicing import ShardSpec, head_shard, qkv_ranges, split_sizes
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 FP32_LOGIT_ATOL = 1e-4
@@ -38,7 +39,8 @@ def _split_unevenly_by_3(name: str) -> bool:
     """Its query or KV heads do not divide by 3 (the tiny Llama-shaped models have 6 / 3)."""
     config = {**CONFIGS, **MOE_CONFIGS}[name]()
     heads = config.num_attention_heads
-    return bool(heads % 3 or (getattr(config, "num_key_value_heads", None) or heads) % 3)
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    return bool(heads % 3 or (kv or heads) % 3)  # Falcon names its KV heads num_kv_heads
 
 
 # tp=3 is here for uneven splits (heads, KV heads, replicated KV), and three processes on CI's
@@ -176,6 +178,25 @@ def test_tp_with_compile_rejected():
 def test_head_shard(heads, kv, tp, expected):
     got = [dataclasses.astuple(head_shard(heads, kv, tp, r)) for r in range(tp)]
     assert got == expected
+
+
+@pytest.mark.parametrize(("heads", "kv", "tp"), [(6, 2, 2), (6, 2, 3), (5, 1, 3), (8, 2, 3),
+                                                (5, 5, 2), (6, 3, 4)])
+def test_grouped_qkv_ranges_give_the_local_grouped_layout(heads, kv, tp):
+    """Falcon's per-KV-head [q x group, k, v] rows: each rank's rows, read as the same layout
+    with its local head counts, hold exactly its query heads and the KV heads HeadShard gives it
+    (replicated and per-query KV heads included)."""
+    d, group = 2, heads // kv
+    rows = torch.arange(kv * (group + 2) * d).view(kv, group + 2, d)  # row ids, HF's view
+    q_rows, k_rows, v_rows = rows[:, :group].reshape(heads, d), rows[:, group], rows[:, group + 1]
+    for rank in range(tp):
+        shard = head_shard(heads, kv, tp, rank)
+        (ranges,) = qkv_ranges(P.GROUPED_GQA, shard, heads, d, kv)
+        local = torch.cat([torch.arange(a, b) for a, b in ranges])
+        local = local.view(len(shard.kv), shard.num_q // len(shard.kv) + 2, d)
+        assert torch.equal(local[:, :-2].reshape(-1, d), q_rows[shard.q[0]:shard.q[1]])
+        assert torch.equal(local[:, -2], k_rows[list(shard.kv)])
+        assert torch.equal(local[:, -1], v_rows[list(shard.kv)])
 
 
 def test_head_shard_more_ranks_than_heads():

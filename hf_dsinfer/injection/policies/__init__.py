@@ -16,6 +16,7 @@ from hf_dsinfer.injection.policies import (
     ernie4_5_moe,
     exaone4,
     exaone_moe,
+    falcon,
     flex_olmo,
     gemma,
     gemma2,
@@ -73,7 +74,7 @@ POLICIES: tuple[Policy, ...] = (
     olmo.POLICY, nemotron.POLICY, arcee.POLICY, granitemoe.POLICY,
     deepseek_v2.POLICY, apertus.POLICY, granitemoeshared.POLICY, granitemoeshared.POLICY_SWA,
     jais2.POLICY, hyperclovax.POLICY, solar_open.POLICY, glm4_moe_lite.POLICY, youtu.POLICY,
-    exaone_moe.POLICY, minicpm3.POLICY, gpt_bigcode.POLICY,
+    exaone_moe.POLICY, minicpm3.POLICY, gpt_bigcode.POLICY, falcon.POLICY,
 )
 
 
