@@ -24,8 +24,9 @@ binds the engine's OpenMP threads to every core, as the other servers use them. 
 budget, page size and request limit; KV cache --vllm-kv-gib.
 
 The embedded model ships as GGUF, which `transformers serve` cannot load offline (the GGUF
-config has no `architectures`: TypeError in its model manager), so it is first written as a
-plain HF folder (safetensors, the dequantized weights) that both servers load.
+config has no `architectures`: TypeError in its model manager), so both servers load the plain
+HF folder hf_dsinfer writes it as (`default_model.default_model_folder`: safetensors, the
+dequantized weights).
 
 Soak (--soak SECONDS, hf-dsinfer serve only, --max-requests small so bursts overflow): valid
 requests (streamed or not), malformed ones (each must get a 4xx), streams dropped after a few
@@ -50,34 +51,10 @@ from pathlib import Path
 
 import httpx
 
+from hf_dsinfer.default_model import default_model_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "hf_dsinfer" / "data" / "english.txt").read_text().split()
-
-
-# -- the model --------------------------------------------------------------------------------------
-def embedded_model_folder(cache: Path) -> Path:
-    """The embedded SmolLM2 GGUF written once as a plain HF folder both servers can load."""
-    folder = cache / "SmolLM2-135M-Instruct"
-    if (folder / "config.json").exists():
-        return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
-
-    source = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_GGUF)
-    gguf = AutoModelForCausalLM.from_pretrained(source, gguf_file=DEFAULT_GGUF,
-                                                dtype=torch.float32)
-    config = gguf.config
-    del config.quantization_config  # a GGUF-loaded model refuses save_pretrained
-    config.architectures = [type(gguf).__name__]
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf.state_dict())
-    plain.generation_config = gguf.generation_config
-    plain.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 # -- servers ----------------------------------------------------------------------------------------
@@ -500,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--out-dir", type=Path, default=Path("out"), help="logs, PNG and the model folder")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    folder = args.model or embedded_model_folder(args.out_dir)
+    folder = args.model or default_model_folder()  # the embedded GGUF as a plain HF folder
     if args.soak:
         return run_soak(folder, args)
     return bench(folder, args)

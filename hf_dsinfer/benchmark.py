@@ -185,12 +185,10 @@ def prompt_ids(name: str, vocab: int, batch: int, length: int) -> torch.Tensor:
 
 @functools.cache
 def _prose_tokens() -> list[int]:
-    """PROSE in the embedded model's tokens (its GGUF tokenizer is parsed once per process)."""
-    from transformers import AutoTokenizer
+    """PROSE in the embedded model's tokens (its tokenizer read once per process)."""
+    from hf_dsinfer.default_model import load_tokenizer
 
-    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    tokenizer = load_tokenizer()
     return tokenizer(PROSE, add_special_tokens=False)["input_ids"]
 
 

@@ -64,13 +64,11 @@ def test_prompts_are_random_for_random_models_and_prose_for_the_real_one():
     random = benchmark.prompt_ids("tiny", 100, 2, 8)
     assert random.shape == (2, 8) and int(random.min()) >= 3 and int(random.max()) < 100
     assert torch.equal(random, benchmark.prompt_ids("tiny", 100, 2, 8))  # seeded
-    from transformers import AutoTokenizer
-
-    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir
+    from hf_dsinfer.default_model import load_tokenizer
 
     ids = benchmark.prompt_ids("smollm2", 0, 2, 90)  # longer than PROSE: repeated
     assert ids.shape == (2, 90) and not torch.equal(ids[0], ids[1])
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    tokenizer = load_tokenizer()
     assert tokenizer.decode(ids[0]).startswith("The harbor was quiet")
     assert tokenizer.decode(ids[0]).count("The harbor was quiet") == 2
 

@@ -51,6 +51,47 @@ def test_first_32_tokens_match(smollm2, prompt):
     assert torch.equal(_greedy(ref, tok, prompt, 32), _greedy(fused, tok, prompt, 32))
 
 
+def test_converted_folder_is_the_gguf_load_bit_for_bit():
+    """load(None) opens the GGUF's converted folder (default_model.default_model_folder): its
+    weights are those transformers dequantizes from the GGUF, to the bit in fp32 and (cast as
+    from_pretrained casts them) in bf16; its tokenizer and chat template encode as the GGUF's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dsinfer.default_model import DEFAULT_GGUF, default_model_dir, default_model_folder
+    from hf_dsinfer.evaluate import english_text
+
+    folder = default_model_folder()
+    gguf = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF,
+                                                dtype=torch.float32).state_dict()
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
+        assert plain.keys() == gguf.keys()
+        assert all(torch.equal(plain[k], gguf[k].to(dtype)) for k in gguf), dtype
+    theirs = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    ours = load(None, dsinfer=False, dtype=torch.bfloat16)[1]
+    for text in (english_text(), "naïve café 😀\n\tdef f(x):\n    return x ** 2"):
+        assert ours(text).input_ids == theirs(text).input_ids
+    for prompt in PROMPTS:
+        assert torch.equal(chat_inputs(ours, prompt)["input_ids"],
+                           chat_inputs(theirs, prompt)["input_ids"])
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+        theirs.bos_token, theirs.eos_token, theirs.pad_token)
+
+
+def test_default_model_opens_the_gguf_where_the_cache_is_not_writable(monkeypatch):
+    from hf_dsinfer import default_model
+
+    def unwritable():
+        raise PermissionError(13, "Permission denied", "/cache")
+
+    monkeypatch.setattr(default_model, "default_model_folder", unwritable)
+    with pytest.warns(UserWarning, match="could not write the default model's converted "
+                                         "folder .*Permission denied.*HF_DSINFER_CACHE"):
+        path, extra = default_model._source(None)
+    assert path == default_model.default_model_dir()
+    assert extra == {"gguf_file": default_model.DEFAULT_GGUF}
+
+
 def test_cli_generate_default_model():
     run = subprocess.run([sys.executable, "-m", "hf_dsinfer.cli", "generate",
                           "--max-new-tokens", "12"], capture_output=True, text=True, timeout=600, check=False)
