@@ -90,7 +90,6 @@ def check_family(name: str, folder: str, tp: int, rank: int) -> dict:
         "loaded_sharded": report.tp.loaded_sharded,
         "batch_hf": _generate(ref, ids, mask, 0, do_sample=False),
         "batch_tp": _generate(loaded, ids, mask, 0, do_sample=False),
-        "batch_in_place": _generate(in_place, ids, mask, 0, do_sample=False),
         "static_tp": _generate(loaded, ids, mask, 0, do_sample=False,
                                cache_implementation="static"),
         "sample_hf": _generate(ref, ids, mask, 1234, **sample),
