@@ -367,6 +367,21 @@ def prompts(batch: int = 3, lengths=(9, 5, 7), seed: int = 1):
     return ids, mask
 
 
+def assert_fp32_matches_hf(ref, fused, atol: float = 1e-4) -> None:
+    """An injected fp32 model against its HF original: the left-padded batch's logits within
+    atol (inference mode), the same 8 greedy tokens, and fused calls counted during them."""
+    import hf_dsinfer
+
+    ids, mask = prompts()
+    with torch.inference_mode():
+        want, got = ref(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=atol, rtol=0)
+    calls = sum(hf_dsinfer.fused_call_counts(fused).values())
+    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(fused.generate(ids, **kw), ref.generate(ids, **kw))
+    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over VOCAB ids: <pad>=0, <s>=1, </s>=2, then w3 .. w100."""
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import CONFIGS, prompts
+from tiny_models import CONFIGS, assert_fp32_matches_hf, prompts
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_dsinfer
@@ -59,14 +59,7 @@ def test_falcon_wirings_match_hf(variant):
     blocks = list(get_report(fused).blocks.values())
     assert blocks and all(b.spec.describe().startswith(described) for b in blocks), \
         [b.spec.describe() for b in blocks]
-    ids, mask = prompts()
-    with torch.inference_mode():
-        want, got = ref(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=0)
-    calls = sum(hf_dsinfer.fused_call_counts(fused).values())
-    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(fused.generate(ids, **kw), ref.generate(ids, **kw))
-    assert sum(hf_dsinfer.fused_call_counts(fused).values()) > calls
+    assert_fp32_matches_hf(ref, fused)
 
 
 def test_falcon_new_architecture_caches_the_kv_heads():
