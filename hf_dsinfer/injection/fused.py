@@ -120,7 +120,7 @@ def resolve_spec(block: nn.Module, policy: P.Policy, config: Any, index: int) ->
     elif policy.qkv_layout in (P.PACKED_GQA, P.GROUPED_GQA):  # the config's head counts
         q_out = config.num_attention_heads * head_dim
         kv_out = (_out_features(projections[0], policy.conv1d) - q_out) // 2
-    else:  # packed / head-interleaved: three equal parts
+    else:  # packed [q | k | v]: three equal parts
         q_out = kv_out = _out_features(projections[0], policy.conv1d) // 3
     scale = float(getattr(attn, policy.scale_attr))
     window = getattr(attn, "sliding_window", None)
@@ -688,13 +688,10 @@ class FusedBlock:
             kv = self.spec.num_kv_heads * d
             q, k, v = self._linear(self._qkv[0], x).split(
                 [self.spec.num_heads * d, kv, kv], dim=-1)
-        elif self.policy.qkv_layout == P.GROUPED_GQA:  # per KV head [q x group, k, v]
+        else:  # GROUPED_GQA: per KV head [q x group, k, v]
             group = self.spec.num_heads // self.spec.num_kv_heads
             qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_kv_heads, group + 2, d)
             q, k, v = [t.reshape(b, s, -1) for t in qkv.split([group, 1, 1], dim=3)]
-        else:  # HEAD_INTERLEAVED: per head [q, k, v]
-            qkv = self._linear(self._qkv[0], x).view(b, s, self.spec.num_heads, 3 * d)
-            q, k, v = [t.reshape(b, s, -1) for t in qkv.chunk(3, dim=-1)]
         q, k, v = self._qk_norm(q, k, v)
         return [t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v)]  # [B, H, S, D]
 

@@ -65,11 +65,10 @@ def resolve_in_block(value: Any, config: Any, block: Any) -> Any:
 # Q/K/V layouts.
 SEPARATE = "separate"        # q_proj, k_proj, v_proj: three nn.Linear
 PACKED = "packed"            # one projection whose output is [q | k | v] (GPT-2's Conv1D c_attn)
-HEAD_INTERLEAVED = "head_interleaved"  # one projection whose output is per head [q, k, v]
-                                       # (GPT-NeoX / BLOOM `query_key_value`)
 GROUPED_GQA = "grouped_gqa"  # one projection whose output is per KV head [q x (heads / KV
                              # heads), k, v] (Falcon's `query_key_value`: one group with
-                             # multi_query, a group per head (HEAD_INTERLEAVED) without it)
+                             # multi_query; a group per head, [q, k, v] per head, without it,
+                             # as GPT-NeoX's and BLOOM's)
 PACKED_GQA = "packed_gqa"    # one projection whose output is [q | k | v], q of
                              # config.num_attention_heads heads, k and v of
                              # config.num_key_value_heads each (Phi-3's `qkv_proj`)
@@ -109,7 +108,7 @@ QK_NORM_MODULE = "module"    # the attention's own q / k norm modules, called on
                              # calls them (LayerNorms: Phi's shared one, StableLM's one per head,
                              # Cohere's [heads, head_dim] weight), before RoPE
 
-QKV_LAYOUTS = (SEPARATE, PACKED, HEAD_INTERLEAVED, PACKED_GQA, GROUPED_GQA)
+QKV_LAYOUTS = (SEPARATE, PACKED, PACKED_GQA, GROUPED_GQA)
 LAYOUTS = (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_LN, POST_LN, SANDWICH)
 NORMS = (LAYER, LAYER_FP32, LAYER_1P, LAYER_PLAIN, *RMS_STYLES)
 POSITIONS = (ROPE, ROPE_TABLE, ALIBI, NO_POSITIONS)

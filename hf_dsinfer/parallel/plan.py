@@ -5,7 +5,7 @@ Which linear is split how comes from HF's `config.base_model_tp_plan` where the 
 GPT-J, and the mixture-of-experts families). Either must be the Megatron layout of the policy's
 linears: Q/K/V (or the fused QKV) and FC1 / gate-up column-parallel, the two output projections
 row-parallel. The slice *granularity* comes from the policy: query heads (with their KV heads,
-see slicing.py), the packed [q|k|v] Conv1D or head-interleaved QKV layouts, the MLP's
+see slicing.py), the packed [q|k|v] Conv1D or per-KV-head grouped QKV layouts, the MLP's
 intermediate size; the vocabulary for the embedding and lm_head.
 
 Mixture-of-experts families (DeepSpeed-MoE's layout): attention, the dense MLPs of the layers in

@@ -103,8 +103,8 @@ def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int,
                num_kv_heads: int | None = None) -> list[Ranges]:
     """Output-feature ranges this rank keeps of the Q/K/V projections.
 
-    separate: one entry each for q, k, v; packed [q|k|v] and head-interleaved per-head [q, k, v]:
-    one entry for the single fused projection (MHA only, as in GPT-2 / GPT-NeoX / BLOOM);
+    separate: one entry each for q, k, v; packed [q|k|v]: one entry for the single fused
+    projection (MHA only, as in GPT-2);
     packed_gqa [q | k | v] with num_kv_heads k and v heads (Phi-3): one entry, this rank's q
     heads, then its KV heads' rows of k and of v; grouped_gqa, per KV head [q x group, k, v]
     (Falcon): one entry, per local KV head its local q heads' rows, then its k and v rows (the
@@ -129,9 +129,5 @@ def qkv_ranges(layout: str, heads: HeadShard, num_heads: int, head_dim: int,
             rows += head_ranges(range(first, first + per), head_dim, at)
             rows += head_ranges((group, group + 1), head_dim, at)  # k, v
         return [_merge(rows)]
-    if layout == P.PACKED:
-        width = num_heads * head_dim
-        return [_merge([r for part in range(3)
-                        for r in head_ranges(q_heads, head_dim, part * width)])]
-    # head-interleaved: head h owns rows [h * 3d, (h + 1) * 3d)
-    return [_merge(head_ranges(q_heads, head_dim, width=3 * head_dim))]
+    width = num_heads * head_dim  # PACKED
+    return [_merge([r for part in range(3) for r in head_ranges(q_heads, head_dim, part * width)])]

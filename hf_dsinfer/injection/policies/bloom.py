@@ -1,6 +1,7 @@
-"""BLOOM: ALiBi (the model passes `alibi` to each block), head-interleaved fused QKV."""
+"""BLOOM: ALiBi (the model passes `alibi` to each block), fused QKV per head ([q, k, v]:
+GROUPED_GQA with a group per head)."""
 
-from hf_dsinfer.injection.policy import ALIBI, HEAD_INTERLEAVED, SEQUENTIAL, FromConfig, Policy
+from hf_dsinfer.injection.policy import ALIBI, GROUPED_GQA, SEQUENTIAL, FromConfig, Policy
 
 POLICY = Policy(
     family="bloom",
@@ -12,7 +13,7 @@ POLICY = Policy(
     ln1="input_layernorm",
     ln2="post_attention_layernorm",
     attn="self_attention",
-    qkv_layout=HEAD_INTERLEAVED,
+    qkv_layout=GROUPED_GQA,
     qkv=("query_key_value",),
     out_proj="dense",
     mlp="mlp",

@@ -1,8 +1,9 @@
-"""GPT-NeoX / Pythia: partial rotary (rotary_pct), head-interleaved fused QKV, parallel or
+"""GPT-NeoX / Pythia: partial rotary (rotary_pct), fused QKV per head ([q, k, v]:
+GROUPED_GQA with a group per head), parallel or
 sequential residual."""
 
 from hf_dsinfer.injection.policy import (
-    HEAD_INTERLEAVED,
+    GROUPED_GQA,
     PARALLEL,
     ROPE,
     SEQUENTIAL,
@@ -20,7 +21,7 @@ POLICY = Policy(
     ln1="input_layernorm",
     ln2="post_attention_layernorm",
     attn="attention",
-    qkv_layout=HEAD_INTERLEAVED,
+    qkv_layout=GROUPED_GQA,
     qkv=("query_key_value",),
     out_proj="dense",
     mlp="mlp",
